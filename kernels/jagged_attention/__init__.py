@@ -1,0 +1,160 @@
+"""Jagged attention: Jagged Flash Attention (softmax), GDPA (pointwise), BlockAttention.
+
+The public entry point is :func:`jagged_attention`; ``reference.py`` is the spec.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernels.jagged_attention.reference import (
+    ACTIVATIONS,
+    jagged_attention_reference,
+    num_visible_pairs,
+)
+
+__all__ = ["ACTIVATIONS", "jagged_attention", "jagged_attention_reference", "num_visible_pairs"]
+
+BACKENDS = ("triton", "reference")
+
+
+def jagged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor | None,
+    kv_offsets: torch.Tensor | None,
+    max_q_len: int | None,
+    max_kv_len: int | None,
+    *,
+    activation: str = "softmax",
+    scale: float | None = None,
+    post_scale: float | None = None,
+    causal: bool = False,
+    window: int | None = None,
+    block_size: int | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Attention over jagged (variable-length) sequences, forward and backward.
+
+    With ``S = scale * Q K^T`` per example and head, and ``visible`` the mask below:
+
+    * ``activation="softmax"`` (Jagged Flash Attention): ``O = softmax(S | visible) V``
+      (online softmax; the log-sum-exp is saved for the backward). A query that sees no key
+      gets ``O = 0``.
+    * ``"silu" | "gelu" | "fast_gelu" | "relu" | "identity"`` (GDPA):
+      ``O = (post_scale * act(S) * visible) V`` with no normalization; ``fast_gelu`` is the
+      tanh form of GELU. Formulas in ``kernels/jagged_attention/reference.py`` and
+      ``docs/kernels.md``.
+
+    Key ``j`` is visible to query ``i`` (positions counted from the example's first row)
+    iff ``j < Lkv`` and: ``j <= i`` if ``causal``; ``|i - j| <= window`` if ``window`` is set;
+    ``i // block_size == j // block_size`` if ``block_size`` is set (BlockAttention: cost
+    linear in length). Masks combine with AND.
+
+    Layouts (``B`` examples, ``H`` heads, head dim ``D`` in 32..256)::
+
+        #            i = 0      i = 1   i = 2   <- batch
+        # q rows     [q0 q1 q2] []      [q3]        q_offsets  = [0, 3, 3, 4]
+        # k/v rows   [k0 k1]    [k2]    []          kv_offsets = [0, 2, 3, 3]
+
+    * jagged Q ``[Tq, H, D]`` + ``q_offsets [B+1]``, jagged K/V ``[Tkv, H, D]`` +
+      ``kv_offsets [B+1]`` -> ``[Tq, H, D]``.
+    * dense K/V (GDPA-PFFN): ``k, v [B, N, H, D]`` and ``kv_offsets=None``
+      (``max_kv_len`` may be None; it is ``N``).
+    * broadcast Q (learned pooling queries, PMA): ``q [N, H, D]`` shared by every example,
+      ``q_offsets=None`` (``max_q_len`` may be None) -> ``[B, N, H, D]``. Q is never copied;
+      its gradient is summed over the batch.
+
+    Args:
+        q, k, v: same dtype (bf16, fp16 or fp32), layouts above.
+        q_offsets, kv_offsets: ``[B+1]`` int32 or int64, ``offsets[0] = 0``, nondecreasing.
+        max_q_len, max_kv_len: host-side upper bounds on the lengths (no device sync).
+        activation: one of ``ACTIVATIONS``.
+        scale: multiplies ``Q K^T`` before the activation; default ``1 / sqrt(D)``.
+        post_scale: GDPA only, multiplies ``act(S)``; default ``1 / max_kv_len`` (keeps the
+            output scale independent of length, as in Meta's GDPA; pass a constant such as
+            ``1.0`` to make it independent of the batch's ``max_kv_len``).
+        causal, window, block_size: masks, see above.
+        backend: ``"triton"``, ``"reference"`` or None (Triton on CUDA, reference elsewhere).
+
+    Returns:
+        ``[Tq, H, D]`` (or ``[B, N, H, D]`` for a broadcast Q) in ``q.dtype``.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r}; expected one of {ACTIVATIONS}")
+    if post_scale is not None and activation == "softmax":
+        raise ValueError("post_scale applies to pointwise activations only, not softmax")
+    if window is not None and window < 0:
+        raise ValueError(f"window={window} must be >= 0 (or None)")
+    if block_size is not None and block_size <= 0:
+        raise ValueError(f"block_size={block_size} must be > 0 (or None)")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, H, D] (or [N, H, D] with q_offsets=None), got {tuple(q.shape)}")
+    expected_kv_dim = 3 if kv_offsets is not None else 4
+    if k.dim() != expected_kv_dim or v.shape != k.shape:
+        raise ValueError(
+            f"k and v must both be {'[T, H, D]' if kv_offsets is not None else '[B, N, H, D]'}"
+            f" (kv_offsets {'given' if kv_offsets is not None else 'None'}), got "
+            f"{tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if k.shape[-2:] != q.shape[-2:]:
+        raise ValueError(f"q and k must share [H, D], got {tuple(q.shape)} and {tuple(k.shape)}")
+    for name, offsets in (("q_offsets", q_offsets), ("kv_offsets", kv_offsets)):
+        if offsets is not None and offsets.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64, got {offsets.dtype}")
+    if q_offsets is not None and kv_offsets is not None and q_offsets.shape != kv_offsets.shape:
+        raise ValueError("q_offsets and kv_offsets must both be [B+1]")
+    if kv_offsets is None and q_offsets is not None and q_offsets.numel() - 1 != k.shape[0]:
+        raise ValueError(f"dense k/v has B={k.shape[0]} but q_offsets has {q_offsets.numel() - 1}")
+
+    head_dim = q.shape[-1]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    if kv_offsets is None:
+        max_kv_len = k.shape[1]
+    if q_offsets is None:
+        max_q_len = q.shape[0]
+    if max_q_len is None or max_kv_len is None:
+        raise ValueError("max_q_len / max_kv_len are required for jagged inputs")
+    if activation != "softmax" and post_scale is None:
+        post_scale = 1.0 / max(int(max_kv_len), 1)
+
+    if backend is None:
+        backend = "triton" if q.is_cuda else "reference"
+    if backend == "reference":
+        return jagged_attention_reference(
+            q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, activation=activation,
+            scale=scale, post_scale=post_scale, causal=causal, window=window,
+            block_size=block_size,
+        )
+    if backend != "triton":
+        raise ValueError(f"backend={backend!r}; expected one of {BACKENDS} or None")
+
+    from kernels.jagged_attention.op import jagged_attention_triton
+
+    q_broadcast = q_offsets is None
+    if kv_offsets is None:  # dense [B, N, H, D]: a view as jagged rows with equal lengths
+        num_batches, num_keys = k.shape[0], k.shape[1]
+        k = k.reshape(num_batches * num_keys, *k.shape[2:])
+        v = v.reshape(num_batches * num_keys, *v.shape[2:])
+        kv_offsets = torch.arange(num_batches + 1, device=q.device, dtype=torch.int32) * num_keys
+    num_batches = kv_offsets.numel() - 1
+    if q_broadcast:
+        q_offsets = torch.arange(num_batches + 1, device=q.device, dtype=torch.int32) * q.shape[0]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    # Longest (most work) examples first, so that short ones fill the tail of the grid.
+    work = (q_offsets[1:] - q_offsets[:-1]).long() * (kv_offsets[1:] - kv_offsets[:-1]).long()
+    batch_order = torch.argsort(work, descending=True, stable=True).to(torch.int32)
+    out = jagged_attention_triton(
+        q, k, v, q_offsets, kv_offsets, batch_order, int(max_q_len), int(max_kv_len),
+        activation, scale, 1.0 if post_scale is None else float(post_scale), bool(causal),
+        -1 if window is None else int(window), 0 if block_size is None else int(block_size),
+        q_broadcast,
+    )
+    if q_broadcast:
+        return out.view(num_batches, q.shape[0], *q.shape[1:])
+    return out

@@ -1,0 +1,112 @@
+"""torch.library registration of the Triton jagged attention: ops, autograd, FLOP formulas.
+
+Two ops in the ``gem_kernels`` namespace, both ``triton_op`` so that ``torch.compile`` sees
+the Triton kernels inside them (no graph break) and a ``FlopCounterMode`` counts them:
+
+* ``gem_kernels::jagged_attention_fwd(...) -> (out, lse)``
+* ``gem_kernels::jagged_attention_bwd(grad_out, ...) -> (dq, dk, dv)``
+
+Callers use :func:`kernels.jagged_attention`, which normalizes layouts and calls
+:func:`jagged_attention_triton` below.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.library import triton_op, wrap_triton
+from torch.utils.flop_counter import register_flop_formula
+
+from kernels.jagged_attention import triton as tk
+from kernels.jagged_attention.reference import num_visible_pairs
+
+
+@triton_op("gem_kernels::jagged_attention_fwd", mutates_args=())
+def _fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor, batch_order: torch.Tensor, max_q_len: int, max_kv_len: int,
+    activation: str, scale: float, post_scale: float, causal: bool, window: int,
+    block_size: int, q_broadcast: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return tk.jagged_attention_fwd(
+        q, k, v, q_offsets, kv_offsets, batch_order, max_q_len, max_kv_len, activation, scale,
+        post_scale, causal, window, block_size, q_broadcast, wrap=wrap_triton,
+    )
+
+
+@triton_op("gem_kernels::jagged_attention_bwd", mutates_args=())
+def _bwd_op(
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    out: torch.Tensor, lse: torch.Tensor, q_offsets: torch.Tensor, kv_offsets: torch.Tensor,
+    batch_order: torch.Tensor, max_q_len: int, max_kv_len: int, activation: str, scale: float,
+    post_scale: float, causal: bool, window: int, block_size: int, q_broadcast: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tk.jagged_attention_bwd(
+        grad_out, q, k, v, out, lse, q_offsets, kv_offsets, batch_order, max_q_len,
+        max_kv_len, activation, scale, post_scale, causal, window, block_size, q_broadcast,
+        wrap=wrap_triton,
+    )
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, q_offsets, kv_offsets, batch_order, *params = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, q_offsets, kv_offsets, batch_order)
+    ctx.params = params  # max_q_len, max_kv_len, activation, scale, post_scale, causal, ...
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, q_offsets, kv_offsets, batch_order = ctx.saved_tensors
+    dq, dk, dv = torch.ops.gem_kernels.jagged_attention_bwd(
+        grad_out, q, k, v, out, lse, q_offsets, kv_offsets, batch_order, *ctx.params
+    )
+    return dq, dk, dv, None, None, None, *([None] * len(ctx.params))
+
+
+torch.library.register_autograd(
+    "gem_kernels::jagged_attention_fwd", _backward, setup_context=_setup_context
+)
+
+
+def _forward_flops(q, kv_offsets, q_offsets, max_q_len, max_kv_len, causal, window,
+                   block_size, q_broadcast) -> int:
+    """4 * H * D * (visible pairs on the true jagged lengths); an upper bound under tracing."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_batches = kv_offsets.shape[0] - 1
+    try:
+        q_lengths = q_offsets[1:] - q_offsets[:-1]
+        kv_lengths = kv_offsets[1:] - kv_offsets[:-1]
+        pairs = num_visible_pairs(q_lengths, kv_lengths, causal,
+                                  window if window >= 0 else None,
+                                  block_size if block_size > 0 else None)
+    except Exception:  # fake / meta tensors carry no lengths: count the padded bound
+        pairs = num_batches * max_q_len * max_kv_len
+    return 4 * num_heads * head_dim * pairs
+
+
+@register_flop_formula(torch.ops.gem_kernels.jagged_attention_fwd, get_raw=True)
+def _fwd_flop_formula(q, k, v, q_offsets, kv_offsets, batch_order, max_q_len, max_kv_len,
+                      activation, scale, post_scale, causal, window, block_size, q_broadcast,
+                      *args, out_val=None, **kwargs) -> int:
+    return _forward_flops(q, kv_offsets, q_offsets, max_q_len, max_kv_len, causal, window,
+                          block_size, q_broadcast)
+
+
+@register_flop_formula(torch.ops.gem_kernels.jagged_attention_bwd, get_raw=True)
+def _bwd_flop_formula(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, batch_order,
+                      max_q_len, max_kv_len, activation, scale, post_scale, causal, window,
+                      block_size, q_broadcast, *args, out_val=None, **kwargs) -> int:
+    # dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q (+ S recomputed): 2.5 x forward.
+    return 5 * _forward_flops(q, kv_offsets, q_offsets, max_q_len, max_kv_len, causal,
+                              window, block_size, q_broadcast) // 2
+
+
+def jagged_attention_triton(
+    q, k, v, q_offsets, kv_offsets, batch_order, max_q_len, max_kv_len, activation, scale,
+    post_scale, causal, window, block_size, q_broadcast,
+) -> torch.Tensor:
+    """Calls the registered forward op (differentiable); arguments as in ``triton.py``."""
+    out, _ = torch.ops.gem_kernels.jagged_attention_fwd(
+        q, k, v, q_offsets, kv_offsets, batch_order, max_q_len, max_kv_len, activation,
+        scale, post_scale, causal, window, block_size, q_broadcast,
+    )
+    return out
