@@ -20,7 +20,22 @@ from kernels.jagged_attention import triton as tk
 from kernels.jagged_attention.reference import num_visible_pairs
 
 
-@triton_op("gem_kernels::jagged_attention_fwd", mutates_args=())
+if tk.INTERPRET:
+    # Interpreted kernels cannot be traced into a graph (wrap_triton hands them back raw),
+    # so under TRITON_INTERPRET=1 the same ops are opaque custom ops with a fake impl.
+    def _define(name):
+        return torch.library.custom_op(name, mutates_args=())
+
+    def _wrap(kernel):  # launch the interpreted kernels directly
+        return kernel
+else:
+    def _define(name):
+        return triton_op(name, mutates_args=())
+
+    _wrap = wrap_triton
+
+
+@_define("gem_kernels::jagged_attention_fwd")
 def _fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor,
     kv_offsets: torch.Tensor, batch_order: torch.Tensor, max_q_len: int, max_kv_len: int,
@@ -29,11 +44,11 @@ def _fwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return tk.jagged_attention_fwd(
         q, k, v, q_offsets, kv_offsets, batch_order, max_q_len, max_kv_len, activation, scale,
-        post_scale, causal, window, block_size, q_broadcast, wrap=wrap_triton,
+        post_scale, causal, window, block_size, q_broadcast, wrap=_wrap,
     )
 
 
-@triton_op("gem_kernels::jagged_attention_bwd", mutates_args=())
+@_define("gem_kernels::jagged_attention_bwd")
 def _bwd_op(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor, q_offsets: torch.Tensor, kv_offsets: torch.Tensor,
@@ -43,8 +58,18 @@ def _bwd_op(
     return tk.jagged_attention_bwd(
         grad_out, q, k, v, out, lse, q_offsets, kv_offsets, batch_order, max_q_len,
         max_kv_len, activation, scale, post_scale, causal, window, block_size, q_broadcast,
-        wrap=wrap_triton,
+        wrap=_wrap,
     )
+
+
+if tk.INTERPRET:
+    @_fwd_op.register_fake
+    def _fwd_fake(*args):
+        return tk.jagged_attention_fwd(*args, wrap=tk.no_launch)
+
+    @_bwd_op.register_fake
+    def _bwd_fake(*args):
+        return tk.jagged_attention_bwd(*args, wrap=tk.no_launch)
 
 
 def _setup_context(ctx, inputs, output) -> None:

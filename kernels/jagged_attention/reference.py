@@ -113,8 +113,8 @@ def jagged_to_padded(values: torch.Tensor, offsets: torch.Tensor, max_len: int) 
     pos = torch.arange(max_len, device=values.device)
     valid = pos[None, :] < lengths[:, None]  # [B, max_len]
     rows = (offsets[:-1].long()[:, None] + pos[None, :]).clamp(max=max(values.shape[0] - 1, 0))
-    if values.shape[0] == 0:
-        return values.new_zeros(num_batches, max_len, *values.shape[1:])
+    if values.shape[0] == 0:  # stays connected to values' graph (zero gradient)
+        return values.new_zeros(num_batches, max_len, *values.shape[1:]) + values.sum() * 0
     padded = values[rows]  # [B, max_len, H, D]
     return padded * valid[:, :, None, None].to(values.dtype)
 

@@ -33,6 +33,10 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # otherwise the per-head-dim default below (picked from H200 sweeps) is used directly.
 AUTOTUNE = os.environ.get("GEM_KERNELS_AUTOTUNE", "0") == "1"
 
+# Triton 3.7's interpreter gets bf16 tl.dot wrong; there every dot runs on float32 copies of
+# its (already rounded) operands, which keeps the numerics of the compiled kernel.
+_UPCAST_DOTS = tl.constexpr(INTERPRET)
+
 LOG2E = 1.4426950408889634
 SQRT_2_OVER_PI = 0.7978845608028654
 INV_SQRT_2 = 0.7071067811865476
@@ -42,6 +46,14 @@ INV_SQRT_2PI = 0.3989422804014327
 # ---------------------------------------------------------------------------------------
 # @triton.jit helpers
 # ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_PRECISION: tl.constexpr):
+    """acc + a @ b with a float32 accumulator."""
+    if _UPCAST_DOTS:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -192,7 +204,7 @@ def _fwd_inner(
         cols = n0 + offs_n
         k = _load_rows(K + cols[:, None] * stride_kt + offs_d[None, :], cols, kv_len, dmask, MASKED, EVEN_D)
         v = _load_rows(V + cols[:, None] * stride_vt + offs_d[None, :], cols, kv_len, dmask, MASKED, EVEN_D)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
+        s = _dot(q, tl.trans(k), None, DOT_PRECISION) * qk_scale  # [M, N]
         if ACTIVATION == 0:  # online softmax, log2 domain
             if MASKED:
                 vis = _visible(rows, cols, q_len, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK)
@@ -209,7 +221,7 @@ def _fwd_inner(
             if MASKED:
                 vis = _visible(rows, cols, q_len, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK)
                 p = tl.where(vis, p, 0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION)
     return acc, m_i, l_i
 
 
@@ -317,8 +329,8 @@ def _bwd_dkdv_inner(
         rows = m0 + offs_m
         q = _load_rows(Q + rows[:, None] * stride_qt + offs_d[None, :], rows, q_len, dmask, MASKED, EVEN_D)
         do = _load_rows(DO + rows[:, None] * stride_dot + offs_d[None, :], rows, q_len, dmask, MASKED, EVEN_D)
-        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [N, M]
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [N, M]
+        s_t = _dot(k, tl.trans(q), None, DOT_PRECISION) * qk_scale  # [N, M]
+        dp_t = _dot(v, tl.trans(do), None, DOT_PRECISION)  # [N, M]
         if ACTIVATION == 0:
             if MASKED:
                 lse = tl.load(LSE + rows, mask=rows < q_len, other=float("inf"))
@@ -338,8 +350,8 @@ def _bwd_dkdv_inner(
                 vis_t = tl.trans(_visible(rows, cols, q_len, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK))
                 p_t = tl.where(vis_t, p_t, 0.0)
                 ds_t = tl.where(vis_t, ds_t, 0.0)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        dv = _dot(p_t.to(do.dtype), do, dv, DOT_PRECISION)
+        dk = _dot(ds_t.to(q.dtype), q, dk, DOT_PRECISION)
     return dk, dv
 
 
@@ -423,8 +435,8 @@ def _bwd_dq_inner(
         cols = n0 + offs_n
         k = _load_rows(K + cols[:, None] * stride_kt + offs_d[None, :], cols, kv_len, dmask, MASKED, EVEN_D)
         v = _load_rows(V + cols[:, None] * stride_vt + offs_d[None, :], cols, kv_len, dmask, MASKED, EVEN_D)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [M, N]
+        s = _dot(q, tl.trans(k), None, DOT_PRECISION) * qk_scale  # [M, N]
+        dp = _dot(do, tl.trans(v), None, DOT_PRECISION)  # [M, N]
         if ACTIVATION == 0:
             p = tl.math.exp2(s - lse[:, None])
             ds = p * (dp - delta[:, None])
@@ -433,7 +445,7 @@ def _bwd_dq_inner(
         if MASKED:
             vis = _visible(rows, cols, q_len, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK)
             ds = tl.where(vis, ds, 0.0)
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+        dq = _dot(ds.to(k.dtype), k, dq, DOT_PRECISION)
     return dq
 
 
@@ -565,6 +577,18 @@ def _bucket(n: int) -> int:
 # ---------------------------------------------------------------------------------------
 # launchers
 # ---------------------------------------------------------------------------------------
+
+
+class _NoLaunch:
+    """Stands in for a kernel when only output shapes are wanted (fake / meta tensors)."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def no_launch(kernel) -> _NoLaunch:
+    """A ``wrap`` for the launchers that allocates outputs but launches nothing."""
+    return _NoLaunch()
 
 
 def _dot_precision(dtype: torch.dtype) -> str:

@@ -1,0 +1,230 @@
+"""Numerics of kernels.jagged_attention: Triton backend vs the reference (the spec).
+
+CPU tier: small shapes in Triton's interpreter, hypothesis-drawn jagged lengths (zeros
+included). GPU tier (``-m gpu``): real shapes on CUDA, torch.compile with Inductor.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.utils.flop_counter import FlopCounterMode
+
+from kernels import jagged_attention
+from kernels.jagged_attention import ACTIVATIONS, num_visible_pairs
+from kernels.jagged_attention.inputs import LAYOUTS, make_inputs
+
+# ||triton - reference|| / ||reference||, reference in float64 on the same rounded inputs.
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+MASKS = {
+    "none": {},
+    "causal": {"causal": True},
+    "window": {"window": 5},
+    "block": {"block_size": 16},
+    "causal_window": {"causal": True, "window": 7},
+    "causal_block": {"causal": True, "block_size": 16},
+}
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+gpu = pytest.mark.gpu
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+
+
+def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    expected = expected.double()
+    scale = expected.norm().item()
+    return (actual.double() - expected).norm().item() / max(scale, 1e-6)
+
+
+def _check_against_reference(inputs, dtype, **kwargs) -> None:
+    """Output and dQ, dK, dV of the Triton backend vs the float64 reference."""
+    out = jagged_attention(*inputs.args(), backend="triton", **kwargs)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, inputs.tensors(), grad_out)
+
+    ref_tensors = [t.detach().double().requires_grad_() for t in inputs.tensors()]
+    ref_args = (*ref_tensors, *inputs.args()[3:])
+    ref_out = jagged_attention(*ref_args, backend="reference", **kwargs)
+    ref_grads = torch.autograd.grad(ref_out, ref_tensors, grad_out.double())
+
+    assert out.dtype == dtype and out.shape == ref_out.shape
+    for name, actual, expected in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
+        assert torch.isfinite(actual).all(), f"{name} has non-finite values"
+        error = _relative_error(actual, expected)
+        assert error < TOLERANCE[dtype], f"{name}: relative error {error:.2e} ({kwargs})"
+
+
+@st.composite
+def _lengths(draw, max_batches=4, max_len=40):
+    num_batches = draw(st.integers(1, max_batches))
+    return draw(st.lists(st.integers(0, max_len), min_size=num_batches, max_size=num_batches))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    q_lengths=_lengths(),
+    kv_lengths=_lengths(),
+    mask=st.sampled_from(sorted(MASKS)),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    head_dim=st.sampled_from([32, 48, 64]),
+    offsets_dtype=st.sampled_from([torch.int32, torch.int64]),
+    max_len_slack=st.integers(0, 5),
+    num_dense_kv=st.integers(1, 24),
+    num_queries=st.integers(1, 20),
+)
+def test_matches_reference(activation, layout, q_lengths, kv_lengths, mask, dtype, head_dim,
+                           offsets_dtype, max_len_slack, num_dense_kv, num_queries):
+    num_batches = min(len(q_lengths), len(kv_lengths))
+    inputs = make_inputs(
+        q_lengths[:num_batches], kv_lengths[:num_batches], num_heads=2, head_dim=head_dim,
+        layout=layout, num_dense_kv=num_dense_kv, num_queries=num_queries, dtype=dtype,
+        device=DEVICE, offsets_dtype=offsets_dtype, max_len_slack=max_len_slack,
+    )
+    _check_against_reference(inputs, dtype, activation=activation, **MASKS[mask])
+
+
+@pytest.mark.parametrize("mask", sorted(MASKS))
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_every_mode_fixed_lengths(activation, mask):
+    """Every activation x mask on lengths with an empty example, odd lengths, multi-block."""
+    torch.manual_seed(0)
+    inputs = make_inputs([0, 17, 33, 1], [3, 0, 37, 1], num_heads=2, head_dim=32, device=DEVICE)
+    _check_against_reference(inputs, torch.float32, activation=activation, **MASKS[mask])
+
+
+def test_custom_scale_and_post_scale():
+    inputs = make_inputs([9, 21], [30, 4], device=DEVICE)
+    _check_against_reference(inputs, torch.float32, activation="silu", scale=0.3, post_scale=0.7)
+    _check_against_reference(inputs, torch.float32, activation="softmax", scale=0.05)
+
+
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_empty_sequences_give_zero_output_and_gradients(activation):
+    inputs = make_inputs([0, 5, 0], [4, 0, 0], device=DEVICE)  # 2nd example sees no key
+    out = jagged_attention(*inputs.args(), activation=activation, backend="triton")
+    out.backward(torch.randn_like(out))
+    assert torch.equal(out, torch.zeros_like(out))
+    for t in inputs.tensors():
+        assert torch.equal(t.grad, torch.zeros_like(t))
+
+
+def test_all_empty_batch():
+    inputs = make_inputs([0, 0], [0, 0], device=DEVICE)
+    out = jagged_attention(*inputs.args(), backend="triton")
+    assert out.shape == (0, 2, 32)
+    out.sum().backward()
+    assert inputs.k.grad.shape == inputs.k.shape
+
+
+def test_strided_inputs_from_fused_projection():
+    """q, k, v as views of one [T, 3, H, D] projection (row stride 3 * H * D)."""
+    torch.manual_seed(0)
+    lengths = [7, 0, 26]
+    qkv = torch.randn(sum(lengths), 3, 2, 32, device=DEVICE, requires_grad=True)
+    inputs = make_inputs(lengths, device=DEVICE)
+    inputs.q, inputs.k, inputs.v = qkv.unbind(1)
+    out = jagged_attention(*inputs.args(), activation="fast_gelu", backend="triton")
+    ref = jagged_attention(*inputs.args(), activation="fast_gelu", backend="reference")
+    (grad,) = torch.autograd.grad(out.square().sum(), qkv)
+    (ref_grad,) = torch.autograd.grad(ref.square().sum(), qkv)
+    assert _relative_error(out, ref) < 1e-4 and _relative_error(grad, ref_grad) < 1e-4
+
+
+def test_backend_none_picks_triton_on_cuda_else_reference():
+    inputs = make_inputs([5, 3], device=DEVICE)
+    chosen = jagged_attention(*inputs.args())
+    expected = jagged_attention(*inputs.args(), backend="triton" if HAS_CUDA else "reference")
+    assert torch.equal(chosen, expected)
+
+
+def test_flop_counter_counts_true_jagged_lengths():
+    inputs = make_inputs([5, 0, 12], [8, 3, 12], num_heads=2, head_dim=32, device=DEVICE)
+    with FlopCounterMode(display=False) as counter:
+        out = jagged_attention(*inputs.args(), activation="silu", causal=True, backend="triton")
+        out.sum().backward()
+    pairs = num_visible_pairs(inputs.q_lengths, inputs.kv_lengths, causal=True)
+    assert pairs == 15 + 0 + 78
+    assert counter.get_total_flops() == 4 * 2 * 32 * pairs * 7 // 2
+
+
+def test_torch_compile_fullgraph():
+    """No graph break: fullgraph=True raises on one. CPU: aot_eager; CUDA: Inductor."""
+    inputs = make_inputs([6, 0, 19], [11, 2, 19], device=DEVICE)
+
+    def attention(q, k, v):
+        return jagged_attention(q, k, v, *inputs.args()[3:], activation="silu", window=4,
+                                backend="triton")
+
+    compiled = torch.compile(attention, fullgraph=True,
+                             backend="inductor" if HAS_CUDA else "aot_eager")
+    out = compiled(*inputs.tensors())
+    grads = torch.autograd.grad(out.sum(), inputs.tensors())
+    ref = attention(*inputs.tensors())
+    ref_grads = torch.autograd.grad(ref.sum(), inputs.tensors())
+    for actual, expected in zip((out, *grads), (ref, *ref_grads)):
+        assert _relative_error(actual, expected) < 1e-5
+
+
+def test_invalid_arguments_are_rejected():
+    inputs = make_inputs([3, 2])
+    with pytest.raises(ValueError, match="activation"):
+        jagged_attention(*inputs.args(), activation="tanh")
+    with pytest.raises(ValueError, match="post_scale"):
+        jagged_attention(*inputs.args(), activation="softmax", post_scale=1.0)
+    with pytest.raises(ValueError, match="window"):
+        jagged_attention(*inputs.args(), window=-1)
+    with pytest.raises(ValueError, match="int32 or int64"):
+        jagged_attention(*inputs.args()[:3], inputs.q_offsets.float(), *inputs.args()[4:])
+
+
+# --------------------------------------------------------------------------------------
+# GPU tier: real shapes
+# --------------------------------------------------------------------------------------
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 96])
+@pytest.mark.parametrize("activation", ["softmax", "fast_gelu", "silu"])
+def test_gpu_real_shapes(activation, head_dim):
+    gen = torch.Generator().manual_seed(head_dim)
+    lengths = torch.randint(0, 1000, (12,), generator=gen)
+    lengths[3] = 0
+    inputs = make_inputs(lengths, num_heads=4, head_dim=head_dim, dtype=torch.bfloat16,
+                         device="cuda", max_len_slack=24, generator=gen)
+    _check_against_reference(inputs, torch.bfloat16, activation=activation)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("mask", sorted(MASKS))
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("activation", ["softmax", "gelu", "relu"])
+def test_gpu_layouts_and_masks(activation, layout, mask):
+    gen = torch.Generator().manual_seed(7)
+    lengths = torch.randint(0, 700, (6,), generator=gen)
+    lengths[0] = 0
+    inputs = make_inputs(lengths, torch.randint(0, 700, (6,), generator=gen), num_heads=4,
+                         head_dim=128, layout=layout, num_dense_kv=256, num_queries=64,
+                         dtype=torch.bfloat16, device="cuda", generator=gen)
+    masks = {"window": {"window": 100}, "block": {"block_size": 64},
+             "causal_window": {"causal": True, "window": 77},
+             "causal_block": {"causal": True, "block_size": 64}}
+    _check_against_reference(inputs, torch.bfloat16, activation=activation,
+                             **masks.get(mask, MASKS[mask]))
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gpu_dtypes(dtype):
+    gen = torch.Generator().manual_seed(3)
+    lengths = torch.randint(0, 600, (8,), generator=gen)
+    inputs = make_inputs(lengths, num_heads=4, head_dim=64, dtype=dtype, device="cuda",
+                         offsets_dtype=torch.int32, generator=gen)
+    for activation in ("softmax", "identity"):
+        _check_against_reference(inputs, dtype, activation=activation, causal=True)
