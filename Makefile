@@ -1,0 +1,28 @@
+# Two entry points that work on a fresh machine with Python 3.11:
+#   make train [ARGS="key=value ..."]   train the embedded default (or any Hydra overrides)
+#   make test  [PYTEST_ARGS="..."]      the CPU test tier (GPU tests skip without CUDA)
+PYTHON ?= python3
+VENV := .venv
+TORCHREC := torchrec==1.8.0
+STAMP := $(VENV)/.installed
+
+.PHONY: train test install clean-cache
+
+install: $(STAMP)
+
+$(STAMP): requirements-cpu.txt pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q -r requirements-cpu.txt
+	$(VENV)/bin/python -m pip install -q --no-deps $(TORCHREC)
+	$(VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(VENV)/bin/python -m gem.train $(ARGS)
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+clean-cache:
+	rm -rf .cache/gem

@@ -1,0 +1,178 @@
+"""A seeded generator of ads-like examples with a learnable hidden signal.
+
+The world: items belong to ``num_clusters`` interest clusters and carry a latent vector near
+their cluster's centre; each user has a home cluster. A user's history mixes items from the
+home cluster with globally popular items (Zipf popularity); history lengths are lognormal,
+capped at the group's ``max_len``, with a share of empty histories. The candidate ad is drawn
+half from the user's cluster, half from the whole catalogue.
+
+Labels: ``click ~ Bernoulli(sigmoid(a * <taste, v_ad> + <w, dense> + domain_bias + c))`` where
+``taste`` is the mean latent vector of the history (the home cluster's centre when the history
+is empty). ``conversion`` is observed only after a click (``label_mask``) with its own logit.
+A model sees ids, not latents, so it must learn the item embeddings and the history-ad match.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from gem.data.schema import FeatureSchema
+
+# The default synthetic schema's roles: these names must exist in a schema passed to generate().
+ROLES = ("user_id", "ad_id", "ad_cluster", "user_interests", "hist_item", "hist_action", "hist_surface", "hist_gap")
+
+
+@dataclass(frozen=True)
+class SyntheticConfig:
+    """Knobs of the generator (``data.synthetic`` in config)."""
+
+    num_clusters: int = 20
+    zipf_exponent: float = 1.1
+    history_log_mean: float = 2.8  # lognormal length: exp(2.8) ~ 16 events median
+    history_log_std: float = 1.0
+    empty_history_rate: float = 0.05
+    in_cluster_rate: float = 0.7
+    signal_strength: float = 4.0
+    latent_dim: int = 8
+
+
+def _zipf_sampler(rng: np.random.Generator, n: int, exponent: float):
+    p = 1.0 / np.arange(1, n + 1) ** exponent
+    p /= p.sum()
+    perm = rng.permutation(n)  # popular ids are spread over the id space
+    return lambda size: perm[rng.choice(n, size=size, p=p)]
+
+
+def generate(schema: FeatureSchema, num_examples: int, seed: int, cfg: SyntheticConfig = SyntheticConfig(),
+             world_seed: int = 0) -> pa.Table:
+    """Generate ``num_examples`` rows in the gem Parquet layout (columns of gem/data/parquet.py).
+
+    ``world_seed`` fixes the hidden world (latents, clusters, popularity) shared by all splits;
+    ``seed`` draws this split's examples.
+    """
+    missing = [r for r in ROLES if r not in schema.id_feature_names + schema.sequence_feature_names]
+    if missing:
+        raise ValueError(f"data.schema: the synthetic generator needs the features {list(ROLES)}; missing {missing}")
+    world = np.random.default_rng(world_seed)
+    num_items = schema.cardinality("ad_id")
+    if schema.cardinality("hist_item") != num_items:
+        raise ValueError("data.schema: hist_item and ad_id must have the same cardinality (one item catalogue)")
+    num_users = schema.cardinality("user_id")
+    k = min(cfg.num_clusters, schema.cardinality("ad_cluster"), schema.cardinality("user_interests"))
+    centres = world.normal(size=(k, cfg.latent_dim))
+    centres /= np.linalg.norm(centres, axis=1, keepdims=True)
+    item_cluster = world.integers(0, k, size=num_items)
+    latents = centres[item_cluster] + 0.35 * world.normal(size=(num_items, cfg.latent_dim))
+    user_cluster = world.integers(0, k, size=num_users)
+    dense_w = world.normal(scale=0.5, size=(2, schema.num_dense))
+    domain_bias = world.normal(scale=0.5, size=(2, schema.num_domains))
+    popular = _zipf_sampler(world, num_items, cfg.zipf_exponent)
+    members = [np.flatnonzero(item_cluster == c) for c in range(k)]
+
+    rng = np.random.default_rng(seed)
+    users = _zipf_sampler(rng, num_users, 0.8)(num_examples)
+    home = user_cluster[users]
+    max_len = schema.group(_group_of(schema, "hist_item")).max_len
+    lengths = np.minimum(np.round(rng.lognormal(cfg.history_log_mean, cfg.history_log_std, num_examples)), max_len).astype(np.int64)
+    lengths[rng.random(num_examples) < cfg.empty_history_rate] = 0
+    total = int(lengths.sum())
+    owner = np.repeat(np.arange(num_examples), lengths)
+    in_cluster = rng.random(total) < cfg.in_cluster_rate
+    hist_item = popular(total)
+    hist_item[in_cluster] = _draw_from(rng, members, home[owner[in_cluster]])
+    ad = popular(num_examples)
+    pick = rng.random(num_examples) < 0.5
+    ad[pick] = _draw_from(rng, members, home[pick])
+
+    taste = np.zeros((num_examples, cfg.latent_dim))
+    np.add.at(taste, owner, latents[hist_item])
+    taste = np.where(lengths[:, None] > 0, taste / np.maximum(lengths, 1)[:, None], centres[home])
+    taste /= np.linalg.norm(taste, axis=1, keepdims=True) + 1e-6
+    match = (taste * latents[ad]).sum(axis=1)
+    dense = rng.normal(size=(num_examples, schema.num_dense)).astype(np.float32)
+    domain = rng.integers(0, schema.num_domains, size=num_examples)
+    click_logit = cfg.signal_strength * match + dense @ dense_w[0] + domain_bias[0, domain] - 2.5
+    click = rng.random(num_examples) < _sigmoid(click_logit)
+    conv_logit = 0.5 * cfg.signal_strength * match + dense @ dense_w[1] + domain_bias[1, domain] - 1.0
+    conversion = click & (rng.random(num_examples) < _sigmoid(conv_logit))
+
+    # Interests: up to max_ids clusters, the home cluster first, others random.
+    max_interests = next(f.max_ids for f in schema.id_features if f.name == "user_interests")
+    num_interests = rng.integers(1, max_interests + 1, size=num_examples)
+    interests = np.concatenate([[h] + list(rng.integers(0, k, size=n - 1)) for h, n in zip(home, num_interests)]) \
+        if num_examples else np.zeros(0, np.int64)
+
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    pos_from_end = offsets[owner + 1] - np.arange(total) - 1
+    columns = {
+        "user_id": _lists(users[:, None]),
+        "ad_id": _lists(ad[:, None]),
+        "ad_cluster": _lists(item_cluster[ad][:, None]),
+        "user_interests": pa.ListArray.from_arrays(np.concatenate([[0], np.cumsum(num_interests)]), interests.astype(np.int64)),
+        "hist_item": pa.ListArray.from_arrays(offsets, hist_item.astype(np.int64)),
+        "hist_action": pa.ListArray.from_arrays(offsets, rng.integers(0, schema.cardinality("hist_action"), total)),
+        "hist_surface": pa.ListArray.from_arrays(offsets, rng.integers(0, schema.cardinality("hist_surface"), total)),
+        "hist_gap": pa.ListArray.from_arrays(
+            offsets, np.minimum(np.log2(pos_from_end + 1).astype(np.int64), schema.cardinality("hist_gap") - 1)
+        ),
+        "dense": pa.ListArray.from_arrays(np.arange(num_examples + 1) * schema.num_dense, dense.reshape(-1)),
+        "domain": pa.array(domain.astype(np.int64)),
+    }
+    extra = [n for n in schema.id_feature_names + schema.sequence_feature_names if n not in columns]
+    for name in extra:  # features outside the roles carry noise ids (no signal)
+        card = schema.cardinality(name)
+        n = lengths if name in schema.sequence_feature_names else np.ones(num_examples, np.int64)
+        columns[name] = pa.ListArray.from_arrays(np.concatenate([[0], np.cumsum(n)]), rng.integers(0, card, int(n.sum())))
+    labels = {"click": click, "conversion": conversion}
+    observed = {"click": np.ones(num_examples, bool), "conversion": click}
+    for task in schema.tasks:
+        if task not in labels:
+            raise ValueError(f"data.schema.tasks: the synthetic generator knows tasks {list(labels)}, not {task!r}")
+        columns[f"label_{task}"] = pa.array(labels[task].astype(np.float32))
+        columns[f"label_mask_{task}"] = pa.array(observed[task])
+    return pa.table(columns)
+
+
+def _group_of(schema: FeatureSchema, feature: str) -> str:
+    return next(g.name for g in schema.sequence_groups if feature in g.feature_names)
+
+
+def _draw_from(rng: np.random.Generator, members: list[np.ndarray], clusters: np.ndarray) -> np.ndarray:
+    out = np.empty(len(clusters), np.int64)
+    for c in np.unique(clusters):
+        sel = clusters == c
+        out[sel] = members[c][rng.integers(0, len(members[c]), int(sel.sum()))] if len(members[c]) else 0
+    return out
+
+
+def _lists(ids: np.ndarray) -> pa.Array:
+    return pa.ListArray.from_arrays(np.arange(ids.shape[0] + 1) * ids.shape[1], ids.reshape(-1).astype(np.int64))
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def write_dataset(directory, schema: FeatureSchema, num_examples: dict[str, int], seed: int,
+                  cfg: SyntheticConfig = SyntheticConfig(), rows_per_file: int = 50_000) -> None:
+    """Write ``train/``, ``val/``, ``test/`` Parquet folders under ``directory``, atomically.
+
+    The data set appears under its final name only once complete, so an interrupted run never
+    leaves a half-written data set that a later run would trust.
+    """
+    import shutil
+    from pathlib import Path
+
+    from gem.data.parquet import write_parquet
+
+    directory = Path(directory)
+    tmp = directory.with_name(directory.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    for i, (split, n) in enumerate(num_examples.items()):
+        table = generate(schema, n, seed=seed * 1000 + i + 1, cfg=cfg, world_seed=seed)
+        for j, start in enumerate(range(0, max(n, 1), rows_per_file)):
+            write_parquet(table.slice(start, rows_per_file), tmp / split / f"part-{j:05d}.parquet", schema)
+    tmp.rename(directory)

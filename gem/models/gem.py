@@ -1,0 +1,26 @@
+"""GEMModel: ``sparse_arch`` (embeddings, sharded by TorchRec) + ``dense_arch`` (everything else, FSDP2)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gem.data.batch import Batch
+from gem.sparse.arch import SparseArch
+
+
+class GEMModel(nn.Module):
+    """``forward(batch) -> logits [B, num_tasks]``.
+
+    ``dense_arch`` is any module with ``forward(sparse_output, dense [B, num_dense], domain [B])``
+    returning logits, and an ``init_weights()`` method.
+    """
+
+    def __init__(self, sparse_arch: SparseArch | nn.Module, dense_arch: nn.Module) -> None:
+        super().__init__()
+        self.sparse_arch = sparse_arch
+        self.dense_arch = dense_arch
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        embeddings = self.sparse_arch(batch.sparse, batch.sequences, batch.max_seq_len)
+        return self.dense_arch(embeddings, batch.dense, batch.domain)

@@ -1,0 +1,171 @@
+"""The typed schema of the training config, and its validation.
+
+Hydra composes ``configs/train.yaml`` and its groups; :func:`validate` merges the result into
+these dataclasses once (unknown keys and wrong types fail with the key's full name), then
+checks the values that types cannot (with a message naming the key and the fix).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message names the key to change."""
+
+
+@dataclass
+class DataConfig:
+    kind: str = "synthetic"  # synthetic | parquet
+    name: str = "synthetic"
+    dir: Optional[str] = None  # synthetic: None = <cache_dir>/<name>-<hash of schema and knobs>
+    cache_dir: str = ".cache/gem"
+    batch_size: int = 256
+    eval_batch_size: int = 2048
+    num_workers: int = 1
+    shuffle: bool = True
+    seed: int = 0
+    num_examples: dict[str, int] = field(default_factory=lambda: {"train": 60000, "val": 5000, "test": 20000})
+    synthetic: dict[str, Any] = field(default_factory=dict)
+    schema: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SparseConfig:
+    backend: str = "torchrec"  # torchrec | native
+    shard: bool = True  # torchrec backend: shard with DistributedModelParallel (fused optimizer)
+    sharding_type: Optional[str] = None  # None: TorchRec's planner decides; else for every table
+    embedding_dim: int = 16
+    init_scale: float = 0.05
+    dims: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class DenseOptimConfig:
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+
+@dataclass
+class SparseOptimConfig:
+    lr: float = 0.05
+    eps: float = 1e-8
+
+
+@dataclass
+class OptimConfig:
+    dense: DenseOptimConfig = field(default_factory=DenseOptimConfig)
+    sparse: SparseOptimConfig = field(default_factory=SparseOptimConfig)
+    warmup_steps: int = 0
+    schedule: str = "constant"  # constant | cosine
+    grad_clip: float = 0.0  # 0 = off; clips the dense gradients only
+
+
+@dataclass
+class TrainerConfig:
+    device: str = "auto"  # auto | cpu | cuda
+    epochs: int = 1
+    max_steps: int = -1  # > 0 stops early
+    seed: int = 0
+    deterministic: bool = False
+    log_every: int = 50
+    eval_every: int = 0  # 0 = only at the end
+    eval_max_batches: int = -1
+    run_dir: str = "runs/default"
+    progress_bar: bool = True
+    task_weights: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ParallelismConfig:
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: world_size / dp_replicate
+
+
+@dataclass
+class KernelsConfig:
+    attention_backend: Optional[str] = None  # None: Triton on CUDA, reference elsewhere
+
+
+@dataclass
+class Config:
+    name: str = "default"
+    data: DataConfig = field(default_factory=DataConfig)
+    model: Any = None
+    sparse: SparseConfig = field(default_factory=SparseConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+
+
+def _one_of(key: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}; set {key}={allowed[0]}")
+
+
+def _positive(key: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def validate(cfg: DictConfig | dict) -> Config:
+    """Merge ``cfg`` into the typed schema and check every value; returns the typed config."""
+    raw = OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg
+    base = OmegaConf.structured(Config)
+    # Drop Hydra's own node (present when composed with return_hydra_config).
+    raw = OmegaConf.masked_copy(raw, [k for k in raw.keys() if k != "hydra"]) if "hydra" in raw else raw
+    try:
+        merged = OmegaConf.merge(base, raw)
+        OmegaConf.resolve(merged)
+        config: Config = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        raise ConfigError(f"config key {key!r}: {e.msg if hasattr(e, 'msg') else e}") from None
+    d, s, o, t, p = config.data, config.sparse, config.optim, config.trainer, config.parallelism
+    _one_of("data.kind", d.kind, ("synthetic", "parquet"))
+    _positive("data.batch_size", d.batch_size)
+    _positive("data.eval_batch_size", d.eval_batch_size)
+    _positive("data.num_workers", d.num_workers, allow_zero=True)
+    if d.kind == "parquet" and not d.dir:
+        raise ConfigError("data.dir is required when data.kind=parquet; set data.dir=/path/to/dataset (with train/ val/ test/)")
+    for split in ("train", "test"):
+        if d.kind == "synthetic" and d.num_examples.get(split, 0) < 1:
+            raise ConfigError(f"data.num_examples.{split} must be >= 1 for synthetic data")
+    _one_of("sparse.backend", s.backend, ("torchrec", "native"))
+    if s.sharding_type is not None:
+        _one_of("sparse.sharding_type", s.sharding_type,
+                ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise", "data_parallel"))
+    _positive("sparse.embedding_dim", s.embedding_dim)
+    _positive("sparse.init_scale", s.init_scale)
+    _positive("optim.dense.lr", o.dense.lr)
+    _positive("optim.sparse.lr", o.sparse.lr)
+    _positive("optim.warmup_steps", o.warmup_steps, allow_zero=True)
+    _positive("optim.grad_clip", o.grad_clip, allow_zero=True)
+    _one_of("optim.schedule", o.schedule, ("constant", "cosine"))
+    _one_of("trainer.device", t.device, ("auto", "cpu", "cuda"))
+    _positive("trainer.epochs", t.epochs)
+    _positive("trainer.log_every", t.log_every)
+    _positive("trainer.eval_every", t.eval_every, allow_zero=True)
+    if not t.run_dir:
+        raise ConfigError("trainer.run_dir must be set (the same path on every rank)")
+    if p.dp_replicate < 1 or (p.dp_shard < 1 and p.dp_shard != -1):
+        raise ConfigError(f"parallelism.dp_replicate must be >= 1 and parallelism.dp_shard >= 1 or -1, got {p.dp_replicate}, {p.dp_shard}")
+    if config.model is None or "_target_" not in config.model:
+        raise ConfigError("model must name a dense architecture with _target_; pick one with model=dlrm")
+    if config.kernels.attention_backend is not None:
+        _one_of("kernels.attention_backend", config.kernels.attention_backend, ("triton", "reference"))
+    return config
+
+
+def check_schema_refs(config: Config, schema) -> None:
+    """Checks that need the feature schema: task names in trainer.task_weights."""
+    for task in config.trainer.task_weights:
+        if task not in schema.tasks:
+            raise ConfigError(f"trainer.task_weights.{task}: unknown task; the schema (data.schema.tasks) has {list(schema.tasks)}")

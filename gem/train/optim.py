@@ -1,0 +1,39 @@
+"""Optimizers: AdamW for dense parameters, row-wise Adagrad for embedding tables, LR schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from gem.train.config import OptimConfig
+
+
+def build_optimizers(model: nn.Module, cfg: OptimConfig, total_steps: int):
+    """Returns ``(dense_optimizer, sparse_optimizer or None, scheduler)``.
+
+    Parameters under ``sparse_arch`` are embedding tables. Tables that TorchRec shards with a
+    fused kernel carry their optimizer into backward (they are updated by ``loss.backward()``);
+    every other table (unsharded, native, or TorchRec's data-parallel tables, which the fused
+    optimizer does not cover) is stepped by TorchRec's plain-torch ``RowWiseAdagrad``, the
+    same update rule.
+    """
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    dense_params = [p for n, p in model.named_parameters() if not n.startswith("sparse_arch.")]
+    dense = torch.optim.AdamW(dense_params, lr=cfg.dense.lr, betas=tuple(cfg.dense.betas), eps=cfg.dense.eps,
+                              weight_decay=cfg.dense.weight_decay)
+    tables = [p for _, p in in_backward_optimizer_filter(model.sparse_arch.named_parameters()) if p.requires_grad]
+    sparse = RowWiseAdagrad(tables, lr=cfg.sparse.lr, eps=cfg.sparse.eps) if tables else None
+
+    def factor(step: int) -> float:
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "cosine":
+            progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+
+    return dense, sparse, torch.optim.lr_scheduler.LambdaLR(dense, factor)

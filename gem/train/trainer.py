@@ -1,0 +1,261 @@
+"""``train(cfg)``: build every component once, then run a short, readable loop."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from tqdm import tqdm
+
+from gem.data.dataset import prepare_synthetic, schema_from_files, split_files
+from gem.data.parquet import ParquetBatchReader
+from gem.data.schema import FeatureSchema
+from gem.models.gem import GEMModel
+from gem.sparse.arch import SparseArch
+from gem.train.config import Config, ConfigError, check_schema_refs, validate
+from gem.train.logging import MetricsWriter, format_metrics, logger, setup_logging
+from gem.train.losses import multitask_bce
+from gem.train.metrics import TaskEvaluator
+from gem.train.optim import build_optimizers
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device: str, need_process_group: bool) -> DistEnv:
+    """Read torchrun's environment; start a process group when there are several ranks or when
+    TorchRec sharding needs one (a single-rank group otherwise)."""
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("trainer.device=cuda but no CUDA GPU is visible; set trainer.device=cpu")
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    if (world_size > 1 or need_process_group) and not dist.is_initialized():
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        if world_size > 1:
+            dist.init_process_group(backend, timeout=timedelta(minutes=10))
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return DistEnv(rank, world_size, local_rank, dev)
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def load_data(config: Config, env: DistEnv) -> tuple[FeatureSchema, Path]:
+    d = config.data
+    if d.kind == "synthetic":
+        schema = FeatureSchema.from_config(d.schema)
+        directory = Path(d.dir) if d.dir else prepare_synthetic(
+            d.cache_dir, d.name, schema, d.num_examples, d.seed, d.synthetic, is_writer=env.is_main)
+    else:
+        directory = Path(d.dir)
+        schema = FeatureSchema.from_config(d.schema) if d.schema else schema_from_files(split_files(directory, "train"))
+    return schema, directory
+
+
+def build_model(config: Config, schema: FeatureSchema, env: DistEnv) -> GEMModel:
+    """SparseArch (TorchRec-sharded or not) + the configured dense arch, materialized on ``env.device``."""
+    s = config.sparse
+    shard = s.backend == "torchrec" and s.shard
+    sparse = SparseArch.from_config(schema, s.embedding_dim, s.init_scale, s.dims, s.backend,
+                                    device="meta" if shard else env.device)
+    if shard:
+        from gem.distributed.sharding import shard_sparse_arch
+
+        sparse = shard_sparse_arch(sparse, env.device, config.optim.sparse.lr, config.optim.sparse.eps, s.sharding_type)
+    else:
+        sparse.init_weights()
+        if env.world_size > 1:
+            sparse = nn.parallel.DistributedDataParallel(sparse)
+    arch = sparse.module if hasattr(sparse, "module") else sparse
+    feature_dims = {f: arch.pooled_dim(f) for f in schema.id_feature_names}
+    feature_dims.update({g.name: arch.sequence_dim(g.name) for g in schema.sequence_groups})
+    try:
+        with torch.device("meta"):
+            dense = instantiate(config.model, _partial_=True, _convert_="all")(schema=schema, feature_dims=feature_dims)
+    except Exception as e:  # Hydra wraps constructor errors; name the config node.
+        raise ConfigError(f"model: could not build {config.model.get('_target_')}: {e}") from e
+    dense.to_empty(device=env.device)
+    dense.init_weights()
+    if env.world_size > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(dense)
+    return GEMModel(sparse, dense)
+
+
+def make_loader(reader: ParquetBatchReader, num_workers: int, pin: bool) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(reader, batch_size=None, num_workers=num_workers, pin_memory=pin,
+                                       prefetch_factor=4 if num_workers else None)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, reader: ParquetBatchReader, env: DistEnv, tasks: tuple[str, ...],
+             num_workers: int, max_batches: int = -1) -> dict[str, float]:
+    """Per-task AUC / NE over a split. Every rank runs the same number of forward passes (sharded
+    tables need all ranks in each step); a rank out of batches repeats its last one unrecorded."""
+    model.eval()
+    evaluator = TaskEvaluator(tasks)
+    total = -(-reader.num_rows() // reader.batch_size)
+    steps = -(-total // env.world_size)
+    if max_batches > 0:
+        steps = min(steps, max_batches)
+    batch = None
+    it = iter(make_loader(reader, num_workers, env.device.type == "cuda"))
+    for _ in range(steps):
+        nxt = next(it, None)
+        real = nxt is not None
+        batch = nxt.to(env.device, non_blocking=True) if real else batch
+        if batch is None:
+            raise ValueError("evaluation split is empty; add examples to data.dir/val and data.dir/test")
+        logits = model(batch)
+        if real:
+            evaluator.update(logits, batch.labels, batch.label_mask)
+    model.train()
+    return evaluator.compute()
+
+
+def train(cfg: DictConfig | dict) -> dict[str, float]:
+    """Train and evaluate as configured; returns the final test metrics.
+
+    ``cfg`` is the composed Hydra config (configs/train.yaml) or an equivalent dict.
+    """
+    start = time.perf_counter()
+    config = validate(cfg)
+    t = config.trainer
+    env = init_distributed(t.device, need_process_group=config.sparse.backend == "torchrec" and config.sparse.shard)
+    run_dir = Path(t.run_dir)
+    if env.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(config)))
+    setup_logging(run_dir if env.is_main else None, env.rank)
+    seed_everything(t.seed, t.deterministic)
+
+    schema, data_dir = load_data(config, env)
+    check_schema_refs(config, schema)
+    logger.info("data: %s (%s), device %s, world size %d", data_dir, ", ".join(schema.tasks), env.device, env.world_size)
+    model = build_model(config, schema, env)
+    d = config.data
+    train_reader = ParquetBatchReader(split_files(data_dir, "train"), schema, d.batch_size, shuffle=d.shuffle,
+                                      seed=d.seed, drop_last=True, rank=env.rank, world_size=env.world_size)
+    steps_per_epoch = train_reader.num_rows() // (d.batch_size * env.world_size)
+    if steps_per_epoch == 0:
+        raise ConfigError(f"data.batch_size={d.batch_size} x {env.world_size} ranks exceeds the training split "
+                          f"({train_reader.num_rows()} rows); lower data.batch_size")
+    total_steps = t.max_steps if t.max_steps > 0 else t.epochs * steps_per_epoch
+    dense_opt, sparse_opt, scheduler = build_optimizers(model, config.optim, total_steps)
+    task_weights = torch.tensor([t.task_weights.get(k, 1.0) for k in schema.tasks], device=env.device)
+    metrics = MetricsWriter(run_dir / "metrics.jsonl" if env.is_main else None)
+    eval_reader = lambda split: ParquetBatchReader(split_files(data_dir, split), schema, d.eval_batch_size,  # noqa: E731
+                                                   rank=env.rank, world_size=env.world_size)
+    num_dense = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("sparse_arch."))
+    fused = getattr(model.sparse_arch, "fused_optimizer", None)  # present when TorchRec sharded the tables
+    num_fused = len(fused.params) if fused is not None else 0
+    logger.info("model: %s, %.2fM dense parameters; sparse backend %s, %d tables with the fused optimizer; "
+                "%d steps, %.1fs to first step", config.model["_target_"], num_dense / 1e6, config.sparse.backend,
+                num_fused, total_steps, time.perf_counter() - start)
+
+    step, window = 0, _Window()
+    bar = tqdm(total=total_steps, disable=not (t.progress_bar and env.is_main), desc="train", dynamic_ncols=True)
+    for epoch in range(t.epochs if t.max_steps <= 0 else 1 << 30):
+        train_reader.set_epoch(epoch)
+        it = iter(make_loader(train_reader, d.num_workers, env.device.type == "cuda"))
+        for _ in range(steps_per_epoch):
+            if step >= total_steps:
+                break
+            tick = time.perf_counter()
+            batch = next(it).to(env.device, non_blocking=True)
+            waited = time.perf_counter() - tick
+            logits = model(batch)
+            loss, per_task = multitask_bce(logits, batch.labels, batch.label_mask, task_weights, batch.weights)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"step {step}: loss is {loss.item()}; lower optim.dense.lr or set optim.grad_clip")
+            loss.backward()
+            if config.optim.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.dense_arch.parameters(), config.optim.grad_clip)
+            for opt in (dense_opt, sparse_opt):
+                if opt is not None:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+            scheduler.step()
+            step += 1
+            bar.update()
+            window.add(loss.item(), per_task, batch.batch_size * env.world_size, time.perf_counter() - tick, waited)
+            if step % t.log_every == 0 or step == total_steps:
+                values = window.summary(schema.tasks) | {"lr": scheduler.get_last_lr()[0], "epoch": epoch}
+                bar.set_postfix(loss=f"{values['loss']:.4f}")
+                logger.info("step %d %s", step, format_metrics(values))
+                metrics.write("train", step, values)
+                window = _Window()
+            if t.eval_every and step % t.eval_every == 0:
+                values = evaluate(model, eval_reader("val"), env, schema.tasks, d.num_workers, t.eval_max_batches)
+                logger.info("val step %d %s", step, format_metrics(values))
+                metrics.write("val", step, values)
+        if step >= total_steps:
+            break
+    bar.close()
+    result = evaluate(model, eval_reader("test"), env, schema.tasks, d.num_workers, t.eval_max_batches)
+    result["train_seconds"] = time.perf_counter() - start
+    result["steps"] = step
+    metrics.write("test", step, result)
+    if env.is_main:
+        (run_dir / "test_metrics.json").write_text(json.dumps(result, indent=2))
+    logger.info("test %s", format_metrics(result))
+    return result
+
+
+class _Window:
+    """Running sums between two log lines."""
+
+    def __init__(self) -> None:
+        self.steps, self.loss, self.examples, self.seconds, self.waited = 0, 0.0, 0, 0.0, 0.0
+        self.per_task: torch.Tensor | None = None
+
+    def add(self, loss: float, per_task: torch.Tensor, examples: int, seconds: float, waited: float) -> None:
+        self.steps += 1
+        self.loss += loss
+        self.per_task = per_task.cpu() if self.per_task is None else self.per_task + per_task.cpu()
+        self.examples += examples
+        self.seconds += seconds
+        self.waited += waited
+
+    def summary(self, tasks: tuple[str, ...]) -> dict[str, float]:
+        out = {"loss": self.loss / self.steps}
+        out |= {f"{k}/loss": float(v) / self.steps for k, v in zip(tasks, self.per_task)}
+        out |= {"examples_per_s": self.examples / self.seconds, "step_ms": 1000 * self.seconds / self.steps,
+                "data_wait_frac": self.waited / self.seconds}
+        return out

@@ -1,0 +1,70 @@
+"""Shared fixtures: a tiny schema, a tiny synthetic data set, Hydra composition, GPU skipping."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gem.data.schema import FeatureSchema
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG_DIR = str(ROOT / "configs")
+
+TINY_SCHEMA = {
+    "id_features": [
+        {"name": "user_id", "cardinality": 50},
+        {"name": "ad_id", "cardinality": 80},
+        {"name": "ad_cluster", "cardinality": 5},
+        {"name": "user_interests", "cardinality": 5, "max_ids": 3},
+    ],
+    "sequence_groups": [
+        {
+            "name": "hist",
+            "max_len": 12,
+            "features": [
+                {"name": "hist_item", "cardinality": 80},
+                {"name": "hist_action", "cardinality": 4},
+                {"name": "hist_surface", "cardinality": 2},
+                {"name": "hist_gap", "cardinality": 6},
+            ],
+        }
+    ],
+    "num_dense": 3,
+    "tasks": ["click", "conversion"],
+    "num_domains": 2,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    num_gpus = torch.cuda.device_count()
+    for item in items:
+        if "gpu" in item.keywords and num_gpus < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if "multigpu" in item.keywords and num_gpus < 2:
+            item.add_marker(pytest.mark.skip(reason="needs two CUDA GPUs"))
+
+
+@pytest.fixture
+def tiny_schema() -> FeatureSchema:
+    return FeatureSchema.from_config(TINY_SCHEMA)
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory) -> Path:
+    from gem.data.synthetic import SyntheticConfig, write_dataset
+
+    directory = tmp_path_factory.mktemp("data") / "tiny"
+    write_dataset(directory, FeatureSchema.from_config(TINY_SCHEMA), {"train": 700, "val": 150, "test": 300}, seed=3,
+                  cfg=SyntheticConfig(num_clusters=5), rows_per_file=300)
+    return directory
+
+
+def compose(overrides: list[str]):
+    """Compose configs/train.yaml as `python -m gem.train` would, with ``overrides``."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return hydra_compose("train", overrides=overrides)

@@ -1,0 +1,123 @@
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from gem.data.batch import Batch
+from gem.data.dataset import schema_from_files, split_files
+from gem.data.parquet import ParquetBatchReader, list_parquet_files, write_parquet
+from gem.data.synthetic import generate
+
+
+def _read_all(files, schema, batch_size, **kw):
+    return list(ParquetBatchReader(files, schema, batch_size, **kw))
+
+
+def test_round_trip_keeps_every_value(tmp_path, tiny_schema):
+    table = generate(tiny_schema, 203, seed=4)
+    write_parquet(table, tmp_path / "a.parquet", tiny_schema)
+    batches = _read_all([tmp_path / "a.parquet"], tiny_schema, 64)
+    assert [b.batch_size for b in batches] == [64, 64, 64, 11]
+    assert schema_from_files([tmp_path / "a.parquet"]) == tiny_schema
+    for name in tiny_schema.id_feature_names:
+        got = torch.cat([b.sparse[name].values() for b in batches]).numpy()
+        assert np.array_equal(got, table[name].combine_chunks().flatten().to_numpy())
+    for name in tiny_schema.sequence_feature_names:
+        lengths = torch.cat([b.sequences[name].lengths() for b in batches]).numpy()
+        assert np.array_equal(lengths, table[name].combine_chunks().value_lengths().to_numpy())
+        got = torch.cat([b.sequences[name].values() for b in batches]).numpy()
+        assert np.array_equal(got, table[name].combine_chunks().flatten().to_numpy())
+    dense = torch.cat([b.dense for b in batches])
+    assert dense.shape == (203, 3) and dense.dtype == torch.float32
+    assert np.allclose(dense.numpy().ravel(), table["dense"].combine_chunks().flatten().to_numpy())
+    labels = torch.cat([b.labels for b in batches])
+    mask = torch.cat([b.label_mask for b in batches])
+    assert np.array_equal(mask[:, 1].numpy(), table["label_mask_conversion"].to_numpy())
+    assert np.array_equal(labels[:, 0].numpy(), table["label_click"].to_numpy())
+    b = batches[0]
+    assert b.max_seq_len["hist"] == int(b.sequences["hist_item"].lengths().max())
+
+
+def test_shuffle_is_seeded_and_sharding_partitions(tiny_dataset, tiny_schema):
+    files = split_files(tiny_dataset, "train")
+    assert len(files) == 3  # 700 rows in files of 300
+    plain = _read_all(files, tiny_schema, 50)
+    a = _read_all(files, tiny_schema, 50, shuffle=True, seed=1)
+    b = _read_all(files, tiny_schema, 50, shuffle=True, seed=1)
+    assert all(torch.equal(x.dense, y.dense) for x, y in zip(a, b))
+    assert not torch.equal(torch.cat([x.dense for x in a]), torch.cat([x.dense for x in plain]))
+    key = lambda bs: sorted(map(tuple, torch.cat([x.dense for x in bs]).tolist()))  # noqa: E731
+    assert key(a) == key(plain), "shuffling permutes, never drops or repeats"
+    shards = [_read_all(files, tiny_schema, 50, rank=r, world_size=3) for r in range(3)]
+    assert key([x for s in shards for x in s]) == key(plain), "ranks partition the batches"
+
+
+def test_history_longer_than_max_keeps_most_recent(tmp_path, tiny_schema):
+    table = generate(tiny_schema, 4, seed=0)
+    long = pa.ListArray.from_arrays([0, 20, 20, 21, 36], pa.array(np.arange(36), pa.int64()))
+    for name in tiny_schema.sequence_feature_names:  # ids 0..35, reduced into each feature's range
+        card = tiny_schema.cardinality(name)
+        ids = pa.ListArray.from_arrays(long.offsets, pa.array(np.arange(36) % card, pa.int64()))
+        table = table.set_column(table.schema.get_field_index(name), name, ids)
+    write_parquet(table, tmp_path / "x.parquet", tiny_schema)
+    reader = ParquetBatchReader([tmp_path / "x.parquet"], tiny_schema, 4)
+    (batch,) = list(reader)
+    jt = batch.sequences["hist_item"]
+    assert jt.lengths().tolist() == [12, 0, 1, 12]
+    assert jt.values().tolist() == list(range(8, 20)) + [20] + list(range(24, 36))
+    assert reader.stats.truncated_histories == 2 and batch.max_seq_len["hist"] == 12
+
+
+def test_batch_to_and_pin_memory(tiny_dataset, tiny_schema):
+    batch = next(iter(ParquetBatchReader(split_files(tiny_dataset, "val"), tiny_schema, 16)))
+    moved = batch.to("cpu")
+    assert isinstance(moved, Batch) and torch.equal(moved.dense, batch.dense)
+    assert moved.sequences.keys() == batch.sequences.keys() and moved.max_seq_len == batch.max_seq_len
+    if torch.cuda.is_available():
+        on_gpu = batch.pin_memory().to("cuda", non_blocking=True)
+        assert on_gpu.dense.is_cuda and on_gpu.sparse.values().is_cuda and on_gpu.labels.is_cuda
+
+
+def _write_with(tmp_path, tiny_schema, column, values):
+    table = generate(tiny_schema, 6, seed=0)
+    table = table.set_column(table.schema.get_field_index(column), column, values)
+    write_parquet(table, tmp_path / "bad.parquet", tiny_schema)
+    return [tmp_path / "bad.parquet"]
+
+
+@pytest.mark.parametrize(
+    "column, values, match",
+    [
+        ("user_id", pa.array([[1], [2], [-1], [3], [4], [5]], pa.list_(pa.int64())), "'user_id' holds id -1, outside \\[0, 50\\)"),
+        ("ad_id", pa.array([[1], [2], [3], [80], [4], [5]], pa.list_(pa.int64())), "'ad_id' holds id 80.*cardinality"),
+        ("label_click", pa.array([0, 1, 1.5, 0, 0, 1], pa.float32()), "row 2: column 'label_click' is 1.5, outside \\[0, 1\\]"),
+        ("dense", pa.array([[0, 0, 0]] * 3 + [[0, float("nan"), 0]] + [[0, 0, 0]] * 2, pa.list_(pa.float32())), "row 3: column 'dense' holds NaN"),
+        ("dense", pa.array([[0, 0, 0]] * 5 + [[0, 0]], pa.list_(pa.float32())), "row 5: column 'dense' has 2 values"),
+        ("domain", pa.array([0, 1, 2, 0, 0, 0], pa.int64()), "row 2: column 'domain' is 2"),
+    ],
+)
+def test_bad_values_name_the_column_and_the_fix(tmp_path, tiny_schema, column, values, match):
+    files = _write_with(tmp_path, tiny_schema, column, values)
+    with pytest.raises(ValueError, match=match):
+        _read_all(files, tiny_schema, 6)
+
+
+def test_bad_files_and_folders(tmp_path, tiny_schema):
+    with pytest.raises(FileNotFoundError, match="holds no \\*.parquet files"):
+        list_parquet_files(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        list_parquet_files(tmp_path / "missing")
+    (tmp_path / "corrupt.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(ValueError, match="corrupt.parquet: not a readable Parquet file"):
+        _read_all([tmp_path / "corrupt.parquet"], tiny_schema, 4)
+    table = generate(tiny_schema, 5, seed=0).drop_columns(["hist_gap"])
+    pq.write_table(table, tmp_path / "old.parquet")
+    with pytest.raises(ValueError, match="missing columns \\['hist_gap'\\]"):
+        _read_all([tmp_path / "old.parquet"], tiny_schema, 4)
+    unequal = generate(tiny_schema, 3, seed=0)
+    idx = unequal.schema.get_field_index("hist_action")
+    unequal = unequal.set_column(idx, "hist_action", pa.array([[1, 2, 3, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]] * 3, pa.list_(pa.int64())))
+    pq.write_table(unequal, tmp_path / "unequal.parquet")
+    with pytest.raises(ValueError, match="need equal lengths"):
+        _read_all([tmp_path / "unequal.parquet"], tiny_schema, 4)
