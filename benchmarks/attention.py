@@ -204,7 +204,8 @@ def _format(row) -> str:
 
 def _versions() -> dict:
     try:
-        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                         stderr=subprocess.DEVNULL).strip()
     except Exception:
         commit = os.environ.get("GIT_COMMIT", "unknown")
     return {
