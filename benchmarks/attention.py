@@ -214,11 +214,11 @@ def _versions() -> dict:
         "hardware": torch.cuda.get_device_name(),
         "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
         "python": platform.python_version(),
-        "autotune": os.environ.get("GEM_KERNELS_AUTOTUNE", "0") == "1",
+        "autotune": os.environ.get("GEM_KERNELS_AUTOTUNE", "1") == "1",  # the kernels' default
     }
 
 
-def _plot(rows, path) -> None:
+def _plot(rows, path, hardware) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -239,9 +239,10 @@ def _plot(rows, path) -> None:
         ax.set_xlabel("sequence length (fill 1.0, %d tokens)" % SWEEP_TOKENS)
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
-    ax_tok.set_ylim(bottom=0)
+    ax_tok.set_ylim(0, 1.2 * max([ax_tok.get_ylim()[1], 1e-9]))
     ax_tf.legend(fontsize=7)
-    fig.suptitle(f"jagged attention, {torch.cuda.get_device_name()}, H={NUM_HEADS} D={HEAD_DIM} bf16")
+    fig.suptitle(f"gem jagged attention (Triton), {hardware}, H={NUM_HEADS} D={HEAD_DIM} bf16, "
+                 "BlockAttention 64 / sliding window 256")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -251,9 +252,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="two shapes, no compiled baseline")
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
+    parser.add_argument("--plot-only", metavar="JSON",
+                        help="redraw the PNG and the summary from a results JSON (no GPU)")
     parser.add_argument("--compiled-reference-rows", default="0,1,2,3,4",
                         help="target rows (0-based) that also time the compiled padded reference")
     args = parser.parse_args()
+    if args.plot_only:
+        record = json.loads(pathlib.Path(args.plot_only).read_text())
+        print("\n".join(summarize(record["rows"])["lines"]))
+        _plot(record["rows"], pathlib.Path(args.plot_only).with_suffix(".png"), record["hardware"])
+        return
     torch.backends.cuda.matmul.allow_tf32 = True
 
     rows = []
@@ -301,7 +309,7 @@ def main() -> None:
     print("\n" + "\n".join(summary["lines"]))
     save()
     if not args.no_sweep:
-        _plot(rows, out_dir / f"{name}.png")
+        _plot(rows, out_dir / f"{name}.png", torch.cuda.get_device_name())
     print(f"wrote {out_dir / name}.json")
     _print_tuned_configs()
 

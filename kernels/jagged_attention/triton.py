@@ -542,7 +542,8 @@ def _bwd_dq_kernel(
 
 
 def _default_config(kind: str, block_d: int) -> dict:
-    """Block sizes, warps and stages per kernel kind and padded head dim (H200 defaults)."""
+    """Block sizes, warps and stages per kernel kind and padded head dim, used when
+    autotuning is off (GEM_KERNELS_AUTOTUNE=0) and for head dims above 128."""
     if INTERPRET:  # small tiles keep the interpreter fast and exercise multi-block paths
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
     if kind == "fwd":
@@ -561,7 +562,7 @@ def _default_config(kind: str, block_d: int) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=1)
 
 
-# H200, D=128, bf16: the first entry of each list is the default without autotuning.
+# Autotune candidates (BLOCK_M, BLOCK_N, num_warps, num_stages) for head dims up to 128.
 _TUNE_SPACE = {
     "fwd": [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)],
     "dkdv": [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3)],
