@@ -54,6 +54,7 @@ class DenseOptimConfig:
 
 @dataclass
 class SparseOptimConfig:
+    name: str = "rowwise_adagrad"  # rowwise_adagrad | adagrad (element-wise; exact under column-wise sharding)
     lr: float = 0.05
     eps: float = 1e-8
 
@@ -146,6 +147,7 @@ def validate(cfg: DictConfig | dict) -> Config:
     _positive("sparse.init_scale", s.init_scale)
     _positive("optim.dense.lr", o.dense.lr)
     _positive("optim.sparse.lr", o.sparse.lr)
+    _one_of("optim.sparse.name", o.sparse.name, ("rowwise_adagrad", "adagrad"))
     _positive("optim.warmup_steps", o.warmup_steps, allow_zero=True)
     _positive("optim.grad_clip", o.grad_clip, allow_zero=True)
     _one_of("optim.schedule", o.schedule, ("constant", "cosine"))
