@@ -87,16 +87,37 @@ def load_data(config: Config, env: DistEnv) -> tuple[FeatureSchema, Path]:
     return schema, directory
 
 
+def parallel_dims(config: Config, env: DistEnv):
+    """The checked data-parallel layout (gem.distributed.ParallelDims); a bad one is a ConfigError."""
+    from gem.distributed.parallel_dims import ParallelDims, ParallelLayoutError
+
+    p = config.parallelism
+    try:
+        return ParallelDims(p.dp_replicate, p.dp_shard, env.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", 0)))
+    except ParallelLayoutError as e:
+        raise ConfigError(str(e)) from None
+
+
 def build_model(config: Config, schema: FeatureSchema, env: DistEnv) -> GEMModel:
-    """SparseArch (TorchRec-sharded or not) + the configured dense arch, materialized on ``env.device``."""
-    s = config.sparse
+    """SparseArch (TorchRec-sharded or not) + the configured dense arch, materialized on ``env.device``,
+    then ``parallelize_gem`` (FSDP2 / HSDP on the ParallelDims mesh when ``world_size > 1``)."""
+    from gem.distributed.parallel_dims import dtype_from_name
+    from gem.distributed.parallelize import parallelize_gem
+
+    s, p = config.sparse, config.parallelism
+    dims = parallel_dims(config, env)
     shard = s.backend == "torchrec" and s.shard
     sparse = SparseArch.from_config(schema, s.embedding_dim, s.init_scale, s.dims, s.backend,
                                     device="meta" if shard else env.device)
     if shard:
         from gem.distributed.sharding import shard_sparse_arch
 
-        sparse = shard_sparse_arch(sparse, env.device, config.optim.sparse.lr, config.optim.sparse.eps, s.sharding_type)
+        try:
+            sparse = shard_sparse_arch(sparse, env.device, config.optim.sparse.lr, config.optim.sparse.eps,
+                                       s.sharding_type, plan=s.plan, hbm_gb=s.hbm_gb, constraints=s.constraints,
+                                       optimizer=config.optim.sparse.name, sharding_group_size=s.sharding_group_size)
+        except ValueError as e:  # plan errors name the sparse.* key; every rank raises the same one
+            raise ConfigError(str(e)) from None
     else:
         sparse.init_weights()
         if env.world_size > 1:
@@ -110,12 +131,15 @@ def build_model(config: Config, schema: FeatureSchema, env: DistEnv) -> GEMModel
     except Exception as e:  # Hydra wraps constructor errors; name the config node.
         raise ConfigError(f"model: could not build {config.model.get('_target_')}: {e}") from e
     dense.to_empty(device=env.device)
-    dense.init_weights()
-    if env.world_size > 1:
-        from torch.distributed.fsdp import fully_shard
-
-        fully_shard(dense)
-    return GEMModel(sparse, dense)
+    dense.init_weights()  # the same on every rank (same seed): fully_shard keeps each rank's slice
+    model = GEMModel(sparse, dense)
+    use_fsdp = p.fully_shard if p.fully_shard is not None else env.world_size > 1
+    mesh = dims.build_mesh(env.device.type) if use_fsdp else None
+    logger.info("dense: %s%s", dims.describe() if use_fsdp else "not sharded",
+                f", compute {p.param_dtype}, reduce {p.reduce_dtype}" if use_fsdp else "")
+    return parallelize_gem(model, mesh, param_dtype=dtype_from_name("parallelism.param_dtype", p.param_dtype),
+                           reduce_dtype=dtype_from_name("parallelism.reduce_dtype", p.reduce_dtype),
+                           activation_checkpointing=p.activation_checkpointing, compile=p.compile)
 
 
 def make_loader(reader: ParquetBatchReader, num_workers: int, pin: bool) -> torch.utils.data.DataLoader:
@@ -157,7 +181,9 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
     start = time.perf_counter()
     config = validate(cfg)
     t = config.trainer
-    env = init_distributed(t.device, need_process_group=config.sparse.backend == "torchrec" and config.sparse.shard)
+    env = init_distributed(t.device, need_process_group=(config.sparse.backend == "torchrec" and config.sparse.shard)
+                           or bool(config.parallelism.fully_shard))
+    parallel_dims(config, env)  # an impossible layout fails here, on every rank, before any work
     run_dir = Path(t.run_dir)
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -201,7 +227,8 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
             batch = next(it).to(env.device, non_blocking=True)
             waited = time.perf_counter() - tick
             logits = model(batch)
-            loss, per_task = multitask_bce(logits, batch.labels, batch.label_mask, task_weights, batch.weights)
+            loss, per_task = multitask_bce(logits, batch.labels, batch.label_mask, task_weights, batch.weights,
+                                           group=dist.group.WORLD if env.world_size > 1 else None)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"step {step}: loss is {loss.item()}; lower optim.dense.lr or set optim.grad_clip")
             loss.backward()
@@ -214,7 +241,7 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
             scheduler.step()
             step += 1
             bar.update()
-            window.add(loss.item(), per_task, batch.batch_size * env.world_size, time.perf_counter() - tick, waited)
+            window.add(float((per_task * task_weights).sum()), per_task, batch.batch_size * env.world_size, time.perf_counter() - tick, waited)
             if step % t.log_every == 0 or step == total_steps:
                 values = window.summary(schema.tasks) | {"lr": scheduler.get_last_lr()[0], "epoch": epoch}
                 bar.set_postfix(loss=f"{values['loss']:.4f}")
