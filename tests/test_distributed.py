@@ -123,17 +123,26 @@ def test_trainer_with_an_impossible_mesh_fails_on_every_rank_without_hanging(tin
     assert "dp_replicate x parallelism.dp_shard = 2 x 2 = 4, but the world size is 2" in proc.stderr
 
 
-def test_trainer_under_torchrun_with_a_per_table_plan(tiny_dataset, tmp_path):
-    """The trainer end to end on two ranks: explicit per-table plan (printed), FSDP2, loss falls."""
+def test_trainer_under_torchrun_with_a_per_table_plan_and_the_sparse_dist_pipeline(tiny_dataset, tmp_path):
+    """The trainer end to end on two ranks: an explicit per-table plan (printed), FSDP2, and TorchRec's
+    TrainPipelineSparseDist (forced on CPU) giving the same losses as the plain loop, across an epoch
+    boundary (15 steps per epoch) and a mid-training evaluation (the pipeline detaches for it)."""
     plan = ["+sparse.plan.t_user_id=row_wise", "+sparse.plan.t_ad_id=table_wise:1", "+sparse.plan.t_hist_item=column_wise"]
-    proc = torchrun(["-m", "gem.train", "debug=tiny", f"trainer.run_dir={tmp_path}", f"data.cache_dir={tmp_path}",
-                     "sparse.sharding_type=table_wise", *plan, "trainer.log_every=2"], nproc=2)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    log = (tmp_path / "train.log").read_text()
+    losses = {}
+    for pipeline in (True, False):
+        run_dir = tmp_path / f"pipeline_{pipeline}"
+        proc = torchrun(["-m", "gem.train", "debug=tiny", f"trainer.run_dir={run_dir}", f"data.cache_dir={tmp_path}",
+                         "sparse.sharding_type=table_wise", *plan, f"sparse.pipeline={pipeline}", "trainer.log_every=2",
+                         "trainer.eval_every=10", "trainer.eval_max_batches=1"], nproc=2)
+        assert proc.returncode == 0, proc.stderr[-6000:]
+        log = (run_dir / "train.log").read_text()
+        assert f"training pipeline (input all-to-all of batch i+1 overlaps dense compute of batch i): " \
+               f"{'active' if pipeline else 'off'}" in log
+        losses[pipeline] = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                            if json.loads(line)["kind"] == "train"]
     assert "sparse sharding plan (explicit)" in log and "FSDP over 2 ranks" in log
     rows = {line.split()[0]: line.split() for line in log.splitlines() if line.startswith("t_")}
     assert rows["t_user_id"][3] == "row_wise" and rows["t_ad_id"][3:5] == ["table_wise", "1"], log
     assert rows["t_hist_item"][3:5] == ["column_wise", "0,1"] and rows["t_hist_gap"][3] == "table_wise"
-    losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
-              if json.loads(line)["kind"] == "train"]
-    assert len(losses) == 10 and sum(losses[-3:]) < sum(losses[:3]), losses
+    assert len(losses[False]) == 10 and sum(losses[False][-3:]) < sum(losses[False][:3]), losses
+    assert losses[True] == pytest.approx(losses[False], rel=1e-6)

@@ -107,7 +107,11 @@ class SparseArch(nn.Module):
     def forward(self, sparse: KeyedJaggedTensor, sequences: KeyedJaggedTensor, max_seq_len: dict[str, int]) -> SparseOutput:
         if self.backend == "torchrec":
             pooled = self.ebc(sparse).to_dict() if self.schema.id_features else {}
-            per_event = {k: (jt.values(), jt.offsets()) for k, jt in self.ec(sequences).items()} if self.schema.sequence_groups else {}
+            # Indexed by the schema's names, not iterated: TorchRec's pipelines FX-trace this forward.
+            per_event = {}
+            if self.schema.sequence_groups:
+                jagged = self.ec(sequences)
+                per_event = {f: (jagged[f].values(), jagged[f].offsets()) for f in self.schema.sequence_feature_names}
         else:
             pooled = self.ebc.pooled(sparse) if self.schema.id_features else {}
             per_event = self.ec.per_event(sequences) if self.schema.sequence_groups else {}

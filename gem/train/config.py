@@ -43,6 +43,7 @@ class SparseConfig:
     constraints: dict[str, list[str]] = field(default_factory=dict)  # planner only: table -> allowed sharding types
     hbm_gb: Optional[float] = None  # planner only: per-rank memory budget for the tables (None: the device's)
     sharding_group_size: Optional[int] = None  # CUDA: TorchRec DMPCollection, shard in groups, replicate across
+    pipeline: Optional[bool] = None  # TorchRec's TrainPipelineSparseDist (sharded tables only); None: on CUDA
     embedding_dim: int = 16
     init_scale: float = 0.05
     dims: dict[str, int] = field(default_factory=dict)

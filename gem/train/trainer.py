@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 import random
 import time
@@ -28,6 +30,7 @@ from gem.train.logging import MetricsWriter, format_metrics, logger, setup_loggi
 from gem.train.losses import multitask_bce
 from gem.train.metrics import TaskEvaluator
 from gem.train.optim import build_optimizers
+from gem.train.step import OptimizerSet, TimedIterator, TrainStep
 
 
 @dataclass
@@ -215,33 +218,33 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
                 "%d steps, %.1fs to first step", config.model["_target_"], num_dense / 1e6, config.sparse.backend,
                 num_fused, total_steps, time.perf_counter() - start)
 
+    group = dist.group.WORLD if env.world_size > 1 else None
+    loss_fn = lambda logits, b: multitask_bce(logits, b.labels, b.label_mask, task_weights, b.weights, group=group)  # noqa: E731
+    optimizers = OptimizerSet((dense_opt, sparse_opt), list(model.dense_arch.parameters()), config.optim.grad_clip)
+    want = config.sparse.pipeline if config.sparse.pipeline is not None else env.device.type == "cuda"
+    pipelined = want and fused is not None
+    logger.info("sparse-dist training pipeline (input all-to-all of batch i+1 overlaps dense compute of batch i): %s",
+                "active" if pipelined else "off (needs TorchRec-sharded tables)" if want else "off")
+    train_step = TrainStep(model, loss_fn, optimizers, env.device, pipelined)
+
     step, window = 0, _Window()
     bar = tqdm(total=total_steps, disable=not (t.progress_bar and env.is_main), desc="train", dynamic_ncols=True)
     for epoch in range(t.epochs if t.max_steps <= 0 else 1 << 30):
         train_reader.set_epoch(epoch)
-        it = iter(make_loader(train_reader, d.num_workers, env.device.type == "cuda"))
+        batches = TimedIterator(itertools.islice(make_loader(train_reader, d.num_workers, env.device.type == "cuda"),
+                                                 steps_per_epoch))
         for _ in range(steps_per_epoch):
             if step >= total_steps:
                 break
-            tick = time.perf_counter()
-            batch = next(it).to(env.device, non_blocking=True)
-            waited = time.perf_counter() - tick
-            logits = model(batch)
-            loss, per_task = multitask_bce(logits, batch.labels, batch.label_mask, task_weights, batch.weights,
-                                           group=dist.group.WORLD if env.world_size > 1 else None)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"step {step}: loss is {loss.item()}; lower optim.dense.lr or set optim.grad_clip")
-            loss.backward()
-            if config.optim.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.dense_arch.parameters(), config.optim.grad_clip)
-            for opt in (dense_opt, sparse_opt):
-                if opt is not None:
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
+            tick, waited = time.perf_counter(), batches.waited
+            per_task, batch_size = train_step(batches)
+            loss = float((per_task * task_weights).sum())
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"step {step}: loss is {loss}; lower optim.dense.lr or set optim.grad_clip")
             scheduler.step()
             step += 1
             bar.update()
-            window.add(float((per_task * task_weights).sum()), per_task, batch.batch_size * env.world_size, time.perf_counter() - tick, waited)
+            window.add(loss, per_task, batch_size * env.world_size, time.perf_counter() - tick, batches.waited - waited)
             if step % t.log_every == 0 or step == total_steps:
                 values = window.summary(schema.tasks) | {"lr": scheduler.get_last_lr()[0], "epoch": epoch}
                 bar.set_postfix(loss=f"{values['loss']:.4f}")
@@ -249,11 +252,13 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
                 metrics.write("train", step, values)
                 window = _Window()
             if t.eval_every and step % t.eval_every == 0:
+                train_step.detach()
                 values = evaluate(model, eval_reader("val"), env, schema.tasks, d.num_workers, t.eval_max_batches)
                 logger.info("val step %d %s", step, format_metrics(values))
                 metrics.write("val", step, values)
         if step >= total_steps:
             break
+    train_step.detach()
     bar.close()
     result = evaluate(model, eval_reader("test"), env, schema.tasks, d.num_workers, t.eval_max_batches)
     result["train_seconds"] = time.perf_counter() - start
