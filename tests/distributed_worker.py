@@ -41,8 +41,10 @@ def run_case(case: dict, data_dir: Path, batch_size: int, world_size: int, devic
     """Train ``NUM_STEPS`` steps of ``case`` on batches of ``batch_size`` per rank; returns the
     global-batch loss of every step (rank r's step-i batch is slice r of the reference's global batch i).
 
-    case: ``plan`` (a sharding type for every table, or ``{"pooled": ..., "sequence": ...}``), ``mesh``
-    ``[dp_replicate, dp_shard]`` for the dense arch, ``optimizer`` (the table optimizer).
+    case: ``plan`` (a sharding type for every table, or ``{"pooled": ..., "sequence": ...}``, or None:
+    native tables replicated with DDP), ``mesh``
+    ``[dp_replicate, dp_shard]`` for the dense arch, ``optimizer`` (the table optimizer),
+    ``activation_checkpointing``.
     """
     from gem.distributed.parallel_dims import ParallelDims
     from gem.distributed.parallelize import parallelize_gem
@@ -55,6 +57,8 @@ def run_case(case: dict, data_dir: Path, batch_size: int, world_size: int, devic
     reference.init_weights()
     if world_size == 1:
         sparse = reference
+    elif case.get("plan") is None:  # native tables replicated with DDP (GPUs without CUDA fbgemm)
+        sparse = torch.nn.parallel.DistributedDataParallel(reference)
     else:
         plan = case["plan"]
         if isinstance(plan, dict):  # {"pooled": ..., "sequence": ...}: one sharding per kind of table
@@ -70,17 +74,18 @@ def run_case(case: dict, data_dir: Path, batch_size: int, world_size: int, devic
     dense = DLRM(schema, feature_dims, dim=EMBEDDING_DIM, bottom_mlp=(16,), top_mlp=(32, 16)).to(device)
     dense.init_weights()
     model = GEMModel(sparse, dense)
-    group = None
+    group, mesh = None, None
     if world_size > 1:
         replicate, shard = case["mesh"]
-        dims = ParallelDims(replicate, shard, world_size)
-        mesh = dims.build_mesh(device.type)
+        mesh = ParallelDims(replicate, shard, world_size).build_mesh(device.type)
         if case.get("force_2d") and mesh.ndim == 1:
             from torch.distributed.device_mesh import init_device_mesh
 
             mesh = init_device_mesh(device.type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
-        parallelize_gem(model, mesh, param_dtype=torch.float32)  # fp32 compute: parity is exact up to sum order
         group = dist.group.WORLD
+    # fp32 compute: parity is exact up to the order of sums.
+    parallelize_gem(model, mesh, param_dtype=torch.float32,
+                    activation_checkpointing=case.get("activation_checkpointing", False))
     dense_opt, sparse_opt, _ = build_optimizers(model, optim, NUM_STEPS)
     rank = dist.get_rank() if world_size > 1 else 0
     reader = ParquetBatchReader(split_files(data_dir, "train"), schema, batch_size, rank=rank, world_size=world_size)
@@ -132,8 +137,8 @@ def main() -> None:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     else:
         device = torch.device("cpu")
-    # A short timeout: a rank that fails leaves the others blocked in a collective for at most this long.
-    dist.init_process_group(args.backend, timeout=timedelta(seconds=60))
+    # torchrun stops every rank when one fails; this bounds a true hang (and tolerates a loaded 2-core CI box).
+    dist.init_process_group(args.backend, timeout=timedelta(seconds=120))
     logging.basicConfig(level=logging.INFO if dist.get_rank() == 0 else logging.WARNING, format="%(message)s")
     results = {}
     for case in json.loads(args.cases):

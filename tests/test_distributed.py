@@ -26,7 +26,7 @@ from tests.conftest import ROOT
 from tests.distributed_worker import run_case
 
 PER_RANK_BATCH = 16
-TIMEOUT_S = 240  # the whole torchrun; the workers' own collective timeout is 60 s
+TIMEOUT_S = 300  # the whole torchrun; the workers' own collective timeout is 120 s
 
 
 def _free_port() -> int:
@@ -43,6 +43,12 @@ def torchrun(args: list[str], nproc: int, timeout: int = TIMEOUT_S) -> subproces
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def _errors(stderr: str) -> str:
+    """Every rank's exception lines (the first failing rank's is the cause), then the tail."""
+    lines = [line for line in stderr.splitlines() if "Error" in line or "Exception" in line]
+    return "\n".join(lines[:40]) + "\n...\n" + stderr[-3000:]
+
+
 @lru_cache(maxsize=None)
 def _reference(data_dir: str, optimizer: str, global_batch: int) -> tuple[float, ...]:
     return tuple(run_case({"optimizer": optimizer}, Path(data_dir), global_batch, 1, torch.device("cpu")))
@@ -53,13 +59,14 @@ class TestShardedParity:
     nccl on GPUs in the subclass below."""
 
     backend = "gloo"
+    mesh_plan = "row_wise"  # the table plan of the dense-layout tests (None: native tables with DDP)
 
     def _check(self, cases: list[dict], data_dir: Path, tmp_path: Path, nproc: int = 2) -> None:
         out = tmp_path / "losses.json"
         proc = torchrun(["tests/distributed_worker.py", "--data", str(data_dir), "--out", str(out),
                          "--backend", self.backend, "--batch", str(PER_RANK_BATCH), "--cases", json.dumps(cases)],
                         nproc)
-        assert proc.returncode == 0, proc.stderr[-6000:]
+        assert proc.returncode == 0, _errors(proc.stderr)
         got = json.loads(out.read_text())
         for case in cases:
             expected = _reference(str(data_dir), case.get("optimizer", "rowwise_adagrad"), PER_RANK_BATCH * nproc)
@@ -83,20 +90,37 @@ class TestShardedParity:
     def test_hsdp_meshes_match_one_process(self, tiny_dataset, tmp_path):
         """HSDP on 2-D meshes (dp_replicate, dp_shard) = (2, 1) and (1, 2)."""
         self._check([
-            {"name": "hsdp_2x1", "plan": "row_wise", "mesh": [2, 1]},
-            {"name": "hsdp_1x2", "plan": "table_wise", "mesh": [1, 2], "force_2d": True},
+            {"name": "hsdp_2x1", "plan": self.mesh_plan, "mesh": [2, 1]},
+            {"name": "hsdp_1x2", "plan": self.mesh_plan, "mesh": [1, 2], "force_2d": True},
         ], tiny_dataset, tmp_path)
 
     def test_hsdp_2x2_on_four_ranks_matches_one_process(self, tiny_dataset, tmp_path):
-        self._check([{"name": "hsdp_2x2", "plan": {"pooled": "row_wise", "sequence": "table_wise"}, "mesh": [2, 2]}],
-                    tiny_dataset, tmp_path, nproc=4)
+        if torch.cuda.is_available() and torch.cuda.device_count() < 4:
+            pytest.skip("needs four GPUs")
+        self._check([{"name": "hsdp_2x2", "plan": self.mesh_plan, "mesh": [2, 2]}], tiny_dataset, tmp_path, nproc=4)
+
+
+def _fbgemm_cuda() -> bool:
+    try:
+        import fbgemm_gpu
+
+        return getattr(fbgemm_gpu, "__variant__", "cpu") == "cuda"
+    except Exception:
+        return False
 
 
 @pytest.mark.multigpu
 class TestShardedParityNccl(TestShardedParity):
-    """Needs the CUDA fbgemm-gpu build for TorchRec's sharded kernels."""
+    """The same bodies over NCCL on GPUs. TorchRec's sharded tables need the CUDA fbgemm-gpu build;
+    without it the sharding-type test skips and the dense-layout tests use native tables with DDP."""
 
     backend = "nccl"
+    mesh_plan = "row_wise" if _fbgemm_cuda() else None
+
+    def test_each_sharding_type_with_fsdp_matches_one_process(self, tiny_dataset, tmp_path):
+        if not _fbgemm_cuda():
+            pytest.skip("TorchRec's sharded GPU kernels need the CUDA fbgemm-gpu build")
+        super().test_each_sharding_type_with_fsdp_matches_one_process(tiny_dataset, tmp_path)
 
 
 @pytest.mark.parametrize("replicate, shard, world, message", [
@@ -116,9 +140,28 @@ def test_layouts_resolve():
     assert ParallelDims(2, 2, 4).hsdp and not ParallelDims(1, 4, 4).hsdp
 
 
+def test_parallelize_gem_wraps_dense_blocks_only_and_checkpointing_changes_no_number(tiny_dataset):
+    from torch import nn
+    from torch.distributed._composable.contract import _get_registry
+
+    from gem.distributed.parallelize import dense_blocks, parallelize_gem
+
+    model = nn.Module()
+    model.sparse_arch = nn.EmbeddingBag(10, 4)
+    model.dense_arch = nn.Module()
+    model.dense_arch.mlp = nn.Linear(4, 4)
+    model.dense_arch.project = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Identity()})
+    parallelize_gem(model, None, activation_checkpointing=True)
+    blocks = dense_blocks(model.dense_arch)
+    assert blocks == [model.dense_arch.mlp, model.dense_arch.project["a"]]
+    assert all("checkpoint" in _get_registry(b) for b in blocks) and _get_registry(model.sparse_arch) is None
+    with_ac = run_case({"activation_checkpointing": True}, tiny_dataset, 32, 1, torch.device("cpu"))
+    assert with_ac == list(_reference(str(tiny_dataset), "rowwise_adagrad", 32))
+
+
 def test_trainer_with_an_impossible_mesh_fails_on_every_rank_without_hanging(tiny_dataset, tmp_path):
     proc = torchrun(["-m", "gem.train", "debug=tiny", f"trainer.run_dir={tmp_path}", f"data.cache_dir={tmp_path}",
-                     "parallelism.dp_replicate=2", "parallelism.dp_shard=2"], nproc=2, timeout=120)
+                     "trainer.device=cpu", "parallelism.dp_replicate=2", "parallelism.dp_shard=2"], nproc=2, timeout=120)
     assert proc.returncode != 0
     assert "dp_replicate x parallelism.dp_shard = 2 x 2 = 4, but the world size is 2" in proc.stderr
 
@@ -132,9 +175,9 @@ def test_trainer_under_torchrun_with_a_per_table_plan_and_the_sparse_dist_pipeli
     for pipeline in (True, False):
         run_dir = tmp_path / f"pipeline_{pipeline}"
         proc = torchrun(["-m", "gem.train", "debug=tiny", f"trainer.run_dir={run_dir}", f"data.cache_dir={tmp_path}",
-                         "sparse.sharding_type=table_wise", *plan, f"sparse.pipeline={pipeline}", "trainer.log_every=2",
+                         "trainer.device=cpu", "sparse.sharding_type=table_wise", *plan, f"sparse.pipeline={pipeline}", "trainer.log_every=2",
                          "trainer.eval_every=10", "trainer.eval_max_batches=1"], nproc=2)
-        assert proc.returncode == 0, proc.stderr[-6000:]
+        assert proc.returncode == 0, _errors(proc.stderr)
         log = (run_dir / "train.log").read_text()
         assert f"training pipeline (input all-to-all of batch i+1 overlaps dense compute of batch i): " \
                f"{'active' if pipeline else 'off'}" in log
@@ -146,3 +189,16 @@ def test_trainer_under_torchrun_with_a_per_table_plan_and_the_sparse_dist_pipeli
     assert rows["t_hist_item"][3:5] == ["column_wise", "0,1"] and rows["t_hist_gap"][3] == "table_wise"
     assert len(losses[False]) == 10 and sum(losses[False][-3:]) < sum(losses[False][:3]), losses
     assert losses[True] == pytest.approx(losses[False], rel=1e-6)
+
+
+@pytest.mark.multigpu
+def test_trainer_on_two_gpus_with_native_tables_and_bf16_fsdp(tmp_path):
+    """What runs on GPUs without the CUDA fbgemm-gpu build: native tables (DDP), FSDP2 bf16 dense."""
+    proc = torchrun(["-m", "gem.train", "debug=tiny", f"trainer.run_dir={tmp_path}", f"data.cache_dir={tmp_path}",
+                     "trainer.device=cuda", "sparse=native", "parallelism=fsdp", "trainer.log_every=2"], nproc=2)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    log = (tmp_path / "train.log").read_text()
+    assert "FSDP over 2 ranks" in log and "compute bfloat16" in log
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+              if json.loads(line)["kind"] == "train"]
+    assert sum(losses[-3:]) < sum(losses[:3]), losses
