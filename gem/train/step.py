@@ -9,6 +9,7 @@ batch i+1 is already under way and batch i+2 is being copied to the device. It r
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Callable, Iterable, Iterator
 
@@ -71,19 +72,27 @@ class TrainStep:
     def __init__(self, model: nn.Module, loss_fn: Callable, optimizers: OptimizerSet, device: torch.device,
                  pipelined: bool) -> None:
         self.model, self.loss_fn, self.optimizers, self.device = model, loss_fn, optimizers, device
-        self.pipeline = None
-        if pipelined:
-            from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
-
-            self.pipeline = TrainPipelineSparseDist(model, optimizers, device, custom_model_fwd=self._forward)
+        self.pipelined = pipelined
+        self.pipeline = None  # built at the first step, and again after each detach()
+        self._pending: list[Batch] = []  # batches a detached pipeline had in flight
+        self._source: Iterator[Batch] | None = None
+        self._base: Iterator[Batch] | None = None
 
     def _forward(self, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, int]]:
         loss, per_task = self.loss_fn(self.model(batch), batch)
         return loss, (per_task, batch.batch_size)
 
     def __call__(self, batches: Iterator[Batch]) -> tuple[torch.Tensor, int]:
-        if self.pipeline is not None:
-            return self.pipeline.progress(batches)
+        if self.pipelined:
+            if self.pipeline is None:
+                from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+                self.pipeline = TrainPipelineSparseDist(self.model, self.optimizers, self.device,
+                                                        custom_model_fwd=self._forward)
+            if batches is not self._base:
+                self._source, self._base = itertools.chain(self._pending, batches), batches
+                self._pending = []
+            return self.pipeline.progress(self._source)
         batch = next(batches).to(self.device, non_blocking=True)
         self.optimizers.zero_grad()
         loss, out = self._forward(batch)
@@ -92,6 +101,13 @@ class TrainStep:
         return out
 
     def detach(self) -> None:
-        """Give the model its own forward back (for evaluation); the next step re-attaches it."""
+        """Give the model its own forward back (for evaluation). TorchRec's re-attach after an
+        evaluation fails (the sharded modules' input-dist state no longer matches the batch in
+        flight: a gloo all-to-all size mismatch, measured), so the pipeline is dropped instead
+        and rebuilt at the next step, with its in-flight batches (already on the device, their
+        input all-to-alls completed) fed first: the data order stays that of the plain loop."""
         if self.pipeline is not None:
             self.pipeline.detach()
+            self._pending = list(self.pipeline.batches)
+            self._base = None
+            self.pipeline = None
