@@ -37,9 +37,10 @@ NUM_STEPS = 10
 EMBEDDING_DIM = 16
 
 
-def run_case(case: dict, data_dir: Path, batch_size: int, world_size: int, device: torch.device) -> list[float]:
+def run_case(case: dict, data_dir: Path, batch_size: int, world_size: int, device: torch.device) -> dict:
     """Train ``NUM_STEPS`` steps of ``case`` on batches of ``batch_size`` per rank; returns the
-    global-batch loss of every step (rank r's step-i batch is slice r of the reference's global batch i).
+    global-batch loss of every step (rank r's step-i batch is slice r of the reference's global batch i)
+    as ``losses``, and the norm of the first step's dense gradient as ``dense_grad_norm``.
 
     case: ``plan`` (a sharding type for every table, or ``{"pooled": ..., "sequence": ...}``, or None:
     native tables replicated with DDP), ``mesh``
@@ -95,6 +96,8 @@ def run_case(case: dict, data_dir: Path, batch_size: int, world_size: int, devic
         batch = batch.to(device)
         loss, per_task = multitask_bce(model(batch), batch.labels, batch.label_mask, task_weights, group=group)
         loss.backward()
+        if not losses:  # Adam and Adagrad hide a constant gradient scale from the losses; check it directly
+            grad_norm = sum(float(_full(p.grad).pow(2).sum()) for p in dense.parameters() if p.grad is not None) ** 0.5
         for opt in (dense_opt, sparse_opt):
             if opt is not None:
                 opt.step()
@@ -102,7 +105,13 @@ def run_case(case: dict, data_dir: Path, batch_size: int, world_size: int, devic
         losses.append(float((per_task * task_weights).sum()))
     if len(losses) != NUM_STEPS:
         raise RuntimeError(f"the data set ran out after {len(losses)} steps; make it larger")
-    return losses
+    return {"losses": losses, "dense_grad_norm": grad_norm}
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 @torch.no_grad()

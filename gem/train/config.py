@@ -41,7 +41,7 @@ class SparseConfig:
     sharding_type: Optional[str] = None  # explicit plan: this sharding for every table not in `plan`
     plan: dict[str, str] = field(default_factory=dict)  # table -> table_wise[:rank] | row_wise | column_wise | table_row_wise[:node] | data_parallel
     constraints: dict[str, list[str]] = field(default_factory=dict)  # planner only: table -> allowed sharding types
-    hbm_gb: Optional[float] = None  # planner only: per-rank memory budget for the tables (None: the device's)
+    hbm_gb: Optional[float] = None  # planner only: per-rank memory budget for the tables (None: TorchRec's default)
     sharding_group_size: Optional[int] = None  # CUDA: TorchRec DMPCollection, shard in groups, replicate across
     pipeline: Optional[bool] = None  # TorchRec's TrainPipelineSparseDist (sharded tables only); None: on CUDA
     embedding_dim: int = 16

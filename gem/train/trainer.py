@@ -137,6 +137,9 @@ def build_model(config: Config, schema: FeatureSchema, env: DistEnv) -> GEMModel
     dense.init_weights()  # the same on every rank (same seed): fully_shard keeps each rank's slice
     model = GEMModel(sparse, dense)
     use_fsdp = p.fully_shard if p.fully_shard is not None else env.world_size > 1
+    if env.world_size > 1 and not use_fsdp:
+        raise ConfigError(f"parallelism.fully_shard=false with {env.world_size} ranks would leave the dense gradients "
+                          f"unsynchronized; for whole copies on every rank use parallelism=replicate")
     mesh = dims.build_mesh(env.device.type) if use_fsdp else None
     logger.info("dense: %s%s", dims.describe() if use_fsdp else "not sharded",
                 f", compute {p.param_dtype}, reduce {p.reduce_dtype}" if use_fsdp else "")
