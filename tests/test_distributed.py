@@ -203,3 +203,26 @@ def test_trainer_on_two_gpus_with_native_tables_and_bf16_fsdp(tmp_path):
     losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
               if json.loads(line)["kind"] == "train"]
     assert sum(losses[-3:]) < sum(losses[:3]), losses
+
+
+def test_explicit_plans_check_their_tables_and_print_bytes_per_rank(tiny_schema):
+    from gem.distributed.sharding import explicit_plan, format_plan
+    from gem.sparse.arch import SparseArch
+
+    arch = SparseArch.from_config(tiny_schema, 8, backend="torchrec", device="meta")
+    names = [t.name for t in arch.tables]
+    with pytest.raises(ValueError, match=r"sparse.plan: unknown table\(s\) \['t_nope'\]"):
+        explicit_plan(arch, dict.fromkeys(names, "row_wise") | {"t_nope": "row_wise"}, 2, 2, "cpu")
+    with pytest.raises(ValueError, match=r"no sharding for table\(s\) \['t_hist_gap'\]"):
+        explicit_plan(arch, {n: "row_wise" for n in names if n != "t_hist_gap"}, 2, 2, "cpu")
+    with pytest.raises(ValueError, match=r"sparse.plan.t_hist_item=table_row_wise: TorchRec shards sequence tables"):
+        explicit_plan(arch, dict.fromkeys(names, "table_row_wise"), 2, 2, "cpu")
+    with pytest.raises(ValueError, match=r"sparse.plan.t_user_id='table_wise:5': rank 5 is outside \[0, 2\)"):
+        explicit_plan(arch, dict.fromkeys(names, "row_wise") | {"t_user_id": "table_wise:5"}, 2, 2, "cpu")
+    with pytest.raises(ValueError, match=r"sparse.plan.t_user_id='diagonal': the sharding must be one of"):
+        explicit_plan(arch, dict.fromkeys(names, "row_wise") | {"t_user_id": "diagonal"}, 2, 2, "cpu")
+    plan = explicit_plan(arch, dict.fromkeys(names, "table_wise") | {"t_ad_id": "row_wise", "t_user_id": "table_wise:1"},
+                         2, 2, "cpu")
+    lines = {line.split()[0]: line.split() for line in format_plan(plan, arch, 2).splitlines()[2:]}
+    assert lines["t_ad_id"][1:] == ["80", "8", "row_wise", "0,1", "1.2", "KiB", "1.2", "KiB"]  # 40 rows x 8 x 4 B each
+    assert lines["t_user_id"][3:] == ["table_wise", "1", "0", "B", "1.6", "KiB"]  # 50 x 8 x 4 B on rank 1
