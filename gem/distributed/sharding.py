@@ -26,6 +26,7 @@ from torch import nn
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise", "data_parallel")
 EXPLICIT_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
 _MODULES = ("ebc", "ec")  # SparseArch's EmbeddingBagCollection and EmbeddingCollection
+logger = logging.getLogger("gem")
 
 
 def _optimizer(name: str):
@@ -174,8 +175,8 @@ def shard_sparse_arch(sparse_arch: nn.Module, device: torch.device, sparse_lr: f
     else:
         sharding_plan = planner_plan(sparse_arch, sharders, pg, world_size, local_size, device.type, hbm_gb,
                                      constraints)
-    logging.getLogger("gem").info("sparse sharding plan (%s):\n%s", "explicit" if plan or sharding_type else "TorchRec planner",
-                format_plan(sharding_plan, sparse_arch, world_size))
+    source = "explicit" if plan or sharding_type else "TorchRec planner"
+    logger.info("sparse sharding plan (%s):\n%s", source, format_plan(sharding_plan, sparse_arch, world_size))
     if sharding_group_size:
         from torchrec.distributed.model_parallel import DMPCollection
 
