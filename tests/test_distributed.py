@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gem.distributed.parallel_dims import ParallelDims, ParallelLayoutError
+from gem.distributed import ParallelDims, ParallelLayoutError
 from tests.conftest import ROOT
 from tests.distributed_worker import run_case
 
