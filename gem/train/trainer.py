@@ -6,6 +6,7 @@ import json
 import os
 import random
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -23,11 +24,14 @@ from gem.data.parquet import ParquetBatchReader
 from gem.data.schema import FeatureSchema
 from gem.models.gem import GEMModel
 from gem.sparse.arch import SparseArch
+from gem.train import fault_injection
+from gem.train.checkpoint import Checkpointer, Progress
 from gem.train.config import Config, ConfigError, check_schema_refs, validate
 from gem.train.logging import MetricsWriter, format_metrics, logger, setup_logging
 from gem.train.losses import multitask_bce
 from gem.train.metrics import TaskEvaluator
 from gem.train.optim import build_optimizers
+from gem.train.startup import StartupTimer
 
 
 @dataclass
@@ -87,8 +91,9 @@ def load_data(config: Config, env: DistEnv) -> tuple[FeatureSchema, Path]:
     return schema, directory
 
 
-def build_model(config: Config, schema: FeatureSchema, env: DistEnv) -> GEMModel:
+def build_model(config: Config, schema: FeatureSchema, env: DistEnv, timer: StartupTimer | None = None) -> GEMModel:
     """SparseArch (TorchRec-sharded or not) + the configured dense arch, materialized on ``env.device``."""
+    timer = timer or StartupTimer()
     s = config.sparse
     shard = s.backend == "torchrec" and s.shard
     sparse = SparseArch.from_config(schema, s.embedding_dim, s.init_scale, s.dims, s.backend,
@@ -96,7 +101,8 @@ def build_model(config: Config, schema: FeatureSchema, env: DistEnv) -> GEMModel
     if shard:
         from gem.distributed.sharding import shard_sparse_arch
 
-        sparse = shard_sparse_arch(sparse, env.device, config.optim.sparse.lr, config.optim.sparse.eps, s.sharding_type)
+        with timer.phase("sharding"):
+            sparse = shard_sparse_arch(sparse, env.device, config.optim.sparse.lr, config.optim.sparse.eps, s.sharding_type)
     else:
         sparse.init_weights()
         if env.world_size > 1:
@@ -155,20 +161,26 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
     ``cfg`` is the composed Hydra config (configs/train.yaml) or an equivalent dict.
     """
     start = time.perf_counter()
+    timer = StartupTimer()
     config = validate(cfg)
     t = config.trainer
-    env = init_distributed(t.device, need_process_group=config.sparse.backend == "torchrec" and config.sparse.shard)
+    with timer.phase("process group"):
+        env = init_distributed(t.device, need_process_group=config.sparse.backend == "torchrec" and config.sparse.shard)
     run_dir = Path(t.run_dir)
+    config_yaml = OmegaConf.to_yaml(OmegaConf.structured(config))
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(config)))
+        (run_dir / "config.yaml").write_text(config_yaml)
     setup_logging(run_dir if env.is_main else None, env.rank)
     seed_everything(t.seed, t.deterministic)
 
-    schema, data_dir = load_data(config, env)
+    with timer.phase("data"):
+        schema, data_dir = load_data(config, env)
     check_schema_refs(config, schema)
     logger.info("data: %s (%s), device %s, world size %d", data_dir, ", ".join(schema.tasks), env.device, env.world_size)
-    model = build_model(config, schema, env)
+    with timer.phase("model build"):
+        model = build_model(config, schema, env, timer)
+    timer.phases["model build"] -= timer.phases.get("sharding", 0.0)
     d = config.data
     train_reader = ParquetBatchReader(split_files(data_dir, "train"), schema, d.batch_size, shuffle=d.shuffle,
                                       seed=d.seed, drop_last=True, rank=env.rank, world_size=env.world_size)
@@ -178,27 +190,36 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
                           f"({train_reader.num_rows()} rows); lower data.batch_size")
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * steps_per_epoch
     dense_opt, sparse_opt, scheduler = build_optimizers(model, config.optim, total_steps)
+    progress, ckpt = Progress(), None
+    if config.checkpoint.enabled:
+        with timer.phase("checkpoint load"):
+            ckpt = Checkpointer(config.checkpoint, Path(config.checkpoint.dir or run_dir / "checkpoints"), model,
+                                dense_opt, sparse_opt, scheduler, config_yaml, env.rank, env.world_size)
+            progress = ckpt.restore() or progress
     task_weights = torch.tensor([t.task_weights.get(k, 1.0) for k in schema.tasks], device=env.device)
-    metrics = MetricsWriter(run_dir / "metrics.jsonl" if env.is_main else None)
+    metrics = MetricsWriter(run_dir / "metrics.jsonl" if env.is_main else None, append=progress.step > 0)
     eval_reader = lambda split: ParquetBatchReader(split_files(data_dir, split), schema, d.eval_batch_size,  # noqa: E731
                                                    rank=env.rank, world_size=env.world_size)
     num_dense = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("sparse_arch."))
     fused = getattr(model.sparse_arch, "fused_optimizer", None)  # present when TorchRec sharded the tables
     num_fused = len(fused.params) if fused is not None else 0
     logger.info("model: %s, %.2fM dense parameters; sparse backend %s, %d tables with the fused optimizer; "
-                "%d steps, %.1fs to first step", config.model["_target_"], num_dense / 1e6, config.sparse.backend,
-                num_fused, total_steps, time.perf_counter() - start)
+                "%d steps", config.model["_target_"], num_dense / 1e6, config.sparse.backend, num_fused, total_steps)
 
-    step, window = 0, _Window()
-    bar = tqdm(total=total_steps, disable=not (t.progress_bar and env.is_main), desc="train", dynamic_ncols=True)
-    for epoch in range(t.epochs if t.max_steps <= 0 else 1 << 30):
-        train_reader.set_epoch(epoch)
+    step, window = progress.step, _Window()
+    bar = tqdm(total=total_steps, initial=step, disable=not (t.progress_bar and env.is_main), desc="train",
+               dynamic_ncols=True)
+    for epoch in range(progress.epoch, t.epochs if t.max_steps <= 0 else 1 << 30):
+        # Global batches consumed in this epoch (all ranks); non-zero only in the epoch we resume in.
+        consumed = progress.batches_in_epoch if epoch == progress.epoch else 0
+        train_reader.set_epoch(epoch, start_batch=consumed)
         it = iter(make_loader(train_reader, d.num_workers, env.device.type == "cuda"))
-        for _ in range(steps_per_epoch):
+        for _ in range((steps_per_epoch * env.world_size - consumed) // env.world_size):
             if step >= total_steps:
                 break
             tick = time.perf_counter()
-            batch = next(it).to(env.device, non_blocking=True)
+            with timer.phase("first batch") if step == progress.step else nullcontext():
+                batch = next(it).to(env.device, non_blocking=True)
             waited = time.perf_counter() - tick
             logits = model(batch)
             loss, per_task = multitask_bce(logits, batch.labels, batch.label_mask, task_weights, batch.weights)
@@ -213,6 +234,13 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
                     opt.zero_grad(set_to_none=True)
             scheduler.step()
             step += 1
+            consumed += env.world_size
+            if step == progress.step + 1:
+                _log_startup(timer, time.perf_counter() - tick - waited, metrics, run_dir, env)
+            fault_injection.after_step(step, env.rank, batch)
+            if ckpt is not None:
+                ckpt.maybe_save(Progress(step, epoch, consumed, progress.examples + (step - progress.step) *
+                                         batch.batch_size * env.world_size), total_steps)
             bar.update()
             window.add(loss.item(), per_task, batch.batch_size * env.world_size, time.perf_counter() - tick, waited)
             if step % t.log_every == 0 or step == total_steps:
@@ -228,6 +256,8 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
         if step >= total_steps:
             break
     bar.close()
+    if ckpt is not None:
+        ckpt.wait()
     result = evaluate(model, eval_reader("test"), env, schema.tasks, d.num_workers, t.eval_max_batches)
     result["train_seconds"] = time.perf_counter() - start
     result["steps"] = step
@@ -236,6 +266,17 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
         (run_dir / "test_metrics.json").write_text(json.dumps(result, indent=2))
     logger.info("test %s", format_metrics(result))
     return result
+
+
+def _log_startup(timer: StartupTimer, first_step_s: float, metrics: MetricsWriter, run_dir: Path, env: DistEnv) -> None:
+    """Time to the end of the first step, by phase; the first step itself includes any compile and warm-up."""
+    timer.phases["first step"] = first_step_s
+    values = timer.summary()
+    logger.info("time to first step %.2fs: %s", values["total"],
+                ", ".join(f"{k} {v:.2f}s" for k, v in values.items() if k != "total"))
+    metrics.write("startup", 0, values)
+    if env.is_main:
+        (run_dir / "startup.json").write_text(json.dumps(values, indent=2))
 
 
 class _Window:
