@@ -13,9 +13,11 @@ key                 what
 ``optim.dense``     AdamW, through ``get_optimizer_state_dict`` (keys are parameter names)
 ``scheduler``       the LR schedule's position
 ``progress``        step, epoch, global batches consumed in the epoch, examples seen
-``rng.rank_<r>``    python / numpy / torch / cuda RNG states of rank ``r``
 ``config``          the resolved config (YAML), also written as ``config.yaml``
 ==================  ==========================================================================
+
+Beside DCP's files, ``rng_rank<r>.pkl`` holds rank ``r``'s python / numpy / torch / cuda RNG
+states (per-rank values, which DCP's de-duplicated, rank-agnostic keys are not made for).
 
 Because every entry is keyed by name with its global shape, DCP reshards on load: a checkpoint
 written by 2 ranks with one TorchRec plan loads into 1 rank with another.
@@ -47,6 +49,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
 from omegaconf import OmegaConf
 from torch import nn
 
@@ -55,6 +58,14 @@ from gem.train.logging import logger
 
 MANIFEST = "gem_checkpoint.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def _flat_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # Keys "state.<param>.<name>" and "param_groups.<param>.<name>": independent of the order of
+    # parameters in the optimizer, and no lists for DCP to flatten.
+    return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class CheckpointError(RuntimeError):
@@ -134,19 +145,20 @@ class Checkpointer:
     def _state(self, progress: Progress) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+        dense_optim = get_optimizer_state_dict(self.model.dense_arch, self.dense_opt, options=_flat_options())
         sparse_optim, self._fused_keys = _sparse_optim_state(self.model, self.sparse_opt)
         return {
             "model": {"sparse": sparse_module(self.model).state_dict(), "dense": self.model.dense_arch.state_dict()},
-            "optim": {"sparse": sparse_optim, "dense": get_optimizer_state_dict(self.model.dense_arch, self.dense_opt)},
+            "optim": {"sparse": sparse_optim, "dense": dense_optim},
             "scheduler": self.scheduler.state_dict(),
             "progress": asdict(progress),
-            "rng": {f"rank_{self.rank}": _rng_state()},
             "config": self.config_yaml,
         }
 
     def _fingerprint(self, state: dict[str, Any]) -> dict[str, list]:
-        """Global shape and dtype of every model and sparse-optimizer entry: what a compatible
-        checkpoint must match (the sharding plan and world size may differ)."""
+        """Global shape and dtype of every model and sparse-optimizer entry, over all ranks (a
+        fused optimizer lists only the tables it holds): what a compatible checkpoint must
+        match (the sharding plan and world size may differ)."""
         out = {}
         for section in ("model", "optim"):
             for part, entries in state[section].items():
@@ -155,7 +167,11 @@ class Checkpointer:
                 for key, t in entries.items():
                     if isinstance(t, torch.Tensor):
                         out[f"{section}.{part}.{key}"] = [list(t.size()), str(t.dtype).removeprefix("torch.")]
-        return out
+        if dist.is_initialized() and self.world_size > 1:
+            every = [None] * self.world_size
+            dist.all_gather_object(every, out)
+            out = {k: v for rank_out in every for k, v in rank_out.items()}
+        return dict(sorted(out.items()))
 
     # ------------------------------------------------------------------------------------ save
 
@@ -177,13 +193,16 @@ class Checkpointer:
         state = self._state(progress)
         manifest = {"step": progress.step, "world_size": self.world_size, "time": time.time(),
                     "progress": asdict(progress), "fingerprint": self._fingerprint(state)}
+        tmp.mkdir(parents=True, exist_ok=True)
+        # Written before DCP's save, whose final collective then proves every rank's file is on disk.
+        (tmp / f"rng_rank{self.rank}.pkl").write_bytes(_rng_state())
         if self.cfg.async_save:
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._pg)
+            future = dcp.async_save(_flatten(state)[0], checkpoint_id=str(tmp), process_group=self._pg)
             self._pending = _Pending(future, tmp, final, manifest)
             logger.info("checkpoint step %d: staged in %.2fs, writing in the background", progress.step,
                         time.perf_counter() - tick)
         else:
-            dcp.save(state, checkpoint_id=str(tmp))
+            dcp.save(_flatten(state)[0], checkpoint_id=str(tmp))
             self._commit(_Pending(None, tmp, final, manifest))
             logger.info("checkpoint step %d: saved to %s in %.2fs", progress.step, final, time.perf_counter() - tick)
 
@@ -305,11 +324,13 @@ class Checkpointer:
 
         manifest = json.loads((path / MANIFEST).read_text()) if self.rank == 0 else None
         same_world = self._on_rank0(lambda: manifest["world_size"] == self.world_size)
-        if not same_world:
-            state.pop("rng")  # per-rank RNG streams only mean something at the same world size
         error = None
+        flat, slots = _flatten(state)
         try:
-            dcp.load(state, checkpoint_id=str(path))
+            # Our flat keys, loaded strictly: an entry this rank needs and the checkpoint lacks is an error.
+            dcp.load(flat, checkpoint_id=str(path), planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+            for key, (container, name) in slots.items():  # tensors load in place; other values are replaced
+                container[name] = flat[key]
         except Exception as e:  # DCP raises CheckpointException with per-rank details
             error = f"checkpoint {path}: DCP could not read it on rank {self.rank} ({type(e).__name__}: {e})"
         errors = [error]
@@ -321,10 +342,10 @@ class Checkpointer:
         sparse_module(self.model).load_state_dict(state["model"]["sparse"])
         self.model.dense_arch.load_state_dict(state["model"]["dense"])
         _load_fused(self.model, state["optim"]["sparse"], self._fused_keys)
-        set_optimizer_state_dict(self.model.dense_arch, self.dense_opt, state["optim"]["dense"])
+        set_optimizer_state_dict(self.model.dense_arch, self.dense_opt, state["optim"]["dense"], options=_flat_options())
         self.scheduler.load_state_dict(state["scheduler"])
-        if same_world:
-            _set_rng_state(state["rng"][f"rank_{self.rank}"])
+        if same_world:  # per-rank RNG streams only mean something at the same world size
+            _set_rng_state((path / f"rng_rank{self.rank}.pkl").read_bytes())
         else:
             logger.warning("checkpoint: written by %d ranks, loading into %d (resharded); RNG states not restored",
                            manifest and manifest["world_size"], self.world_size)
@@ -332,6 +353,26 @@ class Checkpointer:
 
 
 # ---------------------------------------------------------------------------------------- helpers
+
+
+def _flatten(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[dict, str]]]:
+    """``{"a": {"b": x}}`` -> ``{"a.b": x}`` and, per flat key, the dict and key that hold the value.
+
+    We flatten ourselves (DCP's own flattening is turned off on load) because DCP's load planner
+    takes a checkpoint entry that this rank does not ask for (another rank's fused-optimizer
+    table) for a sign of an old key format and re-flattens the request the old way.
+    """
+    flat, slots = {}, {}
+
+    def visit(node: dict, prefix: str) -> None:
+        for k, v in node.items():
+            if isinstance(v, dict) and v:
+                visit(v, f"{prefix}{k}.")
+            else:
+                flat[f"{prefix}{k}"], slots[f"{prefix}{k}"] = v, (node, k)
+
+    visit(state, "")
+    return flat, slots
 
 
 def _sparse_optim_state(model: nn.Module, sparse_opt) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
