@@ -12,7 +12,7 @@ key                 what
                     in-backward optimizer or the plain ``RowWiseAdagrad`` steps the table
 ``optim.dense``     AdamW, through ``get_optimizer_state_dict`` (keys are parameter names)
 ``scheduler``       the LR schedule's position
-``progress``        step, epoch, global batches consumed in the epoch, examples seen
+``progress``        step, epoch, examples consumed in the epoch (all ranks), examples seen
 ``config``          the resolved config (YAML), also written as ``config.yaml``
 ==================  ==========================================================================
 
@@ -33,6 +33,7 @@ on the training thread once the write is done.
 
 from __future__ import annotations
 
+import copy as copy_module
 import json
 import os
 import pickle
@@ -74,15 +75,15 @@ class CheckpointError(RuntimeError):
 
 @dataclass
 class Progress:
-    """Where training stands: the loader position is (epoch, global batches consumed in it).
+    """Where training stands: the loader position is (epoch, examples consumed in it by all ranks).
 
-    Global batches count every rank's batches (batch ``i`` of an epoch is read by rank
-    ``i % world_size``), so the position means the same examples under any world size.
+    The epoch's examples are read in a seeded order, batch ``i`` by rank ``i % world_size``, so
+    the position means the same examples under any world size or batch size that divides it.
     """
 
     step: int = 0
     epoch: int = 0
-    batches_in_epoch: int = 0
+    examples_in_epoch: int = 0
     examples: int = 0
 
 
@@ -197,7 +198,8 @@ class Checkpointer:
         # Written before DCP's save, whose final collective then proves every rank's file is on disk.
         (tmp / f"rng_rank{self.rank}.pkl").write_bytes(_rng_state())
         if self.cfg.async_save:
-            future = dcp.async_save(_flatten(state)[0], checkpoint_id=str(tmp), process_group=self._pg)
+            future = dcp.async_save(_copy_to_host(_flatten(state)[0]), checkpoint_id=str(tmp), process_group=self._pg,
+                                    async_stager=_AlreadyStaged())
             self._pending = _Pending(future, tmp, final, manifest)
             logger.info("checkpoint step %d: staged in %.2fs, writing in the background", progress.step,
                         time.perf_counter() - tick)
@@ -373,6 +375,44 @@ def _flatten(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[dic
 
     visit(state, "")
     return flat, slots
+
+
+def _copy_to_host(flat: dict[str, Any]) -> dict[str, Any]:
+    """A host-memory copy of the state for a background write, so training may change the original.
+
+    (DCP's default stager does not take TorchRec's ShardedTensor; we copy each kind ourselves.)
+    """
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    def copy(t):
+        if isinstance(t, ShardedTensor):
+            shards = [Shard(s.tensor.detach().to("cpu", copy=True), s.metadata) for s in t.local_shards()]
+            return ShardedTensor._init_from_local_shards_and_global_metadata(shards, t.metadata())
+        if isinstance(t, DTensor):
+            return DTensor.from_local(t.to_local().detach().to("cpu", copy=True), t.device_mesh, t.placements,
+                                      run_check=False, shape=t.shape, stride=t.stride())
+        if isinstance(t, torch.Tensor):
+            return t.detach().to("cpu", copy=True)
+        return copy_module.deepcopy(t)
+
+    return {k: copy(v) for k, v in flat.items()}
+
+
+class _AlreadyStaged:
+    """An ``AsyncStager`` for state that :func:`_copy_to_host` has already copied."""
+
+    _synchronize_after_execute = False
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _sparse_optim_state(model: nn.Module, sparse_opt) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

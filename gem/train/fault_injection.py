@@ -18,6 +18,8 @@ import os
 import signal
 from pathlib import Path
 
+import torch
+
 from gem.data.batch import Batch
 
 
@@ -25,9 +27,9 @@ def attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 
 
-def example_ids(batch: Batch) -> list[str]:
-    """A hash of each example's dense row (float32 features from a continuous distribution: unique)."""
-    rows = batch.dense.detach().cpu().contiguous().numpy()
+def example_ids(dense: torch.Tensor) -> list[str]:
+    """A hash of each example's dense row ``[B, num_dense]`` (continuous random features: unique)."""
+    rows = dense.detach().cpu().contiguous().numpy()
     return [hashlib.blake2b(row.tobytes(), digest_size=8).hexdigest() for row in rows]
 
 
@@ -35,6 +37,6 @@ def after_step(step: int, rank: int, batch: Batch) -> None:
     log, kill = os.environ.get("GEM_TEST_EXAMPLE_LOG"), os.environ.get("GEM_TEST_KILL_AT")
     if log:
         with (Path(log) / f"rank{rank}.jsonl").open("a") as f:
-            f.write(json.dumps({"attempt": attempt(), "step": step, "ids": example_ids(batch)}) + "\n")
+            f.write(json.dumps({"attempt": attempt(), "step": step, "ids": example_ids(batch.dense)}) + "\n")
     if kill and attempt() == 0 and kill == f"{step}:{rank}":
         os.kill(os.getpid(), signal.SIGKILL)

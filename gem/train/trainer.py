@@ -64,10 +64,25 @@ def init_distributed(device: str, need_process_group: bool) -> DistEnv:
     if (world_size > 1 or need_process_group) and not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
         if world_size > 1:
-            dist.init_process_group(backend, timeout=timedelta(minutes=10))
+            dist.init_process_group(backend, timeout=timedelta(minutes=10), **_restart_store(rank, world_size))
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return DistEnv(rank, world_size, local_rank, dev)
+
+
+def _restart_store(rank: int, world_size: int) -> dict:
+    """After a ``torchrun --max-restarts`` restart, a store whose keys are this attempt's own.
+
+    torchrun's agent keeps one TCPStore across restarts; with the plain ``env://`` set-up a
+    restarted gloo group can read the dead attempt's addresses and fail to connect (seen with
+    torch 2.13 when the first attempt had created more than one group). A prefix per attempt
+    keeps the attempts apart."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timedelta(minutes=10))
+    return {"store": dist.PrefixStore(f"gem_attempt_{attempt}/", store), "rank": rank, "world_size": world_size}
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -210,8 +225,8 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
     bar = tqdm(total=total_steps, initial=step, disable=not (t.progress_bar and env.is_main), desc="train",
                dynamic_ncols=True)
     for epoch in range(progress.epoch, t.epochs if t.max_steps <= 0 else 1 << 30):
-        # Global batches consumed in this epoch (all ranks); non-zero only in the epoch we resume in.
-        consumed = progress.batches_in_epoch if epoch == progress.epoch else 0
+        # Global batches (of all ranks) consumed in this epoch; non-zero only in the epoch we resume in.
+        consumed = _resume_batch(progress, d.batch_size) if epoch == progress.epoch else 0
         train_reader.set_epoch(epoch, start_batch=consumed)
         it = iter(make_loader(train_reader, d.num_workers, env.device.type == "cuda"))
         for _ in range((steps_per_epoch * env.world_size - consumed) // env.world_size):
@@ -239,8 +254,8 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
                 _log_startup(timer, time.perf_counter() - tick - waited, metrics, run_dir, env)
             fault_injection.after_step(step, env.rank, batch)
             if ckpt is not None:
-                ckpt.maybe_save(Progress(step, epoch, consumed, progress.examples + (step - progress.step) *
-                                         batch.batch_size * env.world_size), total_steps)
+                ckpt.maybe_save(Progress(step, epoch, consumed * d.batch_size, progress.examples + (step - progress.step) *
+                                         d.batch_size * env.world_size), total_steps)
             bar.update()
             window.add(loss.item(), per_task, batch.batch_size * env.world_size, time.perf_counter() - tick, waited)
             if step % t.log_every == 0 or step == total_steps:
@@ -266,6 +281,14 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
         (run_dir / "test_metrics.json").write_text(json.dumps(result, indent=2))
     logger.info("test %s", format_metrics(result))
     return result
+
+
+def _resume_batch(progress: Progress, batch_size: int) -> int:
+    if progress.examples_in_epoch % batch_size:
+        logger.warning("checkpoint: %d examples of epoch %d were consumed, not a multiple of data.batch_size=%d; "
+                       "resuming at the batch boundary before, so up to %d examples are seen twice",
+                       progress.examples_in_epoch, progress.epoch, batch_size, batch_size - 1)
+    return progress.examples_in_epoch // batch_size
 
 
 def _log_startup(timer: StartupTimer, first_step_s: float, metrics: MetricsWriter, run_dir: Path, env: DistEnv) -> None:
