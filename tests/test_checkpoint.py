@@ -263,3 +263,29 @@ def test_missing_checkpoint_directory(cache_dir, tmp_path):
     with pytest.raises(CheckpointError, match="checkpoint.load_from='/nonexistent/ckpt' does not exist"):
         _restore(cache_dir, tmp_path, "checkpoint.load_from=/nonexistent/ckpt")
     assert _restore(cache_dir, tmp_path / "fresh") is None  # resume with no checkpoint yet: start at step 0
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+# No CUDA FBGEMM on the GPU machines: TorchRec's sharded kernels cannot run there, so these use the
+# native backend or unsharded TorchRec modules.
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sparse", ["sparse=native", "sparse.shard=false"])
+def test_resume_on_cuda_is_bit_identical(cache_dir, tmp_path, sparse):
+    extra = ("trainer.device=cuda", sparse, "checkpoint.async_save=true")
+    train(compose(_overrides(cache_dir, tmp_path / "full", *extra)))
+    _interrupt(tmp_path / "full", tmp_path / "run", keep_through_step=10)
+    train(compose(_overrides(cache_dir, tmp_path / "run", *extra)))
+    expected, resumed = _losses(tmp_path / "full"), _losses(tmp_path / "run")
+    assert [resumed[s] for s in range(11, 21)] == [expected[s] for s in range(11, 21)]
+
+
+@pytest.mark.multigpu
+def test_resume_two_gpus_nccl_is_bit_identical(cache_dir, tmp_path):
+    extra = ("trainer.device=cuda", "sparse=native", "checkpoint.async_save=true")
+    _torchrun(cache_dir, tmp_path / "full", *extra)
+    _interrupt(tmp_path / "full", tmp_path / "run", keep_through_step=10)
+    _torchrun(cache_dir, tmp_path / "run", *extra)
+    expected, resumed = _losses(tmp_path / "full"), _losses(tmp_path / "run")
+    assert [resumed[s] for s in range(11, 21)] == [expected[s] for s in range(11, 21)]
