@@ -5,6 +5,7 @@ resharding 2 ranks -> 1, and bad checkpoints. Every run is the tiny debug config
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -22,7 +23,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from gem.data.dataset import split_files, synthetic_dir
 from gem.data.schema import FeatureSchema
 from gem.train.checkpoint import Checkpointer, CheckpointError, list_checkpoints
-from gem.train.config import validate
+from gem.train.config import ConfigError, validate
 from gem.train.fault_injection import example_ids
 from gem.train.optim import build_optimizers
 from gem.train.trainer import build_model, init_distributed, load_data, train
@@ -289,3 +290,10 @@ def test_resume_two_gpus_nccl_is_bit_identical(cache_dir, tmp_path):
     _torchrun(cache_dir, tmp_path / "run", *extra)
     expected, resumed = _losses(tmp_path / "full"), _losses(tmp_path / "run")
     assert [resumed[s] for s in range(11, 21)] == [expected[s] for s in range(11, 21)]
+
+
+@pytest.mark.parametrize("override, match", [("checkpoint.verify=md5", "checkpoint.verify='md5' is not one of"),
+                                             ("checkpoint.every_steps=-1", "checkpoint.every_steps=-1 must be >= 0")])
+def test_checkpoint_config_is_validated(override, match):
+    with pytest.raises(ConfigError, match=re.escape(match)):
+        validate(compose([override]))

@@ -293,11 +293,20 @@ class Checkpointer:
         return found
 
     def _on_rank0(self, fn):
-        """Run ``fn`` on rank 0 and give its result to every rank."""
-        out = [fn() if self.rank == 0 else None]
+        """Run ``fn`` on rank 0 and give its result, or raise its exception, on every rank (so that
+        an error on rank 0 never leaves the other ranks waiting for the collective timeout)."""
+        out = [None]
+        if self.rank == 0:
+            try:
+                out = [(True, fn())]
+            except Exception as e:  # re-raised below on every rank
+                out = [(False, e)]
         if dist.is_initialized() and self.world_size > 1:
             dist.broadcast_object_list(out, src=0)
-        return out[0]
+        ok, value = out[0]
+        if not ok:
+            raise value
+        return value
 
     def _verify(self, path: Path, expected: dict[str, list]) -> str | None:
         """Rank 0: a reason why ``path`` is unusable, or None. Raises for an incompatible model."""

@@ -254,8 +254,8 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
                 _log_startup(timer, time.perf_counter() - tick - waited, metrics, run_dir, env)
             fault_injection.after_step(step, env.rank, batch)
             if ckpt is not None:
-                ckpt.maybe_save(Progress(step, epoch, consumed * d.batch_size, progress.examples + (step - progress.step) *
-                                         d.batch_size * env.world_size), total_steps)
+                seen = progress.examples + (step - progress.step) * d.batch_size * env.world_size
+                ckpt.maybe_save(Progress(step, epoch, consumed * d.batch_size, seen), total_steps)
             bar.update()
             window.add(loss.item(), per_task, batch.batch_size * env.world_size, time.perf_counter() - tick, waited)
             if step % t.log_every == 0 or step == total_steps:
