@@ -26,8 +26,8 @@ Writes are atomic: DCP writes into ``<dir>/.tmp-step_<step>``; once every rank's
 DCP's ``.metadata`` are on disk, rank 0 writes ``gem_checkpoint.json`` (the step, the world
 size, a fingerprint of every state entry's shape, and each file's size and CRC-32) and renames
 the folder to ``step_<step>``. A crash mid-save leaves only a ``.tmp-`` folder, which is
-ignored and removed at the next start. With ``async_save`` the state is copied to host memory
-(DCP's stager) and written by a background thread while training continues; the rename happens
+ignored and removed at the next start. With ``async_save`` the state is copied (see
+:func:`_snapshot`) and written by a background thread while training continues; the rename happens
 on the training thread once the write is done.
 """
 
@@ -198,7 +198,7 @@ class Checkpointer:
         # Written before DCP's save, whose final collective then proves every rank's file is on disk.
         (tmp / f"rng_rank{self.rank}.pkl").write_bytes(_rng_state())
         if self.cfg.async_save:
-            future = dcp.async_save(_copy_to_host(_flatten(state)[0]), checkpoint_id=str(tmp), process_group=self._pg,
+            future = dcp.async_save(_snapshot(_flatten(state)[0]), checkpoint_id=str(tmp), process_group=self._pg,
                                     async_stager=_AlreadyStaged())
             self._pending = _Pending(future, tmp, final, manifest)
             logger.info("checkpoint step %d: staged in %.2fs, writing in the background", progress.step,
@@ -333,8 +333,7 @@ class Checkpointer:
         """Load ``path`` into ``state`` and the live objects on every rank; a reason if any rank failed."""
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-        manifest = json.loads((path / MANIFEST).read_text()) if self.rank == 0 else None
-        same_world = self._on_rank0(lambda: manifest["world_size"] == self.world_size)
+        saved_world_size = self._on_rank0(lambda: json.loads((path / MANIFEST).read_text())["world_size"])
         error = None
         flat, slots = _flatten(state)
         try:
@@ -355,11 +354,11 @@ class Checkpointer:
         _load_fused(self.model, state["optim"]["sparse"], self._fused_keys)
         set_optimizer_state_dict(self.model.dense_arch, self.dense_opt, state["optim"]["dense"], options=_flat_options())
         self.scheduler.load_state_dict(state["scheduler"])
-        if same_world:  # per-rank RNG streams only mean something at the same world size
+        if saved_world_size == self.world_size:  # per-rank RNG streams only mean something at the same size
             _set_rng_state((path / f"rng_rank{self.rank}.pkl").read_bytes())
         else:
             logger.warning("checkpoint: written by %d ranks, loading into %d (resharded); RNG states not restored",
-                           manifest and manifest["world_size"], self.world_size)
+                           saved_world_size, self.world_size)
         return None
 
 
@@ -386,20 +385,22 @@ def _flatten(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[dic
     return flat, slots
 
 
-def _copy_to_host(flat: dict[str, Any]) -> dict[str, Any]:
-    """A host-memory copy of the state for a background write, so training may change the original.
+def _snapshot(flat: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the state for a background write, so that training may change the original.
 
-    (DCP's default stager does not take TorchRec's ShardedTensor; we copy each kind ourselves.)
+    DCP's default stager does not take TorchRec's ShardedTensor, so we copy each kind ourselves:
+    plain tensors into host memory; ShardedTensor and DTensor shards on their own device (their
+    metadata names it), which on a GPU costs a second copy of this rank's shards in GPU memory.
     """
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
     from torch.distributed.tensor import DTensor
 
     def copy(t):
         if isinstance(t, ShardedTensor):
-            shards = [Shard(s.tensor.detach().to("cpu", copy=True), s.metadata) for s in t.local_shards()]
+            shards = [Shard(s.tensor.detach().clone(), s.metadata) for s in t.local_shards()]
             return ShardedTensor._init_from_local_shards_and_global_metadata(shards, t.metadata())
         if isinstance(t, DTensor):
-            return DTensor.from_local(t.to_local().detach().to("cpu", copy=True), t.device_mesh, t.placements,
+            return DTensor.from_local(t.to_local().detach().clone(), t.device_mesh, t.placements,
                                       run_check=False, shape=t.shape, stride=t.stride())
         if isinstance(t, torch.Tensor):
             return t.detach().to("cpu", copy=True)
@@ -409,7 +410,7 @@ def _copy_to_host(flat: dict[str, Any]) -> dict[str, Any]:
 
 
 class _AlreadyStaged:
-    """An ``AsyncStager`` for state that :func:`_copy_to_host` has already copied."""
+    """An ``AsyncStager`` for state that :func:`_snapshot` has already copied."""
 
     _synchronize_after_execute = False
     should_synchronize_after_execute = False
