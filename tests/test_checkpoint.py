@@ -5,8 +5,8 @@ resharding 2 ranks -> 1, and bad checkpoints. Every run is the tiny debug config
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import shutil
 import subprocess
 import sys

@@ -50,9 +50,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner
 from omegaconf import OmegaConf
 from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from gem.train.config import CheckpointConfig
 from gem.train.logging import logger
