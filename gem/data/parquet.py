@@ -99,7 +99,9 @@ class ParquetBatchReader(torch.utils.data.IterableDataset):
         batch_size: examples per batch; the last, smaller batch is kept unless ``drop_last``.
         shuffle / seed: seeded permutation of files and of rows within each file, per epoch.
         rank / world_size: this process takes every ``world_size``-th batch starting at ``rank``;
-            DataLoader workers split a rank's batches the same way, so no batch is read twice.
+            DataLoader workers take turns over a rank's batches, so no batch is read twice and a
+            rank's k-th batch is global batch ``k * world_size + rank`` for any number of workers.
+            ``set_epoch(epoch, start_batch)`` starts an epoch part-way (resume).
     """
 
     def __init__(
@@ -126,16 +128,25 @@ class ParquetBatchReader(torch.utils.data.IterableDataset):
         self.rank = rank
         self.world_size = world_size
         self.epoch = 0
+        self.start_batch = 0
         self.stats = ReaderStats()
         self._columns = [f.name for f in arrow_schema(schema)]
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Read epoch ``epoch`` (its seeded shuffle) from its global batch ``start_batch`` on:
+        batches ``[0, start_batch)`` of every rank are skipped without being decoded (resume)."""
         self.epoch = epoch
+        self.start_batch = start_batch
 
     def __iter__(self) -> Iterator[Batch]:
         worker = torch.utils.data.get_worker_info()
         num_workers, worker_id = (worker.num_workers, worker.id) if worker else (1, 0)
-        num_shards, shard = self.world_size * num_workers, self.rank * num_workers + worker_id
+        # Batch i goes to rank i % world_size, and within a rank round-robin to its workers (counted
+        # from start_batch), as the DataLoader collects them: a rank's k-th batch is global batch
+        # start_batch + k * world_size + rank.
+        first = self.start_batch // self.world_size
+        mine = lambda i: (i % self.world_size == self.rank  # noqa: E731
+                          and (i // self.world_size - first) % num_workers == worker_id)
         rng = np.random.default_rng((self.seed, self.epoch))
         order = rng.permutation(len(self.files)) if self.shuffle else range(len(self.files))
         index = 0
@@ -147,10 +158,10 @@ class ParquetBatchReader(torch.utils.data.IterableDataset):
             pending = table if pending is None else pa.concat_tables([pending, table])
             while pending.num_rows >= self.batch_size:
                 chunk, pending = pending.slice(0, self.batch_size), pending.slice(self.batch_size)
-                if index % num_shards == shard:
+                if mine(index) and index >= self.start_batch:
                     yield self.to_batch(chunk, str(self.files[i]))
                 index += 1
-        if pending is not None and pending.num_rows and not self.drop_last and index % num_shards == shard:
+        if pending is not None and pending.num_rows and not self.drop_last and mine(index):
             yield self.to_batch(pending, "last batch")
 
     def num_rows(self) -> int:

@@ -105,6 +105,20 @@ class KernelsConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    enabled: bool = False
+    dir: Optional[str] = None  # None: <trainer.run_dir>/checkpoints
+    every_steps: int = 0  # 0: no periodic checkpoints
+    at_end: bool = True
+    keep_last: int = 3  # 0: keep all
+    async_save: bool = False
+    resume: bool = True  # continue from the newest checkpoint in dir
+    load_from: Optional[str] = None  # a step_<N> folder (or a folder of them) to start from instead
+    fallback: bool = True  # a truncated / corrupted newest checkpoint -> the previous one
+    verify: str = "checksum"  # checksum | size
+
+
+@dataclass
 class Config:
     name: str = "default"
     data: DataConfig = field(default_factory=DataConfig)
@@ -114,6 +128,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 def _one_of(key: str, value: Any, allowed: tuple) -> None:
@@ -176,6 +191,10 @@ def validate(cfg: DictConfig | dict) -> Config:
         raise ConfigError("model must name a dense architecture with _target_; pick one with model=dlrm")
     if config.kernels.attention_backend is not None:
         _one_of("kernels.attention_backend", config.kernels.attention_backend, ("triton", "reference"))
+    c = config.checkpoint
+    _positive("checkpoint.every_steps", c.every_steps, allow_zero=True)
+    _positive("checkpoint.keep_last", c.keep_last, allow_zero=True)
+    _one_of("checkpoint.verify", c.verify, ("checksum", "size"))
     return config
 
 

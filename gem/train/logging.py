@@ -42,9 +42,9 @@ def setup_logging(run_dir: Path | None, rank: int) -> None:
 class MetricsWriter:
     """Appends one JSON object per line to ``<run_dir>/metrics.jsonl`` (rank 0 only)."""
 
-    def __init__(self, path: Path | None) -> None:
+    def __init__(self, path: Path | None, append: bool = False) -> None:
         self.path = path
-        if path is not None:
+        if path is not None and not append:
             path.write_text("")
 
     def write(self, kind: str, step: int, values: dict[str, Any]) -> None:

@@ -74,11 +74,13 @@ class TrainStep:
         self.model, self.loss_fn, self.optimizers, self.device = model, loss_fn, optimizers, device
         self.pipelined = pipelined
         self.pipeline = None  # built at the first step, and again after each detach()
+        self.last_batch: Batch | None = None  # the batch the last step trained on
         self._pending: list[Batch] = []  # batches a detached pipeline had in flight
         self._source: Iterator[Batch] | None = None
         self._base: Iterator[Batch] | None = None
 
     def _forward(self, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, int]]:
+        self.last_batch = batch
         loss, per_task = self.loss_fn(self.model(batch), batch)
         return loss, (per_task, batch.batch_size)
 

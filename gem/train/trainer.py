@@ -8,6 +8,7 @@ import math
 import os
 import random
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -25,11 +26,14 @@ from gem.data.parquet import ParquetBatchReader
 from gem.data.schema import FeatureSchema
 from gem.models.gem import GEMModel
 from gem.sparse.arch import SparseArch
+from gem.train import fault_injection
+from gem.train.checkpoint import Checkpointer, Progress
 from gem.train.config import Config, ConfigError, check_schema_refs, validate
 from gem.train.logging import MetricsWriter, format_metrics, logger, setup_logging
 from gem.train.losses import multitask_bce
 from gem.train.metrics import TaskEvaluator
 from gem.train.optim import build_optimizers
+from gem.train.startup import StartupTimer
 from gem.train.step import OptimizerSet, TimedIterator, TrainStep
 
 
@@ -63,10 +67,25 @@ def init_distributed(device: str, need_process_group: bool) -> DistEnv:
     if (world_size > 1 or need_process_group) and not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
         if world_size > 1:
-            dist.init_process_group(backend, timeout=timedelta(minutes=10))
+            dist.init_process_group(backend, timeout=timedelta(minutes=10), **_restart_store(rank, world_size))
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return DistEnv(rank, world_size, local_rank, dev)
+
+
+def _restart_store(rank: int, world_size: int) -> dict:
+    """After a ``torchrun --max-restarts`` restart, a store whose keys are this attempt's own.
+
+    torchrun's agent keeps one TCPStore across restarts; with the plain ``env://`` set-up a
+    restarted gloo group can read the dead attempt's addresses and fail to connect (seen with
+    torch 2.13 when the first attempt had created more than one group). A prefix per attempt
+    keeps the attempts apart."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timedelta(minutes=10))
+    return {"store": dist.PrefixStore(f"gem_attempt_{attempt}/", store), "rank": rank, "world_size": world_size}
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -101,12 +120,13 @@ def parallel_dims(config: Config, env: DistEnv):
         raise ConfigError(str(e)) from None
 
 
-def build_model(config: Config, schema: FeatureSchema, env: DistEnv) -> GEMModel:
+def build_model(config: Config, schema: FeatureSchema, env: DistEnv, timer: StartupTimer | None = None) -> GEMModel:
     """SparseArch (TorchRec-sharded or not) + the configured dense arch, materialized on ``env.device``,
     then ``parallelize_gem`` (FSDP2 / HSDP on the ParallelDims mesh when ``world_size > 1``)."""
     from gem.distributed.parallel_dims import dtype_from_name
     from gem.distributed.parallelize import parallelize_gem
 
+    timer = timer or StartupTimer()
     s, p = config.sparse, config.parallelism
     dims = parallel_dims(config, env)
     shard = s.backend == "torchrec" and s.shard
@@ -116,9 +136,10 @@ def build_model(config: Config, schema: FeatureSchema, env: DistEnv) -> GEMModel
         from gem.distributed.sharding import shard_sparse_arch
 
         try:
-            sparse = shard_sparse_arch(sparse, env.device, config.optim.sparse.lr, config.optim.sparse.eps,
-                                       s.sharding_type, plan=s.plan, hbm_gb=s.hbm_gb, constraints=s.constraints,
-                                       optimizer=config.optim.sparse.name, sharding_group_size=s.sharding_group_size)
+            with timer.phase("sharding"):
+                sparse = shard_sparse_arch(sparse, env.device, config.optim.sparse.lr, config.optim.sparse.eps,
+                                           s.sharding_type, plan=s.plan, hbm_gb=s.hbm_gb, constraints=s.constraints,
+                                           optimizer=config.optim.sparse.name, sharding_group_size=s.sharding_group_size)
         except ValueError as e:  # plan errors name the sparse.* key; every rank raises the same one
             raise ConfigError(str(e)) from None
     else:
@@ -185,22 +206,28 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
     ``cfg`` is the composed Hydra config (configs/train.yaml) or an equivalent dict.
     """
     start = time.perf_counter()
+    timer = StartupTimer()
     config = validate(cfg)
     t = config.trainer
-    env = init_distributed(t.device, need_process_group=(config.sparse.backend == "torchrec" and config.sparse.shard)
-                           or bool(config.parallelism.fully_shard))
+    with timer.phase("process group"):
+        env = init_distributed(t.device, need_process_group=(config.sparse.backend == "torchrec" and config.sparse.shard)
+                               or bool(config.parallelism.fully_shard))
     parallel_dims(config, env)  # an impossible layout fails here, on every rank, before any work
     run_dir = Path(t.run_dir)
+    config_yaml = OmegaConf.to_yaml(OmegaConf.structured(config))
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(config)))
+        (run_dir / "config.yaml").write_text(config_yaml)
     setup_logging(run_dir if env.is_main else None, env.rank)
     seed_everything(t.seed, t.deterministic)
 
-    schema, data_dir = load_data(config, env)
+    with timer.phase("data"):
+        schema, data_dir = load_data(config, env)
     check_schema_refs(config, schema)
     logger.info("data: %s (%s), device %s, world size %d", data_dir, ", ".join(schema.tasks), env.device, env.world_size)
-    model = build_model(config, schema, env)
+    with timer.phase("model build"):
+        model = build_model(config, schema, env, timer)
+    timer.phases["model build"] -= timer.phases.get("sharding", 0.0)
     d = config.data
     train_reader = ParquetBatchReader(split_files(data_dir, "train"), schema, d.batch_size, shuffle=d.shuffle,
                                       seed=d.seed, drop_last=True, rank=env.rank, world_size=env.world_size)
@@ -210,16 +237,21 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
                           f"({train_reader.num_rows()} rows); lower data.batch_size")
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * steps_per_epoch
     dense_opt, sparse_opt, scheduler = build_optimizers(model, config.optim, total_steps)
+    progress, ckpt = Progress(), None
+    if config.checkpoint.enabled:
+        with timer.phase("checkpoint load"):
+            ckpt = Checkpointer(config.checkpoint, Path(config.checkpoint.dir or run_dir / "checkpoints"), model,
+                                dense_opt, sparse_opt, scheduler, config_yaml, env.rank, env.world_size)
+            progress = ckpt.restore() or progress
     task_weights = torch.tensor([t.task_weights.get(k, 1.0) for k in schema.tasks], device=env.device)
-    metrics = MetricsWriter(run_dir / "metrics.jsonl" if env.is_main else None)
+    metrics = MetricsWriter(run_dir / "metrics.jsonl" if env.is_main else None, append=progress.step > 0)
     eval_reader = lambda split: ParquetBatchReader(split_files(data_dir, split), schema, d.eval_batch_size,  # noqa: E731
                                                    rank=env.rank, world_size=env.world_size)
     num_dense = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("sparse_arch."))
     fused = getattr(model.sparse_arch, "fused_optimizer", None)  # present when TorchRec sharded the tables
     num_fused = len(fused.params) if fused is not None else 0
     logger.info("model: %s, %.2fM dense parameters; sparse backend %s, %d tables with the fused optimizer; "
-                "%d steps, %.1fs to first step", config.model["_target_"], num_dense / 1e6, config.sparse.backend,
-                num_fused, total_steps, time.perf_counter() - start)
+                "%d steps", config.model["_target_"], num_dense / 1e6, config.sparse.backend, num_fused, total_steps)
 
     group = dist.group.WORLD if env.world_size > 1 else None
     loss_fn = lambda logits, b: multitask_bce(logits, b.labels, b.label_mask, task_weights, b.weights, group=group)  # noqa: E731
@@ -232,19 +264,31 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
                 "active" if pipelined else f"off ({reason})" if want else "off")
     train_step = TrainStep(model, loss_fn, optimizers, env.device, pipelined)
 
-    step, window = 0, _Window()
-    bar = tqdm(total=total_steps, disable=not (t.progress_bar and env.is_main), desc="train", dynamic_ncols=True)
-    for epoch in range(t.epochs if t.max_steps <= 0 else 1 << 30):
-        train_reader.set_epoch(epoch)
+    step, window = progress.step, _Window()
+    bar = tqdm(total=total_steps, initial=step, disable=not (t.progress_bar and env.is_main), desc="train",
+               dynamic_ncols=True)
+    for epoch in range(progress.epoch, t.epochs if t.max_steps <= 0 else 1 << 30):
+        # Global batches (of all ranks) consumed in this epoch; non-zero only in the epoch we resume in.
+        consumed = _resume_batch(progress, d.batch_size) if epoch == progress.epoch else 0
+        train_reader.set_epoch(epoch, start_batch=consumed)
+        steps_left = (steps_per_epoch * env.world_size - consumed) // env.world_size
         batches = TimedIterator(itertools.islice(make_loader(train_reader, d.num_workers, env.device.type == "cuda"),
-                                                 steps_per_epoch))
-        for _ in range(steps_per_epoch):
+                                                 steps_left))
+        for _ in range(steps_left):
             if step >= total_steps:
                 break
-            waited = batches.waited
+            tick, waited = time.perf_counter(), batches.waited
             per_task, batch_size = train_step(batches)
             scheduler.step()
             step += 1
+            consumed += env.world_size
+            if step == progress.step + 1:
+                timer.phases["first batch"] = batches.waited - waited
+                _log_startup(timer, time.perf_counter() - tick - (batches.waited - waited), metrics, run_dir, env)
+            fault_injection.after_step(step, env.rank, train_step.last_batch)
+            if ckpt is not None:
+                seen = progress.examples + (step - progress.step) * d.batch_size * env.world_size
+                ckpt.maybe_save(Progress(step, epoch, consumed * d.batch_size, seen), total_steps)
             bar.update()
             window.add((per_task * task_weights).sum(), per_task, batch_size * env.world_size, batches.waited - waited)
             if step % t.log_every == 0 or step == total_steps:
@@ -264,6 +308,8 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
             break
     train_step.detach()
     bar.close()
+    if ckpt is not None:
+        ckpt.wait()
     result = evaluate(model, eval_reader("test"), env, schema.tasks, d.num_workers, t.eval_max_batches)
     result["train_seconds"] = time.perf_counter() - start
     result["steps"] = step
@@ -272,6 +318,25 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
         (run_dir / "test_metrics.json").write_text(json.dumps(result, indent=2))
     logger.info("test %s", format_metrics(result))
     return result
+
+
+def _resume_batch(progress: Progress, batch_size: int) -> int:
+    if progress.examples_in_epoch % batch_size:
+        logger.warning("checkpoint: %d examples of epoch %d were consumed, not a multiple of data.batch_size=%d; "
+                       "resuming at the batch boundary before, so up to %d examples are seen twice",
+                       progress.examples_in_epoch, progress.epoch, batch_size, batch_size - 1)
+    return progress.examples_in_epoch // batch_size
+
+
+def _log_startup(timer: StartupTimer, first_step_s: float, metrics: MetricsWriter, run_dir: Path, env: DistEnv) -> None:
+    """Time to the end of the first step, by phase; the first step itself includes any compile and warm-up."""
+    timer.phases["first step"] = first_step_s
+    values = timer.summary()
+    logger.info("time to first step %.2fs: %s", values["total"],
+                ", ".join(f"{k} {v:.2f}s" for k, v in values.items() if k != "total"))
+    metrics.write("startup", 0, values)
+    if env.is_main:
+        (run_dir / "startup.json").write_text(json.dumps(values, indent=2))
 
 
 class _Window:
