@@ -1,0 +1,186 @@
+"""Sequence building blocks over jagged event streams, all through ``kernels.jagged_attention``.
+
+Every block reads and writes jagged rows ``values [T, D]`` + ``offsets [B+1]`` + a host-side
+``max_len`` (gem/data/jagged.py); nothing here pads. Each block also states its forward FLOPs
+(``flops``), counted on the true jagged lengths, for gem/train/flops.py.
+
+Example, two histories of lengths 2 and 0 with two CLS tokens prepended::
+
+    #                 i = 0              i = 1     <- batch
+    # before          [h0 h1]            []           offsets [0, 2, 2]
+    # after           [c0 c1 h0 h1]      [c0' c1']    offsets [0, 4, 6]
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gem.data.jagged import segment_ids
+from kernels.jagged_attention import jagged_attention, num_visible_pairs
+
+
+def linear_flops(rows: int, in_dim: int, out_dim: int) -> int:
+    """Forward FLOPs of ``[rows, in_dim] @ [in_dim, out_dim]`` (bias adds are not counted, as in FlopCounterMode)."""
+    return 2 * rows * in_dim * out_dim
+
+
+def attention_flops(num_heads: int, head_dim: int, pairs: int) -> int:
+    """Forward FLOPs of attention over ``pairs`` visible (query, key) pairs: ``Q K^T`` and ``P V``."""
+    return 4 * num_heads * head_dim * pairs
+
+
+def jagged_positions(offsets: torch.Tensor, total: int) -> torch.Tensor:
+    """The position of every row inside its own sequence, ``[T]`` int64 (0 = oldest)."""
+    return torch.arange(total, device=offsets.device) - offsets[segment_ids(offsets, total)]
+
+
+def jagged_prepend(prefix: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prepend ``prefix [B, N, D]`` to every sequence of ``values [T, D]``: ``([T + B*N, D], offsets [B+1])``.
+
+    A gather, no padding; empty sequences come out holding just their N prefix rows.
+    """
+    num_seqs, num_prefix = prefix.shape[0], prefix.shape[1]
+    total = values.shape[0]
+    shift = num_prefix * torch.arange(num_seqs + 1, device=offsets.device)
+    new_offsets = offsets + shift
+    prefix_dest = (new_offsets[:-1, None] + torch.arange(num_prefix, device=offsets.device)).reshape(-1)  # [B*N]
+    values_dest = torch.arange(total, device=offsets.device) + shift[1:][segment_ids(offsets, total)]  # [T]
+    source = torch.empty(total + num_seqs * num_prefix, dtype=torch.int64, device=offsets.device)
+    source[prefix_dest] = torch.arange(num_seqs * num_prefix, device=offsets.device)
+    source[values_dest] = num_seqs * num_prefix + torch.arange(total, device=offsets.device)
+    return torch.cat([prefix.reshape(-1, prefix.shape[-1]), values])[source], new_offsets
+
+
+def jagged_first(values: torch.Tensor, offsets: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` rows of every sequence (each must hold at least ``n``): ``[B, n, D]``."""
+    return values[offsets[:-1, None] + torch.arange(n, device=offsets.device)]
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotary position embedding of ``x [T, H, D]`` (D even) at ``positions [T]``."""
+    half = x.shape[-1] // 2
+    inv_freq = base ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+    cos, sin = angles.cos()[:, None, :].to(x.dtype), angles.sin()[:, None, :].to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class SelfGate(nn.Module):
+    """``y = x * sigmoid(W x + b)``: the gating of InterFormer's Cross Arch, on the last dim."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(self.proj(x))
+
+    def flops(self, rows: int) -> int:
+        return linear_flops(rows, self.proj.in_features, self.proj.out_features)
+
+
+class JaggedSelfAttention(nn.Module):
+    """Pre-norm multi-head softmax self-attention over jagged rows with rotary positions and an
+    optional sliding ``window``, residual: ``x + W_o attn(rope(q), rope(k), v)``.
+
+    Args:
+        dim: row width, ``num_heads * head_dim``.
+        window: each row sees rows at most ``window`` positions away (None: the whole sequence).
+        backend: ``kernels.jagged_attention`` backend (None: Triton on CUDA, reference elsewhere).
+    """
+
+    def __init__(self, dim: int, num_heads: int, window: int | None = None, backend: str | None = None) -> None:
+        super().__init__()
+        if dim % num_heads or (dim // num_heads) % 2:
+            raise ValueError(f"model.streams: width {dim} must split into {num_heads} heads of an even head_dim")
+        self.num_heads, self.head_dim, self.window, self.backend = num_heads, dim // num_heads, window, backend
+        self.norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int) -> torch.Tensor:
+        q, k, v = self.qkv(self.norm(x)).view(-1, 3, self.num_heads, self.head_dim).unbind(1)  # [T, H, D] each
+        pos = jagged_positions(offsets, x.shape[0])
+        o = jagged_attention(rotary(q, pos), rotary(k, pos), v, offsets, offsets, max_len, max_len,
+                             window=self.window, backend=self.backend)
+        return x + self.out(o.reshape(x.shape))
+
+    def flops(self, lengths: torch.Tensor, max_len: int, padded: bool) -> int:
+        dim = self.num_heads * self.head_dim
+        rows = int(lengths.sum())
+        if padded:  # as the reference computes it: every example padded to max_len, masks applied after
+            pairs = lengths.numel() * max_len * max_len
+        else:
+            pairs = num_visible_pairs(lengths, lengths, window=self.window)
+        return (linear_flops(rows, dim, 3 * dim) + linear_flops(rows, dim, dim)
+                + attention_flops(self.num_heads, self.head_dim, pairs))
+
+
+class PersonalizedFFN(nn.Module):
+    """The personalized FFN of InterFormer / Kunlun in its GDPA form, residual, pre-norm.
+
+    Each example ``b`` gets its own two-layer FFN whose weights are generated from its
+    non-sequence summary ``xs_b [N_x, d]``: ``K_b, V_b [N, H, D]``. Its sequence rows go through
+    ``act(x K_b^T / sqrt(D)) V_b / N`` per head, which is attention of the jagged rows against a
+    dense per-example K/V with a pointwise activation (GDPA), so it runs as one
+    ``kernels.jagged_attention`` call with ``kv_offsets=None``. ``post_scale = 1 / N`` is fixed,
+    so the result does not depend on the batch.
+
+    Args:
+        dim: row width ``H * D``; summary_dim / num_summary: the summary's token width and count.
+        num_kv: ``N``, the FFN's hidden width per head.
+    """
+
+    def __init__(self, dim: int, num_heads: int, summary_dim: int, num_summary: int, num_kv: int,
+                 activation: str = "silu", backend: str | None = None) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.num_kv = num_heads, dim // num_heads, num_kv
+        self.activation, self.backend = activation, backend
+        self.norm = nn.LayerNorm(dim)
+        self.kv = nn.Linear(summary_dim * num_summary, 2 * num_kv * dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int, summary: torch.Tensor) -> torch.Tensor:
+        num_seqs = summary.shape[0]
+        k, v = self.kv(summary.flatten(1)).view(num_seqs, 2, self.num_kv, self.num_heads, self.head_dim).unbind(1)
+        h = self.norm(x).view(-1, self.num_heads, self.head_dim)
+        o = jagged_attention(h, k, v, offsets, None, max_len, None, activation=self.activation,
+                             post_scale=1.0 / self.num_kv, backend=self.backend)
+        return x + self.out(o.reshape(x.shape))
+
+    def flops(self, lengths: torch.Tensor, max_len: int, padded: bool) -> int:
+        dim = self.num_heads * self.head_dim
+        num_seqs, rows = lengths.numel(), int(lengths.sum())
+        pairs = (num_seqs * max_len if padded else rows) * self.num_kv
+        return (linear_flops(num_seqs, self.kv.in_features, self.kv.out_features) + linear_flops(rows, dim, dim)
+                + attention_flops(self.num_heads, self.head_dim, pairs))
+
+
+class PoolingByAttention(nn.Module):
+    """``num_queries`` learned queries attend (softmax) to each example's rows: ``[B, num_queries, dim]``.
+
+    PMA in InterFormer, seed pooling in Kunlun. The queries are one broadcast ``[N, H, D]`` Q
+    (``q_offsets=None``), never copied per example. An empty sequence pools to zeros.
+    """
+
+    def __init__(self, dim: int, num_heads: int, num_queries: int, backend: str | None = None) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.backend = num_heads, dim // num_heads, backend
+        self.queries = nn.Parameter(torch.empty(num_queries, num_heads, self.head_dim))
+        self.kv = nn.Linear(dim, 2 * dim)
+
+    def init_own_parameters(self) -> None:
+        nn.init.normal_(self.queries, std=self.head_dim ** -0.5)
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int) -> torch.Tensor:
+        k, v = self.kv(x).view(-1, 2, self.num_heads, self.head_dim).unbind(1)
+        o = jagged_attention(self.queries, k, v, None, offsets, None, max_len, backend=self.backend)
+        return o.flatten(2)  # [B, N, H*D]
+
+    def flops(self, lengths: torch.Tensor, max_len: int, padded: bool) -> int:
+        dim = self.num_heads * self.head_dim
+        num_queries = self.queries.shape[0]
+        keys = lengths.numel() * max_len if padded else int(lengths.sum())
+        return linear_flops(int(lengths.sum()), dim, 2 * dim) + attention_flops(self.num_heads, self.head_dim, num_queries * keys)
