@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from gem.data.jagged import segment_ids
-from kernels.jagged_attention import jagged_attention, num_visible_pairs
+from kernels.jagged_attention import jagged_attention
 
 
 def linear_flops(rows: int, in_dim: int, out_dim: int) -> int:
@@ -28,6 +28,17 @@ def linear_flops(rows: int, in_dim: int, out_dim: int) -> int:
 def attention_flops(num_heads: int, head_dim: int, pairs: int) -> int:
     """Forward FLOPs of attention over ``pairs`` visible (query, key) pairs: ``Q K^T`` and ``P V``."""
     return 4 * num_heads * head_dim * pairs
+
+
+def self_attention_pairs(lengths: torch.Tensor, window: int | None = None) -> int:
+    """Visible (query, key) pairs of non-causal self-attention with an optional sliding window,
+    in closed form per example (O(B), cheap enough for every training step):
+    ``L^2`` if ``L <= window + 1`` else ``L (2 window + 1) - window (window + 1)``."""
+    lengths = lengths.long()
+    if window is None:
+        return int((lengths * lengths).sum())
+    banded = lengths * (2 * window + 1) - window * (window + 1)
+    return int(torch.where(lengths <= window + 1, lengths * lengths, banded).sum())
 
 
 def jagged_positions(offsets: torch.Tensor, total: int) -> torch.Tensor:
@@ -113,7 +124,7 @@ class JaggedSelfAttention(nn.Module):
         if padded:  # as the reference computes it: every example padded to max_len, masks applied after
             pairs = lengths.numel() * max_len * max_len
         else:
-            pairs = num_visible_pairs(lengths, lengths, window=self.window)
+            pairs = self_attention_pairs(lengths, self.window)
         return (linear_flops(rows, dim, 3 * dim) + linear_flops(rows, dim, dim)
                 + attention_flops(self.num_heads, self.head_dim, pairs))
 
@@ -122,11 +133,13 @@ class PersonalizedFFN(nn.Module):
     """The personalized FFN of InterFormer / Kunlun in its GDPA form, residual, pre-norm.
 
     Each example ``b`` gets its own two-layer FFN whose weights are generated from its
-    non-sequence summary ``xs_b [N_x, d]``: ``K_b, V_b [N, H, D]``. Its sequence rows go through
+    non-sequence summary ``xs_b [N_s, d]``: ``[K_b; V_b] = W_0 + mix(xs_b W) [N, H, D]`` (``W_0``
+    the shared weights, ``W`` a projection to the row width, ``mix`` a learned map from the
+    ``N_s`` summary tokens to the ``N`` hidden units). Its sequence rows go through
     ``act(x K_b^T / sqrt(D)) V_b / N`` per head, which is attention of the jagged rows against a
-    dense per-example K/V with a pointwise activation (GDPA), so it runs as one
-    ``kernels.jagged_attention`` call with ``kv_offsets=None``. ``post_scale = 1 / N`` is fixed,
-    so the result does not depend on the batch.
+    dense per-example K/V with a pointwise activation (GDPA): one ``kernels.jagged_attention``
+    call with ``kv_offsets=None``. ``post_scale = 1 / N`` is fixed, so the result does not
+    depend on the batch.
 
     Args:
         dim: row width ``H * D``; summary_dim / num_summary: the summary's token width and count.
@@ -139,12 +152,18 @@ class PersonalizedFFN(nn.Module):
         self.num_heads, self.head_dim, self.num_kv = num_heads, dim // num_heads, num_kv
         self.activation, self.backend = activation, backend
         self.norm = nn.LayerNorm(dim)
-        self.kv = nn.Linear(summary_dim * num_summary, 2 * num_kv * dim)
+        self.proj = nn.Linear(summary_dim, 2 * dim, bias=False)
+        self.mix = nn.Linear(num_summary, num_kv, bias=False)
+        self.shared = nn.Parameter(torch.empty(num_kv, 2 * dim))  # W_0
         self.out = nn.Linear(dim, dim)
+
+    def init_own_parameters(self) -> None:
+        nn.init.normal_(self.shared, std=self.head_dim ** -0.5)
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int, summary: torch.Tensor) -> torch.Tensor:
         num_seqs = summary.shape[0]
-        k, v = self.kv(summary.flatten(1)).view(num_seqs, 2, self.num_kv, self.num_heads, self.head_dim).unbind(1)
+        kv = self.shared + self.mix(self.proj(summary).transpose(1, 2)).transpose(1, 2)  # [B, N, 2*H*D]
+        k, v = kv.view(num_seqs, self.num_kv, 2, self.num_heads, self.head_dim).unbind(2)  # [B, N, H, D] each
         h = self.norm(x).view(-1, self.num_heads, self.head_dim)
         o = jagged_attention(h, k, v, offsets, None, max_len, None, activation=self.activation,
                              post_scale=1.0 / self.num_kv, backend=self.backend)
@@ -153,9 +172,11 @@ class PersonalizedFFN(nn.Module):
     def flops(self, lengths: torch.Tensor, max_len: int, padded: bool) -> int:
         dim = self.num_heads * self.head_dim
         num_seqs, rows = lengths.numel(), int(lengths.sum())
+        num_summary = self.mix.in_features
         pairs = (num_seqs * max_len if padded else rows) * self.num_kv
-        return (linear_flops(num_seqs, self.kv.in_features, self.kv.out_features) + linear_flops(rows, dim, dim)
-                + attention_flops(self.num_heads, self.head_dim, pairs))
+        return (linear_flops(num_seqs * num_summary, self.proj.in_features, 2 * dim)
+                + linear_flops(num_seqs * 2 * dim, num_summary, self.num_kv)
+                + linear_flops(rows, dim, dim) + attention_flops(self.num_heads, self.head_dim, pairs))
 
 
 class PoolingByAttention(nn.Module):

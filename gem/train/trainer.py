@@ -25,6 +25,7 @@ from gem.data.schema import FeatureSchema
 from gem.models.gem import GEMModel
 from gem.sparse.arch import SparseArch
 from gem.train.config import Config, ConfigError, check_schema_refs, validate
+from gem.train.flops import default_peak_tflops, mfu, step_flops
 from gem.train.logging import MetricsWriter, format_metrics, logger, setup_logging
 from gem.train.losses import multitask_bce
 from gem.train.metrics import TaskEvaluator
@@ -190,7 +191,8 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
                 "%d steps, %.1fs to first step", config.model["_target_"], num_dense / 1e6, config.sparse.backend,
                 num_fused, total_steps, time.perf_counter() - start)
 
-    step, window = 0, _Window()
+    peak_tflops = t.peak_tflops if t.peak_tflops is not None else default_peak_tflops(env.device)
+    step, window = 0, _Window(peak_tflops)
     bar = tqdm(total=total_steps, disable=not (t.progress_bar and env.is_main), desc="train", dynamic_ncols=True)
     for epoch in range(t.epochs if t.max_steps <= 0 else 1 << 30):
         train_reader.set_epoch(epoch)
@@ -199,7 +201,9 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
             if step >= total_steps:
                 break
             tick = time.perf_counter()
-            batch = next(it).to(env.device, non_blocking=True)
+            batch = next(it)
+            flops = step_flops(model.dense_arch, batch, schema)  # on the host batch: no device sync
+            batch = batch.to(env.device, non_blocking=True)
             waited = time.perf_counter() - tick
             logits = model(batch)
             loss, per_task = multitask_bce(logits, batch.labels, batch.label_mask, task_weights, batch.weights)
@@ -213,13 +217,13 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
             scheduler.step()
             step += 1
             bar.update()
-            window.add(loss, per_task, batch.batch_size * env.world_size, waited)
+            window.add(loss, per_task, batch.batch_size * env.world_size, waited, flops)
             if step % t.log_every == 0 or step == total_steps:
                 values = window.summary(schema.tasks, step) | {"lr": scheduler.get_last_lr()[0], "epoch": epoch}
                 bar.set_postfix(loss=f"{values['loss']:.4f}")
                 logger.info("step %d %s", step, format_metrics(values))
                 metrics.write("train", step, values)
-                window = _Window()
+                window = _Window(peak_tflops)
             if t.eval_every and step % t.eval_every == 0:
                 eval_start = time.perf_counter()
                 values = evaluate(model, eval_reader("val"), env, schema.tasks, d.num_workers, t.eval_max_batches)
@@ -243,14 +247,17 @@ class _Window:
     """Sums between two log lines, kept on the device so that a step never waits for the GPU;
     ``summary()`` synchronizes once and measures wall time since the window opened."""
 
-    def __init__(self) -> None:
+    def __init__(self, peak_tflops: float | None = None) -> None:
         self.start = time.perf_counter()
         self.steps, self.examples, self.waited = 0, 0, 0.0
+        self.flops: int | None = 0  # this rank's analytic FLOPs (None: the dense arch cannot count them)
+        self.peak_tflops = peak_tflops
         self.loss: torch.Tensor | None = None
         self.per_task: torch.Tensor | None = None
 
-    def add(self, loss: torch.Tensor, per_task: torch.Tensor, examples: int, waited: float) -> None:
+    def add(self, loss: torch.Tensor, per_task: torch.Tensor, examples: int, waited: float, flops: int | None = None) -> None:
         self.steps += 1
+        self.flops = None if flops is None or self.flops is None else self.flops + flops
         self.examples += examples
         self.waited += waited
         self.loss = loss.detach() if self.loss is None else self.loss + loss.detach()
@@ -266,4 +273,6 @@ class _Window:
         out |= {f"{k}/loss": v / self.steps for k, v in zip(tasks, self.per_task.tolist())}
         out |= {"examples_per_s": self.examples / seconds, "step_ms": 1000 * seconds / self.steps,
                 "data_wait_frac": min(1.0, self.waited / seconds)}
+        if self.flops is not None:  # per rank: TFLOP/s on the true jagged lengths, MFU against the peak
+            out |= {"tflops": self.flops / seconds / 1e12, "mfu": mfu(self.flops, seconds, self.peak_tflops)}
         return out
