@@ -201,10 +201,10 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
             if step >= total_steps:
                 break
             tick = time.perf_counter()
-            batch = next(it)
-            flops = step_flops(model.dense_arch, batch, schema)  # on the host batch: no device sync
-            batch = batch.to(env.device, non_blocking=True)
+            host_batch = next(it)
+            batch = host_batch.to(env.device, non_blocking=True)
             waited = time.perf_counter() - tick
+            flops = step_flops(model.dense_arch, host_batch, schema)  # from host-side lengths: no device sync
             logits = model(batch)
             loss, per_task = multitask_bce(logits, batch.labels, batch.label_mask, task_weights, batch.weights)
             loss.backward()
