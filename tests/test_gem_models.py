@@ -20,7 +20,7 @@ from gem.data.schema import FeatureSchema
 from gem.models.gem import GEMModel
 from gem.models.gem_arch import GEMDenseArch
 from gem.models.sequence import jagged_prepend, self_attention_pairs
-from gem.sparse.arch import SparseArch
+from gem.sparse.arch import JaggedEmbeddings, SparseArch, SparseOutput
 from gem.train.flops import batch_lengths, mfu, step_flops
 from gem.train.trainer import train
 from kernels.jagged_attention import num_visible_pairs
@@ -108,6 +108,35 @@ def _select(batch: Batch, rows: list[int]) -> Batch:
         return KeyedJaggedTensor.from_lengths_sync(k.keys(), torch.cat(values), torch.cat(lengths))
     return Batch(kjt(batch.sparse), kjt(batch.sequences), batch.max_seq_len, batch.dense[rows], batch.labels[rows],
                  batch.label_mask[rows], batch.domain[rows])
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_two_event_streams_with_their_own_width_heads_and_window(block):
+    """Per-event-type settings: a long, narrow stream with a window next to a short, wide one."""
+    schema = FeatureSchema.from_config({**TINY_SCHEMA, "sequence_groups": [
+        {"name": "views", "max_len": 20, "features": [{"name": "view_item", "cardinality": 9}]},
+        {"name": "buys", "max_len": 5, "features": [{"name": "buy_item", "cardinality": 9}]},
+    ]})
+    dims = {f: 8 for f in schema.id_feature_names} | {"views": 8, "buys": 8}
+    streams = {"views": {"num_heads": 1, "head_dim": 16, "window": 2}, "buys": {"num_heads": 2, "head_dim": 32}}
+    torch.manual_seed(0)
+    arch = GEMDenseArch(schema, dims, block=block, num_layers=2, streams=streams, attention_backend="reference")
+    arch.init_weights()
+    assert [spec[1:] for spec in arch.specs] == [(16, 1, 2), (64, 2, None)]
+    batch_size = 5
+    sequences = {}
+    for name, lengths in (("views", [0, 20, 3, 7, 1]), ("buys", [5, 0, 0, 2, 1])):
+        offsets = torch.tensor([0] + lengths).cumsum(0)
+        sequences[name] = JaggedEmbeddings(torch.randn(int(offsets[-1]), 8, requires_grad=True), offsets, max(lengths))
+    pooled = {f: torch.randn(batch_size, 8) for f in schema.id_feature_names}
+    dense, domain = torch.randn(batch_size, schema.num_dense), torch.tensor([0, 1, 1, 0, 1])
+    logits = arch(SparseOutput(pooled, sequences), dense, domain)
+    assert logits.shape == (batch_size, schema.num_tasks)
+    logits.sum().backward()
+    assert all(s.values.grad.abs().sum() > 0 for s in sequences.values())
+    longer = {n: JaggedEmbeddings(s.values, s.offsets, s.max_len + 9) for n, s in sequences.items()}
+    with torch.no_grad():
+        torch.testing.assert_close(arch(SparseOutput(pooled, longer), dense, domain), logits, rtol=1e-5, atol=1e-6)
 
 
 def test_jagged_prepend_and_window_pairs():

@@ -55,8 +55,8 @@ class NonSequenceSummary(nn.Module):
 
 class SequenceSummary(nn.Module):
     """InterFormer's sequence summary: the ``num_cls`` CLS rows, ``num_pma`` PMA tokens and the
-    ``num_recent`` most recent rows of each example, projected to ``dim`` and self-gated:
-    ``[B, num_cls + num_pma + num_recent, dim]``."""
+    ``num_recent`` most recent rows of each example (CLS rows too when the history is shorter),
+    projected to ``dim`` and self-gated: ``[B, num_cls + num_pma + num_recent, dim]``."""
 
     def __init__(self, stream_dim: int, num_heads: int, dim: int, num_cls: int, num_pma: int, num_recent: int,
                  backend: str | None) -> None:
