@@ -41,6 +41,14 @@ def self_attention_pairs(lengths: torch.Tensor, window: int | None = None) -> in
     return int(torch.where(lengths <= window + 1, lengths * lengths, banded).sum())
 
 
+def attention_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors`` in one dtype for the attention op: autocast's (bf16 / fp16) when it is on,
+    else the first tensor's (LayerNorm outputs and parameters stay fp32 under autocast)."""
+    device = tensors[0].device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tensors[0].dtype
+    return tuple(t.to(dtype) for t in tensors)
+
+
 def jagged_positions(offsets: torch.Tensor, total: int) -> torch.Tensor:
     """The position of every row inside its own sequence, ``[T]`` int64 (0 = oldest)."""
     return torch.arange(total, device=offsets.device) - offsets[segment_ids(offsets, total)]
@@ -114,7 +122,8 @@ class JaggedSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int) -> torch.Tensor:
         q, k, v = self.qkv(self.norm(x)).view(-1, 3, self.num_heads, self.head_dim).unbind(1)  # [T, H, D] each
         pos = jagged_positions(offsets, x.shape[0])
-        o = jagged_attention(rotary(q, pos), rotary(k, pos), v, offsets, offsets, max_len, max_len,
+        q, k, v = attention_inputs(rotary(q, pos), rotary(k, pos), v)
+        o = jagged_attention(q, k, v, offsets, offsets, max_len, max_len,
                              window=self.window, backend=self.backend)
         return x + self.out(o.reshape(x.shape))
 
@@ -164,7 +173,7 @@ class PersonalizedFFN(nn.Module):
         num_seqs = summary.shape[0]
         kv = self.shared + self.mix(self.proj(summary).transpose(1, 2)).transpose(1, 2)  # [B, N, 2*H*D]
         k, v = kv.view(num_seqs, self.num_kv, 2, self.num_heads, self.head_dim).unbind(2)  # [B, N, H, D] each
-        h = self.norm(x).view(-1, self.num_heads, self.head_dim)
+        h, k, v = attention_inputs(self.norm(x).view(-1, self.num_heads, self.head_dim), k, v)
         o = jagged_attention(h, k, v, offsets, None, max_len, None, activation=self.activation,
                              post_scale=1.0 / self.num_kv, backend=self.backend)
         return x + self.out(o.reshape(x.shape))
@@ -197,7 +206,8 @@ class PoolingByAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int) -> torch.Tensor:
         k, v = self.kv(x).view(-1, 2, self.num_heads, self.head_dim).unbind(1)
-        o = jagged_attention(self.queries, k, v, None, offsets, None, max_len, backend=self.backend)
+        q, k, v = attention_inputs(self.queries, k, v)
+        o = jagged_attention(q, k, v, None, offsets, None, max_len, backend=self.backend)
         return o.flatten(2)  # [B, N, H*D]
 
     def flops(self, lengths: torch.Tensor, max_len: int, padded: bool) -> int:
