@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from gem.data.jagged import jagged_sum
+from gem.data.jagged import jagged_sum, lengths_to_offsets
 from gem.data.schema import FeatureSchema
 from gem.sparse.tables import TableSpec, build_tables
 
@@ -111,7 +111,7 @@ class SparseArch(nn.Module):
         out = {}
         for g in self.schema.sequence_groups:
             parts = [per_event[f][0] for f in g.feature_names]
-            offsets = per_event[g.feature_names[0]][1].to(torch.int64)
+            offsets = per_event[g.feature_names[0]][1]
             out[g.name] = JaggedEmbeddings(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], offsets, max_seq_len[g.name])
         return SparseOutput(pooled=pooled, sequences=out)
 
@@ -123,24 +123,29 @@ class SparseArch(nn.Module):
             routed = KeyedJaggedTensor.from_jt_dict({f: by_key[f] for f in self._routed_features})
             rows = KeyedJaggedTensor.concat([sequences, routed]) if self.schema.sequence_groups else routed
         pooled = self.ebc(bags).to_dict() if self._bag_features else {}
-        per_event = {k: (jt.values(), jt.offsets()) for k, jt in self.ec(rows).items()} if self.ec_features else {}
+        per_event = {k: (jt.values(), _offsets(jt)) for k, jt in self.ec(rows).items()} if self.ec_features else {}
         for f in self._routed_features:
-            values, offsets = per_event.pop(f)
-            pooled[f] = jagged_sum(values, offsets.to(torch.int64))
+            pooled[f] = jagged_sum(*per_event.pop(f))
         return {f: pooled[f] for f in self.schema.id_feature_names}, per_event
 
     def _native_lookup(self, sparse: KeyedJaggedTensor, sequences: KeyedJaggedTensor):
         pooled, per_event = {}, {}
         for f, jt in (sparse.to_dict().items() if self.schema.id_features else ()):
             weight = self.table_weight(self._table_of[f].name)
-            pooled[f] = F.embedding_bag(jt.values(), weight, jt.offsets(), mode="sum", include_last_offset=True)
+            pooled[f] = F.embedding_bag(jt.values(), weight, _offsets(jt), mode="sum", include_last_offset=True)
         for f, jt in (sequences.to_dict().items() if self.schema.sequence_groups else ()):
-            per_event[f] = (F.embedding(jt.values(), self.table_weight(self._table_of[f].name)), jt.offsets())
+            per_event[f] = (F.embedding(jt.values(), self.table_weight(self._table_of[f].name)), _offsets(jt))
         return pooled, per_event
 
     @property
     def ec_features(self) -> list[str]:
         return self.schema.sequence_feature_names + self._routed_features
+
+
+def _offsets(jt) -> torch.Tensor:
+    """int64 offsets from a JaggedTensor's lengths, in plain torch (TorchRec would call an FBGEMM
+    op that the CPU build of fbgemm-gpu lacks on CUDA tensors)."""
+    return lengths_to_offsets(jt.lengths())
 
 
 def _torchrec_args(t: TableSpec) -> dict:
