@@ -20,8 +20,10 @@ from gem.data.schema import FeatureSchema
 from gem.models.gem import GEMModel
 from gem.models.gem_arch import GEMDenseArch
 from gem.models.sequence import jagged_prepend, self_attention_pairs
+from gem.data.synthetic import SyntheticConfig, generate
 from gem.sparse.arch import JaggedEmbeddings, SparseArch, SparseOutput
 from gem.train.flops import batch_lengths, mfu, step_flops
+from gem.train.losses import multitask_bce
 from gem.train.trainer import train
 from kernels.jagged_attention import num_visible_pairs
 from tests.conftest import ROOT, TINY_SCHEMA, compose
@@ -222,10 +224,6 @@ def trajectory(backend: str, steps: int = 20, batch_size: int = 6, device: str =
 
     One head of 32 and 6 examples a batch: Triton's interpreter costs about 0.3 s per attention
     call at this size, and a step makes about ten."""
-    from tests.conftest import TINY_SCHEMA  # noqa: F401  (importable in a subprocess)
-    from gem.data.synthetic import SyntheticConfig, generate
-    from gem.train.losses import multitask_bce
-
     schema = FeatureSchema.from_config(TINY_SCHEMA)
     reader = ParquetBatchReader([], schema, batch_size)
     table = generate(schema, batch_size * 4, seed=1, cfg=SyntheticConfig(num_clusters=5))
