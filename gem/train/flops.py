@@ -14,7 +14,8 @@ from gem.data.batch import Batch
 from gem.data.schema import FeatureSchema
 
 # Dense bf16 peak (TFLOP/s, without sparsity) by GPU name, from the vendors' data sheets.
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "B200": 2250.0, "L40S": 362.0}
+# The first key found in the device name wins (so "H100 PCIe" before "H100").
+PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 312.0, "B200": 2250.0, "L40S": 362.0}
 
 
 def default_peak_tflops(device: torch.device) -> float | None:
