@@ -86,6 +86,7 @@ class TrainerConfig:
     run_dir: str = "runs/default"
     progress_bar: bool = True
     task_weights: dict[str, float] = field(default_factory=dict)
+    peak_tflops: Optional[float] = None  # per device, for MFU; None: by detected GPU (gem/train/flops.py), else no MFU
 
 
 @dataclass
@@ -180,6 +181,8 @@ def validate(cfg: DictConfig | dict) -> Config:
     _positive("trainer.epochs", t.epochs)
     _positive("trainer.log_every", t.log_every)
     _positive("trainer.eval_every", t.eval_every, allow_zero=True)
+    if t.peak_tflops is not None:
+        _positive("trainer.peak_tflops", t.peak_tflops)
     if not t.run_dir:
         raise ConfigError("trainer.run_dir must be set (the same path on every rank)")
     for key in ("dp_replicate", "dp_shard"):

@@ -41,10 +41,17 @@ class OptimizerSet:
 
 
 class TimedIterator:
-    """Wraps a batch iterator and adds the seconds spent waiting in ``next()`` to ``waited``."""
+    """Wraps a batch iterator; adds the seconds spent waiting in ``next()`` to ``waited`` and, given
+    ``count_flops(batch) -> int | None``, each batch's FLOPs to ``flops`` (None once any is None).
 
-    def __init__(self, batches: Iterator[Batch]) -> None:
+    With the sparse-dist pipeline the iterator runs up to two batches ahead of training; over a
+    log window of many steps that shifts the FLOP sum by at most two batches.
+    """
+
+    def __init__(self, batches: Iterator[Batch], count_flops: Callable[[Batch], int | None] | None = None) -> None:
         self.batches, self.waited = batches, 0.0
+        self.count_flops = count_flops
+        self.flops: int | None = 0 if count_flops is not None else None
 
     def __iter__(self) -> "TimedIterator":
         return self
@@ -52,9 +59,13 @@ class TimedIterator:
     def __next__(self) -> Batch:
         tick = time.perf_counter()
         try:
-            return next(self.batches)
+            batch = next(self.batches)
         finally:
             self.waited += time.perf_counter() - tick
+        if self.flops is not None:
+            flops = self.count_flops(batch)
+            self.flops = None if flops is None else self.flops + flops
+        return batch
 
 
 class TrainStep:

@@ -29,6 +29,7 @@ from gem.sparse.arch import SparseArch
 from gem.train import fault_injection
 from gem.train.checkpoint import Checkpointer, Progress
 from gem.train.config import Config, ConfigError, check_schema_refs, validate
+from gem.train.flops import default_peak_tflops, mfu, step_flops
 from gem.train.logging import MetricsWriter, format_metrics, logger, setup_logging
 from gem.train.losses import multitask_bce
 from gem.train.metrics import TaskEvaluator
@@ -264,7 +265,9 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
                 "active" if pipelined else f"off ({reason})" if want else "off")
     train_step = TrainStep(model, loss_fn, optimizers, env.device, pipelined)
 
-    step, window = progress.step, _Window()
+    peak_tflops = t.peak_tflops if t.peak_tflops is not None else default_peak_tflops(env.device)
+    count_flops = lambda b: step_flops(model.dense_arch, b, schema)  # noqa: E731 (host lengths: no device sync)
+    step, window = progress.step, _Window(peak_tflops)
     bar = tqdm(total=total_steps, initial=step, disable=not (t.progress_bar and env.is_main), desc="train",
                dynamic_ncols=True)
     for epoch in range(progress.epoch, t.epochs if t.max_steps <= 0 else 1 << 30):
@@ -273,11 +276,11 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
         train_reader.set_epoch(epoch, start_batch=consumed)
         steps_left = (steps_per_epoch * env.world_size - consumed) // env.world_size
         batches = TimedIterator(itertools.islice(make_loader(train_reader, d.num_workers, env.device.type == "cuda"),
-                                                 steps_left))
+                                                 steps_left), count_flops)
         for _ in range(steps_left):
             if step >= total_steps:
                 break
-            tick, waited = time.perf_counter(), batches.waited
+            tick, waited, flops = time.perf_counter(), batches.waited, batches.flops
             per_task, batch_size = train_step(batches)
             scheduler.step()
             step += 1
@@ -290,13 +293,14 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
                 seen = progress.examples + (step - progress.step) * d.batch_size * env.world_size
                 ckpt.maybe_save(Progress(step, epoch, consumed * d.batch_size, seen), total_steps)
             bar.update()
-            window.add((per_task * task_weights).sum(), per_task, batch_size * env.world_size, batches.waited - waited)
+            window.add((per_task * task_weights).sum(), per_task, batch_size * env.world_size, batches.waited - waited,
+                       None if None in (flops, batches.flops) else batches.flops - flops)
             if step % t.log_every == 0 or step == total_steps:
                 values = window.summary(schema.tasks, step) | {"lr": scheduler.get_last_lr()[0], "epoch": epoch}
                 bar.set_postfix(loss=f"{values['loss']:.4f}")
                 logger.info("step %d %s", step, format_metrics(values))
                 metrics.write("train", step, values)
-                window = _Window()
+                window = _Window(peak_tflops)
             if t.eval_every and step % t.eval_every == 0:
                 eval_start = time.perf_counter()
                 train_step.detach()
@@ -343,14 +347,17 @@ class _Window:
     """Sums between two log lines, kept on the device so that a step never waits for the GPU;
     ``summary()`` synchronizes once and measures wall time since the window opened."""
 
-    def __init__(self) -> None:
+    def __init__(self, peak_tflops: float | None = None) -> None:
         self.start = time.perf_counter()
         self.steps, self.examples, self.waited = 0, 0, 0.0
+        self.flops: int | None = 0  # this rank's analytic FLOPs (None: the dense arch cannot count them)
+        self.peak_tflops = peak_tflops
         self.loss: torch.Tensor | None = None
         self.per_task: torch.Tensor | None = None
 
-    def add(self, loss: torch.Tensor, per_task: torch.Tensor, examples: int, waited: float) -> None:
+    def add(self, loss: torch.Tensor, per_task: torch.Tensor, examples: int, waited: float, flops: int | None = None) -> None:
         self.steps += 1
+        self.flops = None if flops is None or self.flops is None else self.flops + flops
         self.examples += examples
         self.waited += waited
         self.loss = loss.detach() if self.loss is None else self.loss + loss.detach()
@@ -366,4 +373,6 @@ class _Window:
         out |= {f"{k}/loss": v / self.steps for k, v in zip(tasks, self.per_task.tolist())}
         out |= {"examples_per_s": self.examples / seconds, "step_ms": 1000 * seconds / self.steps,
                 "data_wait_frac": min(1.0, self.waited / seconds)}
+        if self.flops is not None:  # per rank: TFLOP/s on the true jagged lengths, MFU against the peak
+            out |= {"tflops": self.flops / seconds / 1e12, "mfu": mfu(self.flops, seconds, self.peak_tflops)}
         return out

@@ -1,0 +1,217 @@
+"""Sequence building blocks over jagged event streams, all through ``kernels.jagged_attention``.
+
+Every block reads and writes jagged rows ``values [T, D]`` + ``offsets [B+1]`` + a host-side
+``max_len`` (gem/data/jagged.py); nothing here pads. Each block also states its forward FLOPs
+(``flops``), counted on the true jagged lengths, for gem/train/flops.py.
+
+Example, two histories of lengths 2 and 0 with two CLS tokens prepended::
+
+    #                 i = 0              i = 1     <- batch
+    # before          [h0 h1]            []           offsets [0, 2, 2]
+    # after           [c0 c1 h0 h1]      [c0' c1']    offsets [0, 4, 6]
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gem.data.jagged import segment_ids
+from kernels.jagged_attention import jagged_attention
+
+
+def linear_flops(rows: int, in_dim: int, out_dim: int) -> int:
+    """Forward FLOPs of ``[rows, in_dim] @ [in_dim, out_dim]`` (bias adds are not counted, as in FlopCounterMode)."""
+    return 2 * rows * in_dim * out_dim
+
+
+def attention_flops(num_heads: int, head_dim: int, pairs: int) -> int:
+    """Forward FLOPs of attention over ``pairs`` visible (query, key) pairs: ``Q K^T`` and ``P V``."""
+    return 4 * num_heads * head_dim * pairs
+
+
+def self_attention_pairs(lengths: torch.Tensor, window: int | None = None) -> int:
+    """Visible (query, key) pairs of non-causal self-attention with an optional sliding window,
+    in closed form per example (O(B), cheap enough for every training step):
+    ``L^2`` if ``L <= window + 1`` else ``L (2 window + 1) - window (window + 1)``."""
+    lengths = lengths.long()
+    if window is None:
+        return int((lengths * lengths).sum())
+    banded = lengths * (2 * window + 1) - window * (window + 1)
+    return int(torch.where(lengths <= window + 1, lengths * lengths, banded).sum())
+
+
+def attention_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors`` in one dtype for the attention op: autocast's (bf16 / fp16) when it is on,
+    else the first tensor's (LayerNorm outputs and parameters stay fp32 under autocast)."""
+    device = tensors[0].device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tensors[0].dtype
+    return tuple(t.to(dtype) for t in tensors)
+
+
+def jagged_positions(offsets: torch.Tensor, total: int) -> torch.Tensor:
+    """The position of every row inside its own sequence, ``[T]`` int64 (0 = oldest)."""
+    return torch.arange(total, device=offsets.device) - offsets[segment_ids(offsets, total)]
+
+
+def jagged_prepend(prefix: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prepend ``prefix [B, N, D]`` to every sequence of ``values [T, D]``: ``([T + B*N, D], offsets [B+1])``.
+
+    A gather, no padding; empty sequences come out holding just their N prefix rows.
+    """
+    num_seqs, num_prefix = prefix.shape[0], prefix.shape[1]
+    total = values.shape[0]
+    shift = num_prefix * torch.arange(num_seqs + 1, device=offsets.device)
+    new_offsets = offsets + shift
+    prefix_dest = (new_offsets[:-1, None] + torch.arange(num_prefix, device=offsets.device)).reshape(-1)  # [B*N]
+    values_dest = torch.arange(total, device=offsets.device) + shift[1:][segment_ids(offsets, total)]  # [T]
+    source = torch.empty(total + num_seqs * num_prefix, dtype=torch.int64, device=offsets.device)
+    source[prefix_dest] = torch.arange(num_seqs * num_prefix, device=offsets.device)
+    source[values_dest] = num_seqs * num_prefix + torch.arange(total, device=offsets.device)
+    return torch.cat([prefix.reshape(-1, prefix.shape[-1]), values])[source], new_offsets
+
+
+def jagged_first(values: torch.Tensor, offsets: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` rows of every sequence (each must hold at least ``n``): ``[B, n, D]``."""
+    return values[offsets[:-1, None] + torch.arange(n, device=offsets.device)]
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotary position embedding of ``x [T, H, D]`` (D even) at ``positions [T]``."""
+    half = x.shape[-1] // 2
+    inv_freq = base ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+    cos, sin = angles.cos()[:, None, :].to(x.dtype), angles.sin()[:, None, :].to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class SelfGate(nn.Module):
+    """``y = x * sigmoid(W x + b)``: the gating of InterFormer's Cross Arch, on the last dim."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(self.proj(x))
+
+    def flops(self, rows: int) -> int:
+        return linear_flops(rows, self.proj.in_features, self.proj.out_features)
+
+
+class JaggedSelfAttention(nn.Module):
+    """Pre-norm multi-head softmax self-attention over jagged rows with rotary positions and an
+    optional sliding ``window``, residual: ``x + W_o attn(rope(q), rope(k), v)``.
+
+    Args:
+        dim: row width, ``num_heads * head_dim``.
+        window: each row sees rows at most ``window`` positions away (None: the whole sequence).
+        backend: ``kernels.jagged_attention`` backend (None: Triton on CUDA, reference elsewhere).
+    """
+
+    def __init__(self, dim: int, num_heads: int, window: int | None = None, backend: str | None = None) -> None:
+        super().__init__()
+        if dim % num_heads or (dim // num_heads) % 2:
+            raise ValueError(f"model.streams: width {dim} must split into {num_heads} heads of an even head_dim")
+        self.num_heads, self.head_dim, self.window, self.backend = num_heads, dim // num_heads, window, backend
+        self.norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int) -> torch.Tensor:
+        q, k, v = self.qkv(self.norm(x)).view(-1, 3, self.num_heads, self.head_dim).unbind(1)  # [T, H, D] each
+        pos = jagged_positions(offsets, x.shape[0])
+        q, k, v = attention_inputs(rotary(q, pos), rotary(k, pos), v)
+        o = jagged_attention(q, k, v, offsets, offsets, max_len, max_len,
+                             window=self.window, backend=self.backend)
+        return x + self.out(o.reshape(x.shape))
+
+    def flops(self, lengths: torch.Tensor, max_len: int, padded: bool) -> int:
+        dim = self.num_heads * self.head_dim
+        rows = int(lengths.sum())
+        if padded:  # as the reference computes it: every example padded to max_len, masks applied after
+            pairs = lengths.numel() * max_len * max_len
+        else:
+            pairs = self_attention_pairs(lengths, self.window)
+        return (linear_flops(rows, dim, 3 * dim) + linear_flops(rows, dim, dim)
+                + attention_flops(self.num_heads, self.head_dim, pairs))
+
+
+class PersonalizedFFN(nn.Module):
+    """The personalized FFN of InterFormer / Kunlun in its GDPA form, residual, pre-norm.
+
+    Each example ``b`` gets its own two-layer FFN whose weights are generated from its
+    non-sequence summary ``xs_b [N_s, d]``: ``[K_b; V_b] = W_0 + mix(xs_b W) [N, H, D]`` (``W_0``
+    the shared weights, ``W`` a projection to the row width, ``mix`` a learned map from the
+    ``N_s`` summary tokens to the ``N`` hidden units). Its sequence rows go through
+    ``act(x K_b^T / sqrt(D)) V_b / N`` per head, which is attention of the jagged rows against a
+    dense per-example K/V with a pointwise activation (GDPA): one ``kernels.jagged_attention``
+    call with ``kv_offsets=None``. ``post_scale = 1 / N`` is fixed, so the result does not
+    depend on the batch.
+
+    Args:
+        dim: row width ``H * D``; summary_dim / num_summary: the summary's token width and count.
+        num_kv: ``N``, the FFN's hidden width per head.
+    """
+
+    def __init__(self, dim: int, num_heads: int, summary_dim: int, num_summary: int, num_kv: int,
+                 activation: str = "silu", backend: str | None = None) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.num_kv = num_heads, dim // num_heads, num_kv
+        self.activation, self.backend = activation, backend
+        self.norm = nn.LayerNorm(dim)
+        self.proj = nn.Linear(summary_dim, 2 * dim, bias=False)
+        self.mix = nn.Linear(num_summary, num_kv, bias=False)
+        self.shared = nn.Parameter(torch.empty(num_kv, 2 * dim))  # W_0
+        self.out = nn.Linear(dim, dim)
+
+    def init_own_parameters(self) -> None:
+        nn.init.normal_(self.shared, std=self.head_dim ** -0.5)
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int, summary: torch.Tensor) -> torch.Tensor:
+        num_seqs = summary.shape[0]
+        kv = self.shared + self.mix(self.proj(summary).transpose(1, 2)).transpose(1, 2)  # [B, N, 2*H*D]
+        k, v = kv.view(num_seqs, self.num_kv, 2, self.num_heads, self.head_dim).unbind(2)  # [B, N, H, D] each
+        h, k, v = attention_inputs(self.norm(x).view(-1, self.num_heads, self.head_dim), k, v)
+        o = jagged_attention(h, k, v, offsets, None, max_len, None, activation=self.activation,
+                             post_scale=1.0 / self.num_kv, backend=self.backend)
+        return x + self.out(o.reshape(x.shape))
+
+    def flops(self, lengths: torch.Tensor, max_len: int, padded: bool) -> int:
+        dim = self.num_heads * self.head_dim
+        num_seqs, rows = lengths.numel(), int(lengths.sum())
+        num_summary = self.mix.in_features
+        pairs = (num_seqs * max_len if padded else rows) * self.num_kv
+        return (linear_flops(num_seqs * num_summary, self.proj.in_features, 2 * dim)
+                + linear_flops(num_seqs * 2 * dim, num_summary, self.num_kv)
+                + linear_flops(rows, dim, dim) + attention_flops(self.num_heads, self.head_dim, pairs))
+
+
+class PoolingByAttention(nn.Module):
+    """``num_queries`` learned queries attend (softmax) to each example's rows: ``[B, num_queries, dim]``.
+
+    PMA in InterFormer, seed pooling in Kunlun. The queries are one broadcast ``[N, H, D]`` Q
+    (``q_offsets=None``), never copied per example. An empty sequence pools to zeros.
+    """
+
+    def __init__(self, dim: int, num_heads: int, num_queries: int, backend: str | None = None) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.backend = num_heads, dim // num_heads, backend
+        self.queries = nn.Parameter(torch.empty(num_queries, num_heads, self.head_dim))
+        self.kv = nn.Linear(dim, 2 * dim)
+
+    def init_own_parameters(self) -> None:
+        nn.init.normal_(self.queries, std=self.head_dim ** -0.5)
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int) -> torch.Tensor:
+        k, v = self.kv(x).view(-1, 2, self.num_heads, self.head_dim).unbind(1)
+        q, k, v = attention_inputs(self.queries, k, v)
+        o = jagged_attention(q, k, v, None, offsets, None, max_len, backend=self.backend)
+        return o.flatten(2)  # [B, N, H*D]
+
+    def flops(self, lengths: torch.Tensor, max_len: int, padded: bool) -> int:
+        dim = self.num_heads * self.head_dim
+        num_queries = self.queries.shape[0]
+        keys = lengths.numel() * max_len if padded else int(lengths.sum())
+        return linear_flops(int(lengths.sum()), dim, 2 * dim) + attention_flops(self.num_heads, self.head_dim, num_queries * keys)

@@ -1,0 +1,286 @@
+"""The GEM dense arch (InterFormer and Kunlun blocks): shapes, gradients, jagged invariances,
+FLOP accounting, end-to-end training, determinism and backend parity."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from gem.data.batch import Batch
+from gem.data.dataset import split_files
+from gem.data.parquet import ParquetBatchReader
+from gem.data.schema import FeatureSchema
+from gem.models.gem import GEMModel
+from gem.models.gem_arch import GEMDenseArch
+from gem.models.sequence import jagged_prepend, self_attention_pairs
+from gem.data.synthetic import SyntheticConfig, generate
+from gem.sparse.arch import JaggedEmbeddings, SparseArch, SparseOutput
+from gem.train.flops import batch_lengths, mfu, step_flops
+from gem.train.losses import multitask_bce
+from gem.train.trainer import train
+from kernels.jagged_attention import num_visible_pairs
+from tests.conftest import ROOT, TINY_SCHEMA, compose
+
+BLOCKS = ["interformer", "kunlun"]
+VARIANTS = {  # every block with the non-default options switched on somewhere
+    "interformer": dict(block="interformer", interaction=["dot", "dcnv2"], domain_mode="towers", window=5),
+    "kunlun": dict(block="kunlun", num_layers=3, wukong={"num_experts": 2, "rank": 4, "hidden": 32},
+                   streams={"hist": {"num_heads": 1, "head_dim": 32, "window": 4}}),
+}
+
+
+def build(schema: FeatureSchema, backend: str | None = "reference", seed: int = 0, **kwargs) -> GEMModel:
+    torch.manual_seed(seed)
+    sparse = SparseArch.from_config(schema, 16, backend="native")
+    sparse.init_weights()
+    dims = {f: sparse.pooled_dim(f) for f in schema.id_feature_names}
+    dims |= {g.name: sparse.sequence_dim(g.name) for g in schema.sequence_groups}
+    with torch.device("meta"):
+        dense = GEMDenseArch(schema, dims, attention_backend=backend, **({"dim": 16, "num_heads": 2, "head_dim": 16} | kwargs))
+    dense.to_empty(device="cpu")
+    dense.init_weights()
+    return GEMModel(sparse, dense)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny ops gain nothing from intra-op threads, and on a busy 2-core machine threads contend
+    (a gem_tiny step measured 0.26 s with one thread, 5.8 s with two, under load)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def first_batch(directory, schema, batch_size=24) -> Batch:
+    return next(iter(ParquetBatchReader(split_files(directory, "train"), schema, batch_size)))
+
+
+def with_empty_histories(batch: Batch, empty: torch.Tensor) -> Batch:
+    """``batch`` with the histories of the examples where ``empty [B]`` is True removed."""
+    keys, lengths, values = [], [], []
+    for key, jt in batch.sequences.to_dict().items():
+        keep = torch.repeat_interleave(~empty, jt.lengths())
+        keys.append(key)
+        lengths.append(torch.where(empty, 0, jt.lengths()))
+        values.append(jt.values()[keep])
+    sequences = KeyedJaggedTensor.from_lengths_sync(keys, torch.cat(values), torch.cat(lengths))
+    return Batch(batch.sparse, sequences, batch.max_seq_len, batch.dense, batch.labels, batch.label_mask, batch.domain)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_shapes_and_every_parameter_gets_a_gradient(tiny_schema, tiny_dataset, variant):
+    model = build(tiny_schema, **VARIANTS[variant])
+    batch = first_batch(tiny_dataset, tiny_schema)
+    logits = model(batch)
+    assert logits.shape == (batch.batch_size, tiny_schema.num_tasks) and torch.isfinite(logits).all()
+    (logits * torch.randn_like(logits)).sum().backward()
+    no_grad = [n for n, p in model.dense_arch.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not no_grad, no_grad
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_padding_through_a_longer_max_len_changes_nothing(tiny_schema, tiny_dataset, variant):
+    model = build(tiny_schema, **VARIANTS[variant])
+    batch = first_batch(tiny_dataset, tiny_schema)
+    longer = Batch(**{**batch.__dict__, "max_seq_len": {k: v + 17 for k, v in batch.max_seq_len.items()}})
+    with torch.no_grad():
+        torch.testing.assert_close(model(longer), model(batch), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_empty_histories_are_finite_and_do_not_leak_across_examples(tiny_schema, tiny_dataset, variant):
+    model = build(tiny_schema, **VARIANTS[variant])
+    batch = first_batch(tiny_dataset, tiny_schema, batch_size=12)
+    empty = torch.arange(12) % 3 == 0
+    mixed = with_empty_histories(batch, empty)
+    all_empty = with_empty_histories(batch, torch.ones(12, dtype=torch.bool))
+    logits = model(mixed)
+    assert torch.isfinite(logits).all() and torch.isfinite(model(all_empty)).all()
+    # An example's logits do not depend on the other examples of its batch.
+    for i in (0, 1):
+        alone = with_empty_histories(_select(batch, [i]), empty[[i]])
+        torch.testing.assert_close(model(alone)[0], logits[i], rtol=1e-5, atol=1e-6)
+    logits.sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.dense_arch.parameters() if p.grad is not None)
+
+
+def _select(batch: Batch, rows: list[int]) -> Batch:
+    def kjt(k: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        parts = k.to_dict()
+        lengths = [parts[key].lengths()[rows] for key in k.keys()]
+        values = [torch.cat([parts[key].to_dense()[r] for r in rows]) for key in k.keys()]
+        return KeyedJaggedTensor.from_lengths_sync(k.keys(), torch.cat(values), torch.cat(lengths))
+    return Batch(kjt(batch.sparse), kjt(batch.sequences), batch.max_seq_len, batch.dense[rows], batch.labels[rows],
+                 batch.label_mask[rows], batch.domain[rows])
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_bf16_autocast_runs_close_to_fp32(tiny_schema, tiny_dataset, block):
+    model = build(tiny_schema, block=block)
+    batch = first_batch(tiny_dataset, tiny_schema, batch_size=8)
+    reference = model(batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(batch)
+    logits.float().sum().backward()
+    torch.testing.assert_close(logits.float(), reference, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_two_event_streams_with_their_own_width_heads_and_window(block):
+    """Per-event-type settings: a long, narrow stream with a window next to a short, wide one."""
+    schema = FeatureSchema.from_config({**TINY_SCHEMA, "sequence_groups": [
+        {"name": "views", "max_len": 20, "features": [{"name": "view_item", "cardinality": 9}]},
+        {"name": "buys", "max_len": 5, "features": [{"name": "buy_item", "cardinality": 9}]},
+    ]})
+    dims = {f: 8 for f in schema.id_feature_names} | {"views": 8, "buys": 8}
+    streams = {"views": {"num_heads": 1, "head_dim": 16, "window": 2}, "buys": {"num_heads": 2, "head_dim": 32}}
+    torch.manual_seed(0)
+    arch = GEMDenseArch(schema, dims, block=block, num_layers=2, streams=streams, attention_backend="reference")
+    arch.init_weights()
+    assert [spec[1:] for spec in arch.specs] == [(16, 1, 2), (64, 2, None)]
+    batch_size = 5
+    sequences = {}
+    for name, lengths in (("views", [0, 20, 3, 7, 1]), ("buys", [5, 0, 0, 2, 1])):
+        offsets = torch.tensor([0] + lengths).cumsum(0)
+        sequences[name] = JaggedEmbeddings(torch.randn(int(offsets[-1]), 8, requires_grad=True), offsets, max(lengths))
+    pooled = {f: torch.randn(batch_size, 8) for f in schema.id_feature_names}
+    dense, domain = torch.randn(batch_size, schema.num_dense), torch.tensor([0, 1, 1, 0, 1])
+    logits = arch(SparseOutput(pooled, sequences), dense, domain)
+    assert logits.shape == (batch_size, schema.num_tasks)
+    logits.sum().backward()
+    assert all(s.values.grad.abs().sum() > 0 for s in sequences.values())
+    longer = {n: JaggedEmbeddings(s.values, s.offsets, s.max_len + 9) for n, s in sequences.items()}
+    with torch.no_grad():
+        torch.testing.assert_close(arch(SparseOutput(pooled, longer), dense, domain), logits, rtol=1e-5, atol=1e-6)
+
+
+def test_jagged_prepend_and_window_pairs():
+    values = torch.arange(5.0).view(5, 1)  # lengths 2, 0, 3
+    offsets = torch.tensor([0, 2, 2, 5])
+    prefix = -torch.arange(1.0, 7.0).view(3, 2, 1)
+    out, new_offsets = jagged_prepend(prefix, values, offsets)
+    assert new_offsets.tolist() == [0, 4, 6, 11]
+    assert out.view(-1).tolist() == [-1, -2, 0, 1, -3, -4, -5, -6, 2, 3, 4]
+    for window in (None, 0, 1, 3, 30):
+        lengths = torch.tensor([0, 1, 2, 5, 9, 31])
+        assert self_attention_pairs(lengths, window) == num_visible_pairs(lengths, lengths, window=window)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_analytic_flops_match_flop_counter_on_the_reference(tiny_schema, tiny_dataset, variant):
+    model = build(tiny_schema, **VARIANTS[variant])
+    batch = first_batch(tiny_dataset, tiny_schema)
+    embeddings = model.sparse_arch(batch.sparse, batch.sequences, batch.max_seq_len)
+    with FlopCounterMode(display=False) as forward:
+        logits = model.dense_arch(embeddings, batch.dense, batch.domain)
+    with FlopCounterMode(display=False) as backward:
+        logits.sum().backward()
+    lengths = batch_lengths(batch, tiny_schema)
+    padded = model.dense_arch.flops(batch.batch_size, lengths, batch.max_seq_len, padded=True)
+    assert padded == {"forward": forward.get_total_flops(), "backward": backward.get_total_flops()}
+    # On the true jagged lengths (what the kernels compute) the count is lower, and step_flops uses it.
+    jagged = model.dense_arch.flops(batch.batch_size, lengths)
+    assert jagged["forward"] < padded["forward"]
+    assert step_flops(model.dense_arch, batch, tiny_schema) == jagged["forward"] + jagged["backward"]
+    assert mfu(1e12, 2.0, 1.0) == 0.5 and mfu(1e12, 2.0, None) is None
+
+
+def test_bad_stream_settings_name_the_key(tiny_schema):
+    with pytest.raises(ValueError, match=r"model.streams: unknown event streams \['clicks'\]"):
+        build(tiny_schema, streams={"clicks": {"window": 3}})
+    with pytest.raises(ValueError, match="model.streams.hist: unknown keys"):
+        build(tiny_schema, streams={"hist": {"heads": 3}})
+    with pytest.raises(ValueError, match="model.block="):
+        build(tiny_schema, block="hstu")
+
+
+# debug=tiny on shorter histories and a smaller test split, to keep each run a few seconds on 2 cores.
+SMALL = ["data.schema.sequence_groups.0.max_len=24", "data.num_examples.test=256", "data.eval_batch_size=256"]
+
+
+def _train_losses(cache_dir, run_dir, *overrides) -> tuple[list[float], list[dict]]:
+    train(compose(["debug=tiny", "model=gem_tiny", "sparse=native", f"data.cache_dir={cache_dir}",
+                   f"trainer.run_dir={run_dir}", "trainer.log_every=1", *SMALL, *overrides]))
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if r["kind"] == "train"], rows
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_gem_tiny_trains_end_to_end_reproducibly_and_logs_mfu(tmp_path_factory, block, one_thread):
+    """The quickstart path with each block: the loss falls, the step's TFLOP/s is logged, MFU is null on CPU
+    unless a peak is configured, and deterministic mode repeats the losses exactly."""
+    cache = tmp_path_factory.getbasetemp() / "gem-cache"
+    first, rows = _train_losses(cache, tmp_path_factory.mktemp("a"), f"model.block={block}", "trainer.deterministic=true")
+    assert len(first) == 20 and sum(first[-5:]) / 5 < sum(first[:5]) / 5 - 0.02, first
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    assert all(r["tflops"] > 0 and r["mfu"] is None for r in train_rows)
+    assert rows[-1]["kind"] == "test" and 0.5 < rows[-1]["click/auc"] <= 1
+    again, rows = _train_losses(cache, tmp_path_factory.mktemp("b"), f"model.block={block}", "trainer.deterministic=true",
+                                "trainer.peak_tflops=0.001", "trainer.max_steps=6")
+    assert again == first[:6]
+    assert all(0 < r["mfu"] for r in rows if r["kind"] == "train")
+
+
+def trajectory(backend: str, steps: int = 20, batch_size: int = 6, device: str = "cpu") -> list[float]:
+    """Losses of gem_tiny-like models (both blocks, summed) trained ``steps`` AdamW steps with one attention backend.
+
+    One head of 32 and 6 examples a batch: Triton's interpreter costs about 0.3 s per attention
+    call at this size, and a step makes about ten."""
+    schema = FeatureSchema.from_config(TINY_SCHEMA)
+    reader = ParquetBatchReader([], schema, batch_size)
+    table = generate(schema, batch_size * 4, seed=1, cfg=SyntheticConfig(num_clusters=5))
+    batches = [reader.to_batch(table.slice(batch_size * i, batch_size), "trajectory").to(device) for i in range(4)]
+    models = [build(schema, backend, block=b, num_heads=1, head_dim=32, **({"window": 3} if b == "kunlun" else {})).to(device)
+              for b in BLOCKS]
+    params = [p for m in models for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=3e-3)
+    losses = []
+    for step in range(steps):
+        batch = batches[step % len(batches)]
+        loss = sum(multitask_bce(m(batch), batch.labels, batch.label_mask, torch.ones(2, device=device))[0] for m in models)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _run_trajectory(backend: str, env: dict) -> list[float]:
+    code = f"import json; from tests.test_gem_models import trajectory; print(json.dumps(trajectory({backend!r})))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_reference_and_triton_backends_give_the_same_loss_trajectory(one_thread):
+    """20 steps, both blocks; Triton runs in its interpreter on CPU (TRITON_INTERPRET=1 in a subprocess)."""
+    # One thread: the interpreter gains nothing from more, and on a busy machine they only contend.
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    triton_losses = _run_trajectory("triton", env)
+    reference_losses = trajectory("reference")
+    assert len(triton_losses) == 20
+    assert triton_losses == pytest.approx(reference_losses, rel=1e-4, abs=1e-5)
+    assert reference_losses[-1] < reference_losses[0]
+
+
+@pytest.mark.gpu
+def test_gem_tiny_on_cuda_triton_and_reference_give_the_same_loss_trajectory():
+    triton_losses = trajectory("triton", batch_size=64, device="cuda")
+    reference_losses = trajectory("reference", batch_size=64, device="cuda")
+    assert triton_losses == pytest.approx(reference_losses, rel=1e-3, abs=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", BLOCKS)
+def test_gem_tiny_trains_on_cuda(tmp_path, block):
+    result = train(compose(["debug=tiny", "model=gem_tiny", f"model.block={block}", "sparse=native",
+                            "trainer.device=cuda", f"trainer.run_dir={tmp_path}", f"data.cache_dir={tmp_path}"]))
+    assert result["steps"] == 20 and result["click/auc"] > 0.5
