@@ -541,11 +541,17 @@ def _bwd_dq_kernel(
 # ---------------------------------------------------------------------------------------
 
 
-def _default_config(kind: str, block_d: int) -> dict:
+def _default_config(kind: str, block_d: int, elem_bytes: int = 2) -> dict:
     """Block sizes, warps and stages per kernel kind and padded head dim, used when
-    autotuning is off (GEM_KERNELS_AUTOTUNE=0) and for head dims above 128."""
+    autotuning is off (GEM_KERNELS_AUTOTUNE=0) and for head dims above 128.
+
+    fp32 inputs (``elem_bytes=4``) take the backward tiles of the next larger head dim: the
+    16-bit tiles at head dim 128 need 262,656 bytes of shared memory in fp32, over the H200's
+    232,448 (measured: OutOfResources in the dK/dV kernel)."""
     if INTERPRET:  # small tiles keep the interpreter fast and exercise multi-block paths
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    if elem_bytes >= 4 and kind != "fwd" and block_d > 64:
+        block_d = 2 * block_d
     if kind == "fwd":
         if block_d <= 64:
             return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
@@ -598,12 +604,12 @@ _KERNELS = {
 }
 
 
-def _kernel_and_config(kind: str, block_d: int):
+def _kernel_and_config(kind: str, block_d: int, elem_bytes: int = 2):
     """(kernel, launch kwargs): the autotuned kernel, or the plain one with its default."""
     plain, tuned = _KERNELS[kind]
     if autotune_enabled():
         return tuned, {}
-    return plain, _default_config(kind, block_d)
+    return plain, _default_config(kind, block_d, elem_bytes)
 
 
 def _bucket(n: int) -> int:
@@ -738,7 +744,7 @@ def jagged_attention_bwd(
     def grid_dkdv(cfg):
         return (triton.cdiv(max_kv_len, cfg["BLOCK_N"]) * num_batches * num_heads,)
 
-    kernel, launch = _kernel_and_config("dkdv", meta["BLOCK_D"])
+    kernel, launch = _kernel_and_config("dkdv", meta["BLOCK_D"], q.element_size())
     wrap(kernel)[grid_dkdv](
         q, k, v, grad_out, lse, delta, dk, dv, q_offsets, kv_offsets, batch_order,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -751,7 +757,7 @@ def jagged_attention_bwd(
     def grid_dq(cfg):
         return (triton.cdiv(max_q_len, cfg["BLOCK_M"]) * num_batches * num_heads,)
 
-    kernel, launch = _kernel_and_config("dq", meta["BLOCK_D"])
+    kernel, launch = _kernel_and_config("dq", meta["BLOCK_D"], q.element_size())
     wrap(kernel)[grid_dq](
         q, k, v, grad_out, lse, delta, dq_rows, q_offsets, kv_offsets, batch_order,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
