@@ -120,6 +120,7 @@ class StreamingParquetReader(torch.utils.data.IterableDataset):
         self.policy = error_policy(self.options.on_error)
         self.epoch = 0
         self.resume = [0] * max(num_workers, 1)  # batches already consumed, per worker
+        self.rotation = 0  # DataLoader worker i plays worker (i + rotation) % num_workers
         self.plan_stats: Counter = Counter()
         self._units, optional = self._plan_units()
         target = arrow_schema(schema, with_weight="weight" in optional, with_request_id="request_id" in optional)
@@ -187,6 +188,7 @@ class StreamingParquetReader(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[tuple[tuple[int, int], dict[str, int], Batch | None]]:
         info = torch.utils.data.get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
+        worker = (worker + self.rotation) % num_workers
         if num_workers != max(self.num_workers, 1):
             raise RuntimeError(f"the reader was planned for {self.num_workers} workers but runs in {num_workers}; "
                                "build it with the DataLoader's num_workers (gem.data.loader.build_loader does)")
@@ -389,9 +391,17 @@ class BatchLoader:
             self.epoch = epoch
             self.consumed = [0] * len(self.consumed)
 
+    def _next_worker(self) -> int:
+        """The worker whose batch the DataLoader's round robin hands out next (any, at epoch end)."""
+        r = self.reader
+        counts = [r._worker_plan(w, len(self.consumed))[1] for w in range(len(self.consumed))]
+        active = [w for w, c in enumerate(counts) if self.consumed[w] < c]
+        return min(active, key=lambda w: (self.consumed[w], w)) if active else 0
+
     def __iter__(self) -> Iterator[Batch]:
         r = self.reader
-        r.epoch, r.resume = self.epoch, list(self.consumed)
+        # Rotate the workers so that a resumed epoch continues the round robin in the same order.
+        r.epoch, r.resume, r.rotation = self.epoch, list(self.consumed), self._next_worker()
         loader = torch.utils.data.DataLoader(r, batch_size=None, num_workers=r.num_workers, pin_memory=self.pin_memory,
                                              prefetch_factor=r.options.prefetch_factor if r.num_workers else None)
         for (worker, position), stats, batch in loader:

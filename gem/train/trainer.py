@@ -19,14 +19,15 @@ from torch import nn
 from tqdm import tqdm
 
 from gem.data.dataset import prepare_synthetic, schema_from_files, split_files
-from gem.data.parquet import ParquetBatchReader
+from gem.data.loader import BatchLoader, build_loader
+from gem.data.seqrec import prepare_seqrec
 from gem.data.schema import FeatureSchema
 from gem.models.gem import GEMModel
 from gem.sparse.arch import SparseArch
 from gem.train.config import Config, ConfigError, check_schema_refs, validate
 from gem.train.logging import MetricsWriter, format_metrics, logger, setup_logging
 from gem.train.losses import multitask_bce
-from gem.train.metrics import TaskEvaluator
+from gem.train.metrics import RankingEvaluator, TaskEvaluator
 from gem.train.optim import build_optimizers
 
 
@@ -83,6 +84,8 @@ def load_data(config: Config, env: DistEnv) -> tuple[FeatureSchema, Path]:
             d.cache_dir, d.name, schema, d.num_examples, d.seed, d.synthetic, is_writer=env.is_main)
     else:
         directory = Path(d.dir)
+        if d.kind == "seqrec":  # data.dir holds <data.name>.txt (S3-Rec) or an interaction table
+            directory = prepare_seqrec(d.dir, d.name, d.cache_dir, d.seqrec, is_writer=env.is_main)
         schema = FeatureSchema.from_config(d.schema) if d.schema else schema_from_files(split_files(directory, "train"))
     return schema, directory
 
@@ -118,24 +121,19 @@ def build_model(config: Config, schema: FeatureSchema, env: DistEnv) -> GEMModel
     return GEMModel(sparse, dense)
 
 
-def make_loader(reader: ParquetBatchReader, num_workers: int, pin: bool) -> torch.utils.data.DataLoader:
-    return torch.utils.data.DataLoader(reader, batch_size=None, num_workers=num_workers, pin_memory=pin,
-                                       prefetch_factor=4 if num_workers else None)
-
-
 @torch.no_grad()
-def evaluate(model: nn.Module, reader: ParquetBatchReader, env: DistEnv, tasks: tuple[str, ...],
-             num_workers: int, max_batches: int = -1) -> dict[str, float]:
-    """Per-task AUC / NE over a split. Every rank runs the same number of forward passes (sharded
-    tables need all ranks in each step); a rank out of batches repeats its last one unrecorded."""
+def evaluate(model: nn.Module, loader: BatchLoader, env: DistEnv, tasks: tuple[str, ...],
+             max_batches: int = -1) -> dict[str, float]:
+    """Per-task AUC / NE over a split, plus ranking metrics (HR, NDCG, MRR) when it has candidate
+    groups (request ids). Every rank runs the same number of forward passes (sharded tables need
+    all ranks in each step); a rank out of batches repeats its last one unrecorded."""
     model.eval()
-    evaluator = TaskEvaluator(tasks)
-    total = -(-reader.num_rows() // reader.batch_size)
-    steps = -(-total // env.world_size)
+    evaluator, ranking = TaskEvaluator(tasks), RankingEvaluator(tasks)
+    steps = max(loader.reader.num_batches(r) for r in range(env.world_size))
     if max_batches > 0:
         steps = min(steps, max_batches)
     batch = None
-    it = iter(make_loader(reader, num_workers, env.device.type == "cuda"))
+    it = iter(loader)
     for _ in range(steps):
         nxt = next(it, None)
         real = nxt is not None
@@ -145,8 +143,10 @@ def evaluate(model: nn.Module, reader: ParquetBatchReader, env: DistEnv, tasks: 
         logits = model(batch)
         if real:
             evaluator.update(logits, batch.labels, batch.label_mask)
+            if batch.request_id is not None:
+                ranking.update(logits, batch.labels, batch.label_mask, batch.request_id)
     model.train()
-    return evaluator.compute()
+    return evaluator.compute() | (ranking.compute() if ranking.has_groups() else {})
 
 
 def train(cfg: DictConfig | dict) -> dict[str, float]:
@@ -170,18 +170,20 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
     logger.info("data: %s (%s), device %s, world size %d", data_dir, ", ".join(schema.tasks), env.device, env.world_size)
     model = build_model(config, schema, env)
     d = config.data
-    train_reader = ParquetBatchReader(split_files(data_dir, "train"), schema, d.batch_size, shuffle=d.shuffle,
-                                      seed=d.seed, drop_last=True, rank=env.rank, world_size=env.world_size)
-    steps_per_epoch = train_reader.num_rows() // (d.batch_size * env.world_size)
+    pin = env.device.type == "cuda"
+    loader = lambda split, batch_size, train: build_loader(  # noqa: E731
+        split_files(data_dir, split), schema, batch_size, shuffle=train and d.shuffle, seed=d.seed, drop_last=train,
+        rank=env.rank, world_size=env.world_size, num_workers=d.num_workers, pin_memory=pin,
+        options=d.loader if train else {**d.loader, "balance": False})  # eval: candidate groups stay contiguous
+    train_loader = loader("train", d.batch_size, True)  # state_dict() / load_state_dict() resume it exactly
+    steps_per_epoch = train_loader.steps_per_epoch
     if steps_per_epoch == 0:
         raise ConfigError(f"data.batch_size={d.batch_size} x {env.world_size} ranks exceeds the training split "
-                          f"({train_reader.num_rows()} rows); lower data.batch_size")
+                          f"({train_loader.num_rows()} rows); lower data.batch_size")
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * steps_per_epoch
     dense_opt, sparse_opt, scheduler = build_optimizers(model, config.optim, total_steps)
     task_weights = torch.tensor([t.task_weights.get(k, 1.0) for k in schema.tasks], device=env.device)
     metrics = MetricsWriter(run_dir / "metrics.jsonl" if env.is_main else None)
-    eval_reader = lambda split: ParquetBatchReader(split_files(data_dir, split), schema, d.eval_batch_size,  # noqa: E731
-                                                   rank=env.rank, world_size=env.world_size)
     num_dense = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("sparse_arch."))
     fused = getattr(model.sparse_arch, "fused_optimizer", None)  # present when TorchRec sharded the tables
     num_fused = len(fused.params) if fused is not None else 0
@@ -192,8 +194,8 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
     step, window = 0, _Window()
     bar = tqdm(total=total_steps, disable=not (t.progress_bar and env.is_main), desc="train", dynamic_ncols=True)
     for epoch in range(t.epochs if t.max_steps <= 0 else 1 << 30):
-        train_reader.set_epoch(epoch)
-        it = iter(make_loader(train_reader, d.num_workers, env.device.type == "cuda"))
+        train_loader.set_epoch(epoch)
+        it = iter(train_loader)
         for _ in range(steps_per_epoch):
             if step >= total_steps:
                 break
@@ -217,18 +219,19 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
             window.add(loss.item(), per_task, batch.batch_size * env.world_size, time.perf_counter() - tick, waited)
             if step % t.log_every == 0 or step == total_steps:
                 values = window.summary(schema.tasks) | {"lr": scheduler.get_last_lr()[0], "epoch": epoch}
+                values |= {f"data/{k}": v for k, v in train_loader.stats.items() if k.startswith(("skipped", "trunc"))}
                 bar.set_postfix(loss=f"{values['loss']:.4f}")
                 logger.info("step %d %s", step, format_metrics(values))
                 metrics.write("train", step, values)
                 window = _Window()
             if t.eval_every and step % t.eval_every == 0:
-                values = evaluate(model, eval_reader("val"), env, schema.tasks, d.num_workers, t.eval_max_batches)
+                values = evaluate(model, loader("val", d.eval_batch_size, False), env, schema.tasks, t.eval_max_batches)
                 logger.info("val step %d %s", step, format_metrics(values))
                 metrics.write("val", step, values)
         if step >= total_steps:
             break
     bar.close()
-    result = evaluate(model, eval_reader("test"), env, schema.tasks, d.num_workers, t.eval_max_batches)
+    result = evaluate(model, loader("test", d.eval_batch_size, False), env, schema.tasks, t.eval_max_batches)
     result["train_seconds"] = time.perf_counter() - start
     result["steps"] = step
     metrics.write("test", step, result)
