@@ -62,7 +62,44 @@ def test_empty_histories_give_empty_values(tiny_schema):
 def test_unknown_feature_in_dims_names_the_key(tiny_schema):
     with pytest.raises(ValueError, match="sparse.dims: unknown feature 'nope'"):
         SparseArch.from_config(tiny_schema, 8, dims={"nope": 4})
-    with pytest.raises(ValueError, match="sparse.dims: every sequence feature needs the same width"):
+    with pytest.raises(ValueError, match="sparse.dims: every sequence feature .* needs the same width"):
         SparseArch.from_config(tiny_schema, 8, dims={"hist_action": 4})
     with pytest.raises(ValueError, match="sparse.backend"):
         SparseArch.from_config(tiny_schema, 8, backend="fbgemm")
+
+
+def test_shared_table_serves_id_and_sequence_features(tiny_dataset, tiny_schema):
+    """The candidate ad and the history items look up one item table in both backends."""
+    import copy
+
+    from gem.data.schema import FeatureSchema
+    from tests.conftest import TINY_SCHEMA
+
+    cfg = copy.deepcopy(TINY_SCHEMA)
+    cfg["id_features"][1]["table"] = "item"  # ad_id
+    cfg["sequence_groups"][0]["features"][0]["table"] = "item"  # hist_item
+    schema = FeatureSchema.from_config(cfg)
+    torch.manual_seed(0)
+    a = SparseArch.from_config(schema, 8, backend="torchrec")
+    b = SparseArch.from_config(schema, 8, backend="native")
+    b.load_state_dict(a.state_dict())
+    names = [t.name for t in a.tables]
+    assert "t_item" in names and "t_ad_id" not in names and "t_hist_item" not in names
+    assert "ec.embeddings.t_item.weight" in a.state_dict()
+    batch = _batch(tiny_dataset, tiny_schema)
+    outs = [m(batch.sparse, batch.sequences, batch.max_seq_len) for m in (a, b)]
+    for name in schema.id_feature_names:
+        torch.testing.assert_close(outs[0].pooled[name], outs[1].pooled[name])
+    torch.testing.assert_close(outs[0].sequences["hist"].values, outs[1].sequences["hist"].values)
+    item = a.table_weight("t_item")
+    ad_ids = batch.sparse["ad_id"].values()
+    torch.testing.assert_close(outs[0].pooled["ad_id"], item[ad_ids].detach())
+    for out, model in zip(outs, (a, b)):
+        out.pooled["ad_id"].sum().backward(retain_graph=True)
+        grad = model.table_weight("t_item").grad
+        assert torch.equal(grad.abs().sum(1) > 0, torch.bincount(ad_ids, minlength=80) > 0)
+
+    bad = copy.deepcopy(cfg)
+    bad["id_features"][1]["cardinality"] = 81
+    with pytest.raises(ValueError, match="share table 'item' but have cardinalities"):
+        FeatureSchema.from_config(bad)

@@ -38,11 +38,15 @@ def segment_ids(offsets: torch.Tensor, total: int | None = None) -> torch.Tensor
     return torch.repeat_interleave(batch, lengths, output_size=total)
 
 
+def jagged_sum(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Sum of each sequence: ``values [T, D]`` -> ``[B, D]``; empty sequences give zeros."""
+    ids = segment_ids(offsets, values.shape[0])
+    return values.new_zeros(offsets.numel() - 1, *values.shape[1:]).index_add_(0, ids, values)
+
+
 def jagged_mean(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Mean of each sequence: ``values [T, D]`` -> ``[B, D]``; empty sequences give zeros."""
-    num_seqs = offsets.numel() - 1
-    ids = segment_ids(offsets, values.shape[0])
-    sums = values.new_zeros(num_seqs, *values.shape[1:]).index_add_(0, ids, values)
+    sums = jagged_sum(values, offsets)
     lengths = offsets_to_lengths(offsets).clamp_min(1).to(values.dtype)
     return sums / lengths.view(-1, *([1] * (values.dim() - 1)))
 

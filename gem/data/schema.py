@@ -13,19 +13,36 @@ from typing import Any, Mapping, Sequence
 
 @dataclass(frozen=True)
 class IdFeature:
-    """A pooled categorical feature (user id, ad id, context ...), multi-hot up to ``max_ids`` ids."""
+    """A pooled categorical feature (user id, ad id, context ...), multi-hot up to ``max_ids`` ids.
+
+    ``table`` names the embedding table (default: the feature's own name); features naming the
+    same table share it, e.g. the candidate ad's item id and the history's item ids.
+    """
 
     name: str
     cardinality: int
     max_ids: int = 1
+    table: str | None = None
+
+    @property
+    def table_name(self) -> str:
+        return self.table or self.name
 
 
 @dataclass(frozen=True)
 class SequenceFeature:
-    """One per-event id of an event stream (item id, action type, surface, time-gap bucket ...)."""
+    """One per-event id of an event stream (item id, action type, surface, time-gap bucket ...).
+
+    ``table`` as for :class:`IdFeature`.
+    """
 
     name: str
     cardinality: int
+    table: str | None = None
+
+    @property
+    def table_name(self) -> str:
+        return self.table or self.name
 
 
 @dataclass(frozen=True)
@@ -66,6 +83,16 @@ class FeatureSchema:
             for f in g.features:
                 if f.cardinality < 1:
                     raise ValueError(f"data.schema.sequence_groups.{g.name}.features.{f.name}: cardinality must be >= 1")
+        cardinality: dict[str, tuple[str, int]] = {}
+        for f in list(self.id_features) + [f for g in self.sequence_groups for f in g.features]:
+            first = cardinality.setdefault(f.table_name, (f.name, f.cardinality))
+            if first[1] != f.cardinality:
+                raise ValueError(
+                    f"data.schema: features {first[0]!r} and {f.name!r} share table {f.table_name!r} but have "
+                    f"cardinalities {first[1]} and {f.cardinality}; give them the same cardinality"
+                )
+            if not f.table_name.isidentifier():
+                raise ValueError(f"data.schema: table name {f.table_name!r} of {f.name!r} must be a Python identifier")
         if not self.tasks or len(set(self.tasks)) != len(self.tasks):
             raise ValueError(f"data.schema.tasks: need at least one task and unique names, got {list(self.tasks)}")
         if self.num_dense < 0 or self.num_domains < 1:
@@ -86,14 +113,7 @@ class FeatureSchema:
         return len(self.tasks)
 
     def cardinality(self, feature: str) -> int:
-        for f in self.id_features:
-            if f.name == feature:
-                return f.cardinality
-        for g in self.sequence_groups:
-            for f in g.features:
-                if f.name == feature:
-                    return f.cardinality
-        raise KeyError(self.unknown_feature_message(feature))
+        return self.feature(feature).cardinality
 
     def group(self, name: str) -> SequenceGroup:
         for g in self.sequence_groups:
@@ -127,11 +147,20 @@ class FeatureSchema:
         except (KeyError, TypeError) as e:
             raise ValueError(f"data.schema: malformed schema ({e}); see configs/data/synthetic.yaml for the expected form") from e
 
+    def feature(self, name: str) -> IdFeature | SequenceFeature:
+        for f in list(self.id_features) + [f for g in self.sequence_groups for f in g.features]:
+            if f.name == name:
+                return f
+        raise KeyError(self.unknown_feature_message(name))
+
     def to_config(self) -> dict[str, Any]:
+        def plain(f) -> dict[str, Any]:
+            return {k: v for k, v in vars(f).items() if not (k == "table" and v is None)}
+
         return {
-            "id_features": [vars(f).copy() for f in self.id_features],
+            "id_features": [plain(f) for f in self.id_features],
             "sequence_groups": [
-                {"name": g.name, "max_len": g.max_len, "features": [vars(f).copy() for f in g.features]}
+                {"name": g.name, "max_len": g.max_len, "features": [plain(f) for f in g.features]}
                 for g in self.sequence_groups
             ],
             "num_dense": self.num_dense,

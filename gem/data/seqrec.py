@@ -17,9 +17,9 @@ with the user's id as ``request_id``, so gem's RankingEvaluator ranks them toget
 The schema (one place: :func:`seqrec_schema`)::
 
     user_id    [1]            id feature, the user
-    item_id    [1]            id feature, the candidate item
+    item_id    [1]            id feature, the candidate item (table "item")
     item_attr  [<= max_attrs] id feature, the candidate's attributes (when the source has them)
-    hist_item  [<= max_len]   sequence group "hist": the items before the target, oldest first
+    hist_item  [<= max_len]   sequence group "hist": the items before the target, oldest first (table "item")
     dense      [1]            log(1 + history length)
     label_next_item           1 for the true next item, 0 for a negative
 """
@@ -45,7 +45,7 @@ from gem.data.schema import FeatureSchema
 
 logger = logging.getLogger("gem")
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 TASK = "next_item"
 
 
@@ -96,14 +96,14 @@ def seqrec_schema(num_users: int, num_items: int, num_attributes: int, max_attrs
     """The one place the seqrec schema is made: candidate, attributes and history share the item id space."""
     id_features = [
         {"name": "user_id", "cardinality": num_users + 1},
-        {"name": "item_id", "cardinality": num_items + 1},
+        {"name": "item_id", "cardinality": num_items + 1, "table": "item"},
     ]
     if num_attributes:
         id_features.append({"name": "item_attr", "cardinality": num_attributes + 1, "max_ids": max_attrs})
     return FeatureSchema.from_config({
         "id_features": id_features,
         "sequence_groups": [{"name": "hist", "max_len": max_len,
-                             "features": [{"name": "hist_item", "cardinality": num_items + 1}]}],
+                             "features": [{"name": "hist_item", "cardinality": num_items + 1, "table": "item"}]}],
         "num_dense": 1,
         "tasks": [TASK],
         "num_domains": 1,

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from gem.data.jagged import jagged_sum, lengths_to_offsets
 from gem.data.schema import FeatureSchema
 from gem.sparse.tables import TableSpec, build_tables
 
@@ -50,6 +51,11 @@ class SparseArch(nn.Module):
         backend: "torchrec" or "native".
         device: where to build the tables; "meta" defers allocation (TorchRec sharding or
             ``to_empty`` + ``init_weights`` materialize them).
+
+    ``forward(sparse, sequences, max_seq_len) -> SparseOutput``: id features are sum-pooled to
+    ``[B, D_f]``; each sequence group's per-event embeddings are concatenated per event into
+    ``JaggedEmbeddings``. An id feature whose table it shares with a sequence feature is looked
+    up through the EmbeddingCollection and sum-pooled here.
     """
 
     def __init__(self, schema: FeatureSchema, tables: list[TableSpec], backend: str = "torchrec",
@@ -61,26 +67,19 @@ class SparseArch(nn.Module):
         self.backend = backend
         self.tables = tables
         pooled = [t for t in tables if t.pooled]
-        sequence = [t for t in tables if not t.pooled]
+        per_row = [t for t in tables if not t.pooled]
+        self._table_of = {f: t for t in tables for f in t.feature_names}
+        self._bag_features = [f for f in schema.id_feature_names if self._table_of[f].pooled]
+        self._routed_features = [f for f in schema.id_feature_names if not self._table_of[f].pooled]
         if backend == "torchrec":
             from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
 
-            self.ebc = EmbeddingBagCollection(
-                tables=[EmbeddingBagConfig(name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim,
-                                           feature_names=list(t.feature_names), weight_init_min=-t.init_scale,
-                                           weight_init_max=t.init_scale) for t in pooled],
-                device=torch.device(device) if device is not None else None,
-            )
-            self.ec = EmbeddingCollection(
-                tables=[EmbeddingConfig(name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim,
-                                        feature_names=list(t.feature_names), weight_init_min=-t.init_scale,
-                                        weight_init_max=t.init_scale) for t in sequence],
-                device=torch.device(device) if device is not None else None,
-            )
+            device = torch.device(device) if device is not None else None
+            self.ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(**_torchrec_args(t)) for t in pooled], device=device)
+            self.ec = EmbeddingCollection(tables=[EmbeddingConfig(**_torchrec_args(t)) for t in per_row], device=device)
         else:
             self.ebc = _NativeTables("embedding_bags", pooled, device)
-            self.ec = _NativeTables("embeddings", sequence, device)
-        self._feature_dim = {f: t.embedding_dim for t in tables for f in t.feature_names}
+            self.ec = _NativeTables("embeddings", per_row, device)
 
     @classmethod
     def from_config(cls, schema: FeatureSchema, embedding_dim: int, init_scale: float = 0.05,
@@ -89,10 +88,10 @@ class SparseArch(nn.Module):
         return cls(schema, build_tables(schema, embedding_dim, init_scale, dims), backend, device)
 
     def pooled_dim(self, feature: str) -> int:
-        return self._feature_dim[feature]
+        return self._table_of[feature].embedding_dim
 
     def sequence_dim(self, group: str) -> int:
-        return sum(self._feature_dim[f] for f in self.schema.group(group).feature_names)
+        return sum(self._table_of[f].embedding_dim for f in self.schema.group(group).feature_names)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -106,17 +105,52 @@ class SparseArch(nn.Module):
 
     def forward(self, sparse: KeyedJaggedTensor, sequences: KeyedJaggedTensor, max_seq_len: dict[str, int]) -> SparseOutput:
         if self.backend == "torchrec":
-            pooled = self.ebc(sparse).to_dict() if self.schema.id_features else {}
-            per_event = {k: (jt.values(), jt.offsets()) for k, jt in self.ec(sequences).items()} if self.schema.sequence_groups else {}
+            pooled, per_event = self._torchrec_lookup(sparse, sequences)
         else:
-            pooled = self.ebc.pooled(sparse) if self.schema.id_features else {}
-            per_event = self.ec.per_event(sequences) if self.schema.sequence_groups else {}
+            pooled, per_event = self._native_lookup(sparse, sequences)
         out = {}
         for g in self.schema.sequence_groups:
             parts = [per_event[f][0] for f in g.feature_names]
-            offsets = per_event[g.feature_names[0]][1].to(torch.int64)
+            offsets = per_event[g.feature_names[0]][1]
             out[g.name] = JaggedEmbeddings(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], offsets, max_seq_len[g.name])
         return SparseOutput(pooled=pooled, sequences=out)
+
+    def _torchrec_lookup(self, sparse: KeyedJaggedTensor, sequences: KeyedJaggedTensor):
+        bags, rows = sparse, sequences
+        if self._routed_features:  # split the id features between the two collections
+            by_key = sparse.to_dict()
+            bags = KeyedJaggedTensor.from_jt_dict({f: by_key[f] for f in self._bag_features})
+            routed = KeyedJaggedTensor.from_jt_dict({f: by_key[f] for f in self._routed_features})
+            rows = KeyedJaggedTensor.concat([sequences, routed]) if self.schema.sequence_groups else routed
+        pooled = self.ebc(bags).to_dict() if self._bag_features else {}
+        per_event = {k: (jt.values(), _offsets(jt)) for k, jt in self.ec(rows).items()} if self.ec_features else {}
+        for f in self._routed_features:
+            pooled[f] = jagged_sum(*per_event.pop(f))
+        return {f: pooled[f] for f in self.schema.id_feature_names}, per_event
+
+    def _native_lookup(self, sparse: KeyedJaggedTensor, sequences: KeyedJaggedTensor):
+        pooled, per_event = {}, {}
+        for f, jt in (sparse.to_dict().items() if self.schema.id_features else ()):
+            weight = self.table_weight(self._table_of[f].name)
+            pooled[f] = F.embedding_bag(jt.values(), weight, _offsets(jt), mode="sum", include_last_offset=True)
+        for f, jt in (sequences.to_dict().items() if self.schema.sequence_groups else ()):
+            per_event[f] = (F.embedding(jt.values(), self.table_weight(self._table_of[f].name)), _offsets(jt))
+        return pooled, per_event
+
+    @property
+    def ec_features(self) -> list[str]:
+        return self.schema.sequence_feature_names + self._routed_features
+
+
+def _offsets(jt) -> torch.Tensor:
+    """int64 offsets from a JaggedTensor's lengths, in plain torch (TorchRec would call an FBGEMM
+    op that the CPU build of fbgemm-gpu lacks on CUDA tensors)."""
+    return lengths_to_offsets(jt.lengths())
+
+
+def _torchrec_args(t: TableSpec) -> dict:
+    return dict(name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim,
+                feature_names=list(t.feature_names), weight_init_min=-t.init_scale, weight_init_max=t.init_scale)
 
 
 class _NativeTables(nn.Module):
@@ -124,26 +158,7 @@ class _NativeTables(nn.Module):
 
     def __init__(self, attr: str, tables: list[TableSpec], device) -> None:
         super().__init__()
-        self.attr = attr
         setattr(self, attr, nn.ModuleDict({t.name: _Weight(t.num_embeddings, t.embedding_dim, device) for t in tables}))
-        self._feature_table = {f: t.name for t in tables for f in t.feature_names}
-
-    def _lookup(self) -> nn.ModuleDict:
-        return getattr(self, self.attr)
-
-    def pooled(self, kjt: KeyedJaggedTensor) -> dict[str, torch.Tensor]:
-        out = {}
-        for feature, jt in kjt.to_dict().items():
-            weight = self._lookup()[self._feature_table[feature]].weight
-            out[feature] = F.embedding_bag(jt.values(), weight, jt.offsets(), mode="sum", include_last_offset=True)
-        return out
-
-    def per_event(self, kjt: KeyedJaggedTensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        out = {}
-        for feature, jt in kjt.to_dict().items():
-            weight = self._lookup()[self._feature_table[feature]].weight
-            out[feature] = (F.embedding(jt.values(), weight), jt.offsets())
-        return out
 
 
 class _Weight(nn.Module):

@@ -25,6 +25,7 @@ class _TqdmHandler(logging.StreamHandler):
 def setup_logging(run_dir: Path | None, rank: int) -> None:
     # Hydra sets the root logger to INFO, which lets TorchRec / FBGEMM print pages of set-up detail.
     logging.getLogger().setLevel(logging.WARNING)
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)  # a deprecation note per KJT trace
     logger.handlers.clear()
     logger.propagate = False
     logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)

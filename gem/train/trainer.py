@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import time
@@ -204,8 +205,6 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
             waited = time.perf_counter() - tick
             logits = model(batch)
             loss, per_task = multitask_bce(logits, batch.labels, batch.label_mask, task_weights, batch.weights)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"step {step}: loss is {loss.item()}; lower optim.dense.lr or set optim.grad_clip")
             loss.backward()
             if config.optim.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.dense_arch.parameters(), config.optim.grad_clip)
@@ -216,18 +215,20 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
             scheduler.step()
             step += 1
             bar.update()
-            window.add(loss.item(), per_task, batch.batch_size * env.world_size, time.perf_counter() - tick, waited)
+            window.add(loss, per_task, batch.batch_size * env.world_size, waited)
             if step % t.log_every == 0 or step == total_steps:
-                values = window.summary(schema.tasks) | {"lr": scheduler.get_last_lr()[0], "epoch": epoch}
+                values = window.summary(schema.tasks, step) | {"lr": scheduler.get_last_lr()[0], "epoch": epoch}
                 values |= {f"data/{k}": v for k, v in train_loader.stats.items() if k.startswith(("skipped", "trunc"))}
                 bar.set_postfix(loss=f"{values['loss']:.4f}")
                 logger.info("step %d %s", step, format_metrics(values))
                 metrics.write("train", step, values)
                 window = _Window()
             if t.eval_every and step % t.eval_every == 0:
+                eval_start = time.perf_counter()
                 values = evaluate(model, loader("val", d.eval_batch_size, False), env, schema.tasks, t.eval_max_batches)
                 logger.info("val step %d %s", step, format_metrics(values))
                 metrics.write("val", step, values)
+                window.start += time.perf_counter() - eval_start  # throughput counts training time only
         if step >= total_steps:
             break
     bar.close()
@@ -242,23 +243,30 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
 
 
 class _Window:
-    """Running sums between two log lines."""
+    """Sums between two log lines, kept on the device so that a step never waits for the GPU;
+    ``summary()`` synchronizes once and measures wall time since the window opened."""
 
     def __init__(self) -> None:
-        self.steps, self.loss, self.examples, self.seconds, self.waited = 0, 0.0, 0, 0.0, 0.0
+        self.start = time.perf_counter()
+        self.steps, self.examples, self.waited = 0, 0, 0.0
+        self.loss: torch.Tensor | None = None
         self.per_task: torch.Tensor | None = None
 
-    def add(self, loss: float, per_task: torch.Tensor, examples: int, seconds: float, waited: float) -> None:
+    def add(self, loss: torch.Tensor, per_task: torch.Tensor, examples: int, waited: float) -> None:
         self.steps += 1
-        self.loss += loss
-        self.per_task = per_task.cpu() if self.per_task is None else self.per_task + per_task.cpu()
         self.examples += examples
-        self.seconds += seconds
         self.waited += waited
+        self.loss = loss.detach() if self.loss is None else self.loss + loss.detach()
+        self.per_task = per_task if self.per_task is None else self.per_task + per_task
 
-    def summary(self, tasks: tuple[str, ...]) -> dict[str, float]:
-        out = {"loss": self.loss / self.steps}
-        out |= {f"{k}/loss": float(v) / self.steps for k, v in zip(tasks, self.per_task)}
-        out |= {"examples_per_s": self.examples / self.seconds, "step_ms": 1000 * self.seconds / self.steps,
-                "data_wait_frac": self.waited / self.seconds}
+    def summary(self, tasks: tuple[str, ...], step: int) -> dict[str, float]:
+        loss = self.loss.item() / self.steps
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"steps {step - self.steps + 1}..{step}: mean loss is {loss}; lower optim.dense.lr "
+                                     "or set optim.grad_clip")
+        seconds = time.perf_counter() - self.start
+        out = {"loss": loss}
+        out |= {f"{k}/loss": v / self.steps for k, v in zip(tasks, self.per_task.tolist())}
+        out |= {"examples_per_s": self.examples / seconds, "step_ms": 1000 * seconds / self.steps,
+                "data_wait_frac": min(1.0, self.waited / seconds)}
         return out
