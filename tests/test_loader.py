@@ -254,3 +254,27 @@ def test_pinned_batches_reach_the_gpu(tiny_dataset, tiny_schema):
     assert batch.dense.is_pinned() and batch.sequences.values().is_pinned()
     on_gpu = batch.to("cuda", non_blocking=True)
     assert on_gpu.sequences.values().is_cuda and on_gpu.labels.is_cuda
+
+
+def test_validator_reports_every_violation_with_row_and_column(tmp_path, tiny_schema, capsys):
+    from gem.data.validate import main, validate_file
+
+    table = generate(tiny_schema, 8, seed=0)
+    table = table.set_column(table.schema.get_field_index("user_id"), "user_id",
+                             pa.array([[1], [-4], [2], [3], [99], [5], [6], [7]], IDS))
+    table = table.set_column(table.schema.get_field_index("label_click"), "label_click",
+                             pa.array([0, 1, 0, 2, 0, 0, 0, float("nan")], pa.float32()))
+    dense = [[0.0, 0.0, 0.0]] * 8
+    dense[4] = [float("inf"), 0.0, 0.0]
+    table = table.set_column(table.schema.get_field_index("dense"), "dense", pa.array(dense, pa.list_(pa.float32())))
+    write_parquet(table, tmp_path / "bad.parquet", tiny_schema, row_group_size=3)
+    found = [(v.row, v.column, v.case) for v in validate_file(tmp_path / "bad.parquet")]
+    assert found == [(1, "user_id", "id_out_of_range"), (3, "label_click", "label_out_of_range"),
+                     (4, "dense", "non_finite_dense"), (4, "user_id", "id_out_of_range"),
+                     (7, "label_click", "label_out_of_range")]
+    assert main([str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "bad.parquet: row 4, column 'dense': NaN or inf" in out and out.count("\n") == 5
+    (tmp_path / "bad.parquet").unlink()
+    _write(tmp_path, tiny_schema, name="good.parquet")
+    assert validate_file(tmp_path / "good.parquet") == [] and main([str(tmp_path)]) == 0
