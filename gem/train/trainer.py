@@ -21,8 +21,8 @@ from tqdm import tqdm
 
 from gem.data.dataset import prepare_synthetic, schema_from_files, split_files
 from gem.data.loader import BatchLoader, build_loader
-from gem.data.seqrec import prepare_seqrec
 from gem.data.schema import FeatureSchema
+from gem.data.seqrec import prepare_seqrec
 from gem.models.gem import GEMModel
 from gem.sparse.arch import SparseArch
 from gem.train.config import Config, ConfigError, check_schema_refs, validate
