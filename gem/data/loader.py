@@ -39,7 +39,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from gem.data.balance import deal_by_length
 from gem.data.batch import Batch
-from gem.data.checks import error_policy, file_violations, row_violations
+from gem.data.checks import Violation, error_policy, file_violations, row_violations
 from gem.data.parquet import OPTIONAL_COLUMNS, _keep_most_recent, arrow_schema
 from gem.data.schema import FeatureSchema
 
@@ -137,7 +137,8 @@ class StreamingParquetReader(torch.utils.data.IterableDataset):
                 file = pq.ParquetFile(path)
                 problems = file_violations(file.schema_arrow, self.schema)
             except (pa.ArrowException, OSError) as e:
-                file, problems = None, [_unreadable(e)]
+                file, problems = None, [Violation("unreadable_file", None, None,
+                                                  f"not a readable Parquet file ({e}); delete or regenerate it")]
             if problems:
                 first = next((p for p in problems if self.policy[p.case] == "fail"), None)
                 if first is not None:
@@ -293,12 +294,6 @@ class StreamingParquetReader(torch.utils.data.IterableDataset):
         raise IndexError(row)
 
 
-def _unreadable(e: Exception):
-    from gem.data.checks import Violation
-
-    return Violation("unreadable_file", None, None, f"not a readable Parquet file ({e}); delete or regenerate it")
-
-
 def _list_parts(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
     """Lengths ``[B]`` and values ``[T]`` of a list column; views of the Arrow buffers, no copy."""
     arr = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
@@ -415,7 +410,6 @@ class BatchLoader:
                 yield batch
 
     def state_dict(self) -> dict[str, Any]:
-        r = self.reader
         return {"version": STATE_VERSION, "epoch": self.epoch, "consumed": list(self.consumed),
                 "stats": dict(self.stats), **self._plan_key()}
 

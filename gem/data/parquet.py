@@ -24,8 +24,10 @@ The file's key-value metadata carries ``gem.layout_version`` (``"2"``) and ``gem
 schema as JSON). A data set directory holds ``train/``, ``val/`` and ``test/`` folders of
 ``*.parquet`` files.
 
-This reader is deliberately simple (whole row groups, one process); every value is checked,
-and a bad one raises an error that names the file, the row, the column and the fix.
+``ParquetBatchReader`` is the simple reference reader (whole files, one process, fail on any
+bad value, naming the file, the row, the column and the fix). Training and evaluation use the
+streaming loader in gem/data/loader.py (sharded, shuffled, token-balanced, resumable, with a
+per-case bad-input policy).
 """
 
 from __future__ import annotations
