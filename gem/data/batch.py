@@ -7,10 +7,11 @@ from dataclasses import dataclass
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.streamable import Pipelineable
 
 
 @dataclass
-class Batch:
+class Batch(Pipelineable):
     """One training or evaluation batch of B examples.
 
     Attributes:
@@ -54,6 +55,13 @@ class Batch:
 
     def pin_memory(self) -> "Batch":
         return self._map(lambda t: t.pin_memory())
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        """Mark every tensor as used by ``stream`` (TorchRec's pipelines copy batches on a side stream)."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, (torch.Tensor, KeyedJaggedTensor)):
+                value.record_stream(stream)
 
     def _map(self, fn) -> "Batch":
         fields = {}

@@ -1,37 +1,229 @@
-"""TorchRec sharding of the SparseArch: plan (planner or one sharding type for every table),
-fused row-wise Adagrad applied in backward, DistributedModelParallel."""
+"""TorchRec sharding of the SparseArch: the plan (explicit per table, or TorchRec's planner), fused
+optimizer applied in backward, DistributedModelParallel (or DMPCollection for 2-D sparse parallelism).
+
+An explicit plan names a sharding for each table (``sparse.plan`` / ``sparse.sharding_type``)::
+
+    t_user_id: table_wise      # the whole table on one rank (round robin, or table_wise:<rank>)
+    t_ad_id: row_wise          # rows split evenly over all ranks
+    t_hist_item: column_wise   # columns split over all ranks
+    t_ad_cluster: table_row_wise  # rows split over the ranks of one node (table_row_wise:<node>)
+    t_hist_gap: data_parallel  # a full copy on every rank, gradients all-reduced
+
+Explicit plans work on any device; TorchRec's planner (no plan given) chooses from the cost model,
+the per-rank HBM budget and per-table constraints, and is the choice on GPU clusters.
+"""
 
 from __future__ import annotations
+
+import logging
+import os
+from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise", "data_parallel")
+EXPLICIT_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
+_MODULES = ("ebc", "ec")  # SparseArch's EmbeddingBagCollection and EmbeddingCollection
+logger = logging.getLogger("gem")
+
+
+def _optimizer(name: str):
+    """The in-backward optimizer class TorchRec maps onto FBGEMM's fused kernel of the same rule."""
+    if name == "rowwise_adagrad":
+        from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+        return RowWiseAdagrad
+    if name == "adagrad":
+        return torch.optim.Adagrad
+    raise ValueError(f"optim.sparse.name={name!r} is not one of ['rowwise_adagrad', 'adagrad']")
+
+
+def _table_sharding(spec: str, table: str, index: int, world_size: int, local_size: int):
+    """``"table_wise[:rank]" | "row_wise" | "column_wise" | "table_row_wise[:node]" | "data_parallel"``
+    -> TorchRec's ParameterShardingGenerator."""
+    from torchrec.distributed import sharding_plan as sp
+
+    kind, _, arg = spec.partition(":")
+    if kind not in EXPLICIT_TYPES:
+        raise ValueError(f"sparse.plan.{table}={spec!r}: the sharding must be one of {list(EXPLICIT_TYPES)} "
+                         f"(table_wise:<rank> and table_row_wise:<node> pin the placement)")
+    if arg and kind not in ("table_wise", "table_row_wise"):
+        raise ValueError(f"sparse.plan.{table}={spec!r}: only table_wise and table_row_wise take a ':<index>'")
+    if kind == "table_wise":
+        rank = int(arg) if arg else index % world_size
+        if not 0 <= rank < world_size:
+            raise ValueError(f"sparse.plan.{table}={spec!r}: rank {rank} is outside [0, {world_size})")
+        return sp.table_wise(rank=rank)
+    if kind == "table_row_wise":
+        host = int(arg) if arg else index % max(1, world_size // local_size)
+        if not 0 <= host < world_size // local_size:
+            raise ValueError(f"sparse.plan.{table}={spec!r}: node {host} is outside [0, {world_size // local_size})")
+        return sp.table_row_wise(host_index=host)
+    if kind == "column_wise":
+        return sp.column_wise(ranks=list(range(world_size)))
+    return sp.row_wise() if kind == "row_wise" else sp.data_parallel()
+
+
+def explicit_plan(sparse_arch: nn.Module, per_table: Mapping[str, str], world_size: int, local_size: int,
+                  device_type: str):
+    """A TorchRec ShardingPlan from one sharding string per table (every table must be named)."""
+    from torchrec.distributed.planner.types import ShardingPlan
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan
+
+    names = [t.name for t in sparse_arch.tables]
+    unknown = sorted(set(per_table) - set(names))
+    if unknown:
+        raise ValueError(f"sparse.plan: unknown table(s) {unknown}; the tables are {names}")
+    missing = [n for n in names if n not in per_table]
+    if missing:
+        raise ValueError(f"sparse.plan: no sharding for table(s) {missing}; name them in sparse.plan or set "
+                         f"sparse.sharding_type for every table")
+    for t in sparse_arch.tables:
+        if not t.pooled and per_table[t.name].startswith("table_row_wise"):
+            raise ValueError(f"sparse.plan.{t.name}=table_row_wise: TorchRec shards sequence tables "
+                             f"(EmbeddingCollection) table_wise, row_wise, column_wise or data_parallel only; "
+                             f"name another sharding for {t.name} in sparse.plan")
+        if not t.pooled and per_table[t.name] == "data_parallel" and device_type == "cpu":
+            # Measured with TorchRec 1.8 / fbgemm-gpu-cpu 1.8: the lookup returns one row per example
+            # instead of one per event, and the forward fails in construct_jagged_tensors.
+            raise ValueError(f"sparse.plan.{t.name}=data_parallel: TorchRec's data-parallel EmbeddingCollection "
+                             f"fails on CPU; name another sharding for sequence table {t.name} in sparse.plan")
+    plan = {}
+    for attr in _MODULES:
+        module = getattr(sparse_arch, attr)
+        tables = [t for t in sparse_arch.tables if t.pooled == (attr == "ebc")]
+        if not tables:
+            continue
+        generators = {t.name: _table_sharding(per_table[t.name], t.name, names.index(t.name), world_size, local_size)
+                      for t in tables}
+        plan[attr] = construct_module_sharding_plan(module, generators, local_size=local_size, world_size=world_size,
+                                                    device_type=device_type)
+    return ShardingPlan(plan)
+
+
+def planner_plan(sparse_arch: nn.Module, sharders: Sequence, pg: dist.ProcessGroup, world_size: int,
+                 local_size: int, device_type: str, hbm_gb: float | None,
+                 constraints: Mapping[str, Sequence[str]] | None):
+    """TorchRec's planner: enumerates shardings allowed by ``constraints`` (table -> sharding types),
+    fits them in ``hbm_gb`` per rank, picks the cheapest by its cost model; rank 0 plans, all receive it."""
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+
+    names = [t.name for t in sparse_arch.tables]
+    for table, types in (constraints or {}).items():
+        if table not in names:
+            raise ValueError(f"sparse.constraints.{table}: unknown table; the tables are {names}")
+        bad = [s for s in types if s not in SHARDING_TYPES]
+        if bad:
+            raise ValueError(f"sparse.constraints.{table}: {bad} not in {list(SHARDING_TYPES)}")
+    topology = Topology(world_size=world_size, local_world_size=local_size, compute_device=device_type,
+                        hbm_cap=int(hbm_gb * 1024**3) if hbm_gb else None)
+    planner = EmbeddingShardingPlanner(
+        topology=topology,
+        constraints={t: ParameterConstraints(sharding_types=list(s)) for t, s in (constraints or {}).items()} or None,
+    )
+    return planner.collective_plan(sparse_arch, list(sharders), pg)
+
 
 def shard_sparse_arch(sparse_arch: nn.Module, device: torch.device, sparse_lr: float, sparse_eps: float,
-                      sharding_type: str | None = None, pg: dist.ProcessGroup | None = None) -> nn.Module:
+                      sharding_type: str | None = None, pg: dist.ProcessGroup | None = None, *,
+                      plan: Mapping[str, str] | None = None, hbm_gb: float | None = None,
+                      constraints: Mapping[str, Sequence[str]] | None = None, optimizer: str = "rowwise_adagrad",
+                      sharding_group_size: int | None = None) -> nn.Module:
     """Shard ``sparse_arch``'s tables over the ranks of ``pg`` with TorchRec.
 
-    The embedding optimizer (TorchRec's row-wise Adagrad) is fused into the backward pass:
-    after ``loss.backward()`` the tables are already updated, and there is no separate step.
+    Args:
+        sharding_type / plan: explicit plan: ``plan`` (table -> sharding string), tables not in it
+            take ``sharding_type``. Neither: TorchRec's planner with ``hbm_gb`` and ``constraints``.
+        optimizer: the embedding optimizer, fused into the backward pass: after ``loss.backward()``
+            the sharded tables are already updated, there is no separate step (data-parallel tables
+            are stepped by gem.train.optim with the same rule).
+        sharding_group_size: TorchRec's 2-D sparse parallelism (DMPCollection, CUDA only): tables
+            are sharded inside groups of this many ranks and replicated across the groups.
+
+    The plan is logged as a table (see :func:`format_plan`).
     """
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
     from torchrec.distributed.types import ShardingEnv
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
     pg = pg or dist.group.WORLD
-    apply_optimizer_in_backward(RowWiseAdagrad, sparse_arch.parameters(), {"lr": sparse_lr, "eps": sparse_eps})
+    world_size = dist.get_world_size(pg)
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if sharding_group_size:
+        if device.type != "cuda":
+            raise ValueError("sparse.sharding_group_size (TorchRec's DMPCollection) runs on CUDA only; "
+                             "set sparse.sharding_group_size=null on CPU")
+        if world_size % sharding_group_size:
+            raise ValueError(f"sparse.sharding_group_size={sharding_group_size} does not divide the world "
+                             f"size {world_size}")
+        world_size = sharding_group_size
+        local_size = min(local_size, world_size)
+    if sharding_type is not None and sharding_type not in EXPLICIT_TYPES:
+        raise ValueError(f"sparse.sharding_type={sharding_type!r}: explicit plans support {list(EXPLICIT_TYPES)}; "
+                         f"leave it null and use sparse.constraints to let the planner choose")
+    lr_eps = {"lr": sparse_lr, "eps": sparse_eps}
+    apply_optimizer_in_backward(_optimizer(optimizer), sparse_arch.parameters(), lr_eps)
     sharders = [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]
-    constraints = None
-    if sharding_type is not None:
-        constraints = {t.name: ParameterConstraints(sharding_types=[sharding_type]) for t in sparse_arch.tables}
-    planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=dist.get_world_size(pg), compute_device=device.type), constraints=constraints
-    )
-    plan = planner.collective_plan(sparse_arch, sharders, pg)
-    return DistributedModelParallel(sparse_arch, env=ShardingEnv.from_process_group(pg), device=device, plan=plan,
-                                    sharders=sharders)
+    if plan or sharding_type is not None:
+        per_table = {t.name: (plan or {}).get(t.name, sharding_type) for t in sparse_arch.tables}
+        per_table = {k: v for k, v in per_table.items() if v is not None}
+        sharding_plan = explicit_plan(sparse_arch, per_table, world_size, local_size, device.type)
+    else:
+        sharding_plan = planner_plan(sparse_arch, sharders, pg, world_size, local_size, device.type, hbm_gb,
+                                     constraints)
+    source = "explicit" if plan or sharding_type else "TorchRec planner"
+    logger.info("sparse sharding plan (%s):\n%s", source, format_plan(sharding_plan, sparse_arch, world_size))
+    if sharding_group_size:
+        from torchrec.distributed.model_parallel import DMPCollection
+
+        return DMPCollection(sparse_arch, device=device, plan=sharding_plan, world_size=dist.get_world_size(pg),
+                             sharding_group_size=sharding_group_size, global_pg=pg, sharders=sharders)
+    return DistributedModelParallel(sparse_arch, env=ShardingEnv.from_process_group(pg), device=device,
+                                    plan=sharding_plan, sharders=sharders)
+
+
+def plan_rows(plan, sparse_arch: nn.Module, world_size: int) -> list[dict]:
+    """One row per table: name, rows, dim, sharding, ranks, bytes per rank (fp32 weights)."""
+    specs = {t.name: t for t in sparse_arch.tables}
+    rows = []
+    for attr in _MODULES:
+        for name, ps in (plan.plan.get(attr) or {}).items():
+            t = specs[name]
+            per_rank = dict.fromkeys(range(world_size), 0)
+            if ps.sharding_type == "data_parallel":
+                ranks = list(range(world_size))
+                per_rank = dict.fromkeys(ranks, t.num_bytes)
+            else:
+                ranks = []
+                for shard in ps.sharding_spec.shards:
+                    r = shard.placement.rank()
+                    ranks.append(r)
+                    per_rank[r] += shard.shard_sizes[0] * shard.shard_sizes[1] * 4
+            rows.append({"table": name, "rows": t.num_embeddings, "dim": t.embedding_dim,
+                         "sharding": ps.sharding_type, "ranks": sorted(set(ranks)), "bytes_per_rank": per_rank})
+    return rows
+
+
+def format_plan(plan, sparse_arch: nn.Module, world_size: int) -> str:
+    """The plan as a fixed-width text table, one line per table and a total line."""
+    rows = plan_rows(plan, sparse_arch, world_size)
+    header = ["table", "rows", "dim", "sharding", "ranks"] + [f"bytes r{r}" for r in range(world_size)]
+    lines = [[r["table"], str(r["rows"]), str(r["dim"]), r["sharding"], ",".join(map(str, r["ranks"]))]
+             + [_human(r["bytes_per_rank"][k]) for k in range(world_size)] for r in rows]
+    lines.append(["total", "", "", "", ""] + [_human(sum(r["bytes_per_rank"][k] for r in rows))
+                                              for k in range(world_size)])
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
+    fmt = lambda cells: "  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(line) for line in lines])
+
+
+def _human(num_bytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if num_bytes < 1024 or unit == "TiB":
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1024
+    return ""

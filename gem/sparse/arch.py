@@ -70,7 +70,8 @@ class SparseArch(nn.Module):
         per_row = [t for t in tables if not t.pooled]
         self._table_of = {f: t for t in tables for f in t.feature_names}
         self._bag_features = [f for f in schema.id_feature_names if self._table_of[f].pooled]
-        self._routed_features = [f for f in schema.id_feature_names if not self._table_of[f].pooled]
+        # id features whose table is shared with a sequence feature: looked up through the EC
+        self.routed_id_features = [f for f in schema.id_feature_names if not self._table_of[f].pooled]
         if backend == "torchrec":
             from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
 
@@ -117,14 +118,17 @@ class SparseArch(nn.Module):
 
     def _torchrec_lookup(self, sparse: KeyedJaggedTensor, sequences: KeyedJaggedTensor):
         bags, rows = sparse, sequences
-        if self._routed_features:  # split the id features between the two collections
+        if self.routed_id_features:  # split the id features between the two collections
             by_key = sparse.to_dict()
             bags = KeyedJaggedTensor.from_jt_dict({f: by_key[f] for f in self._bag_features})
-            routed = KeyedJaggedTensor.from_jt_dict({f: by_key[f] for f in self._routed_features})
+            routed = KeyedJaggedTensor.from_jt_dict({f: by_key[f] for f in self.routed_id_features})
             rows = KeyedJaggedTensor.concat([sequences, routed]) if self.schema.sequence_groups else routed
         pooled = self.ebc(bags).to_dict() if self._bag_features else {}
-        per_event = {k: (jt.values(), _offsets(jt)) for k, jt in self.ec(rows).items()} if self.ec_features else {}
-        for f in self._routed_features:
+        per_event = {}
+        if self.ec_features:  # indexed by name, not iterated: TorchRec's pipelines FX-trace this forward
+            jagged = self.ec(rows)
+            per_event = {f: (jagged[f].values(), _offsets(jagged[f])) for f in self.ec_features}
+        for f in self.routed_id_features:
             pooled[f] = jagged_sum(*per_event.pop(f))
         return {f: pooled[f] for f in self.schema.id_feature_names}, per_event
 
@@ -139,7 +143,7 @@ class SparseArch(nn.Module):
 
     @property
     def ec_features(self) -> list[str]:
-        return self.schema.sequence_feature_names + self._routed_features
+        return self.schema.sequence_feature_names + self.routed_id_features
 
 
 def _offsets(jt) -> torch.Tensor:

@@ -40,7 +40,12 @@ class DataConfig:
 class SparseConfig:
     backend: str = "torchrec"  # torchrec | native
     shard: bool = True  # torchrec backend: shard with DistributedModelParallel (fused optimizer)
-    sharding_type: Optional[str] = None  # None: TorchRec's planner decides; else for every table
+    sharding_type: Optional[str] = None  # explicit plan: this sharding for every table not in `plan`
+    plan: dict[str, str] = field(default_factory=dict)  # table -> table_wise[:rank] | row_wise | column_wise | table_row_wise[:node] | data_parallel
+    constraints: dict[str, list[str]] = field(default_factory=dict)  # planner only: table -> allowed sharding types
+    hbm_gb: Optional[float] = None  # planner only: per-rank memory budget for the tables (None: TorchRec's default)
+    sharding_group_size: Optional[int] = None  # CUDA: TorchRec DMPCollection, shard in groups, replicate across
+    pipeline: Optional[bool] = None  # TorchRec's TrainPipelineSparseDist (sharded tables only); None: on CUDA
     embedding_dim: int = 16
     init_scale: float = 0.05
     dims: dict[str, int] = field(default_factory=dict)
@@ -56,6 +61,7 @@ class DenseOptimConfig:
 
 @dataclass
 class SparseOptimConfig:
+    name: str = "rowwise_adagrad"  # rowwise_adagrad | adagrad (element-wise; exact under column-wise sharding)
     lr: float = 0.05
     eps: float = 1e-8
 
@@ -86,8 +92,13 @@ class TrainerConfig:
 
 @dataclass
 class ParallelismConfig:
-    dp_replicate: int = 1
+    dp_replicate: int = 1  # -1: world_size / dp_shard (both -1: replicate across nodes, shard inside)
     dp_shard: int = -1  # -1: world_size / dp_replicate
+    fully_shard: Optional[bool] = None  # FSDP2 on the dense arch; None: when world_size > 1
+    param_dtype: str = "float32"  # FSDP2 compute dtype (bfloat16 on GPUs); parameters stay float32
+    reduce_dtype: str = "float32"
+    activation_checkpointing: bool = False
+    compile: bool = False  # torch.compile each dense block
 
 
 @dataclass
@@ -145,11 +156,12 @@ def validate(cfg: DictConfig | dict) -> Config:
     _one_of("sparse.backend", s.backend, ("torchrec", "native"))
     if s.sharding_type is not None:
         _one_of("sparse.sharding_type", s.sharding_type,
-                ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise", "data_parallel"))
+                ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"))
     _positive("sparse.embedding_dim", s.embedding_dim)
     _positive("sparse.init_scale", s.init_scale)
     _positive("optim.dense.lr", o.dense.lr)
     _positive("optim.sparse.lr", o.sparse.lr)
+    _one_of("optim.sparse.name", o.sparse.name, ("rowwise_adagrad", "adagrad"))
     _positive("optim.warmup_steps", o.warmup_steps, allow_zero=True)
     _positive("optim.grad_clip", o.grad_clip, allow_zero=True)
     _one_of("optim.schedule", o.schedule, ("constant", "cosine"))
@@ -159,8 +171,11 @@ def validate(cfg: DictConfig | dict) -> Config:
     _positive("trainer.eval_every", t.eval_every, allow_zero=True)
     if not t.run_dir:
         raise ConfigError("trainer.run_dir must be set (the same path on every rank)")
-    if p.dp_replicate < 1 or (p.dp_shard < 1 and p.dp_shard != -1):
-        raise ConfigError(f"parallelism.dp_replicate must be >= 1 and parallelism.dp_shard >= 1 or -1, got {p.dp_replicate}, {p.dp_shard}")
+    for key in ("dp_replicate", "dp_shard"):
+        if getattr(p, key) < 1 and getattr(p, key) != -1:
+            raise ConfigError(f"parallelism.{key}={getattr(p, key)} must be >= 1, or -1 to fill the world")
+    _one_of("parallelism.param_dtype", p.param_dtype, ("float32", "bfloat16", "float16"))
+    _one_of("parallelism.reduce_dtype", p.reduce_dtype, ("float32", "bfloat16"))
     if config.model is None or "_target_" not in config.model:
         raise ConfigError("model must name a dense architecture with _target_; pick one with model=dlrm")
     if config.kernels.attention_backend is not None:

@@ -17,7 +17,8 @@ def build_optimizers(model: nn.Module, cfg: OptimConfig, total_steps: int):
     fused kernel carry their optimizer into backward (they are updated by ``loss.backward()``);
     every other table (unsharded, native, or TorchRec's data-parallel tables, which the fused
     optimizer does not cover) is stepped by TorchRec's plain-torch ``RowWiseAdagrad``, the
-    same update rule.
+    same update rule. ``optim.sparse.name=adagrad`` swaps both for element-wise Adagrad (FBGEMM's
+    exact Adagrad when fused), whose update does not depend on how a row's columns are split.
     """
     from torchrec.optim.optimizers import in_backward_optimizer_filter
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
@@ -26,7 +27,8 @@ def build_optimizers(model: nn.Module, cfg: OptimConfig, total_steps: int):
     dense = torch.optim.AdamW(dense_params, lr=cfg.dense.lr, betas=tuple(cfg.dense.betas), eps=cfg.dense.eps,
                               weight_decay=cfg.dense.weight_decay)
     tables = [p for _, p in in_backward_optimizer_filter(model.sparse_arch.named_parameters()) if p.requires_grad]
-    sparse = RowWiseAdagrad(tables, lr=cfg.sparse.lr, eps=cfg.sparse.eps) if tables else None
+    table_optimizer = RowWiseAdagrad if cfg.sparse.name == "rowwise_adagrad" else torch.optim.Adagrad
+    sparse = table_optimizer(tables, lr=cfg.sparse.lr, eps=cfg.sparse.eps) if tables else None
 
     def factor(step: int) -> float:
         if cfg.warmup_steps and step < cfg.warmup_steps:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -30,6 +31,7 @@ from gem.train.logging import MetricsWriter, format_metrics, logger, setup_loggi
 from gem.train.losses import multitask_bce
 from gem.train.metrics import RankingEvaluator, TaskEvaluator
 from gem.train.optim import build_optimizers
+from gem.train.step import OptimizerSet, TimedIterator, TrainStep
 
 
 @dataclass
@@ -91,16 +93,37 @@ def load_data(config: Config, env: DistEnv) -> tuple[FeatureSchema, Path]:
     return schema, directory
 
 
+def parallel_dims(config: Config, env: DistEnv):
+    """The checked data-parallel layout (gem.distributed.ParallelDims); a bad one is a ConfigError."""
+    from gem.distributed.parallel_dims import ParallelDims, ParallelLayoutError
+
+    p = config.parallelism
+    try:
+        return ParallelDims(p.dp_replicate, p.dp_shard, env.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", 0)))
+    except ParallelLayoutError as e:
+        raise ConfigError(str(e)) from None
+
+
 def build_model(config: Config, schema: FeatureSchema, env: DistEnv) -> GEMModel:
-    """SparseArch (TorchRec-sharded or not) + the configured dense arch, materialized on ``env.device``."""
-    s = config.sparse
+    """SparseArch (TorchRec-sharded or not) + the configured dense arch, materialized on ``env.device``,
+    then ``parallelize_gem`` (FSDP2 / HSDP on the ParallelDims mesh when ``world_size > 1``)."""
+    from gem.distributed.parallel_dims import dtype_from_name
+    from gem.distributed.parallelize import parallelize_gem
+
+    s, p = config.sparse, config.parallelism
+    dims = parallel_dims(config, env)
     shard = s.backend == "torchrec" and s.shard
     sparse = SparseArch.from_config(schema, s.embedding_dim, s.init_scale, s.dims, s.backend,
                                     device="meta" if shard else env.device)
     if shard:
         from gem.distributed.sharding import shard_sparse_arch
 
-        sparse = shard_sparse_arch(sparse, env.device, config.optim.sparse.lr, config.optim.sparse.eps, s.sharding_type)
+        try:
+            sparse = shard_sparse_arch(sparse, env.device, config.optim.sparse.lr, config.optim.sparse.eps,
+                                       s.sharding_type, plan=s.plan, hbm_gb=s.hbm_gb, constraints=s.constraints,
+                                       optimizer=config.optim.sparse.name, sharding_group_size=s.sharding_group_size)
+        except ValueError as e:  # plan errors name the sparse.* key; every rank raises the same one
+            raise ConfigError(str(e)) from None
     else:
         sparse.init_weights()
         if env.world_size > 1:
@@ -114,12 +137,18 @@ def build_model(config: Config, schema: FeatureSchema, env: DistEnv) -> GEMModel
     except Exception as e:  # Hydra wraps constructor errors; name the config node.
         raise ConfigError(f"model: could not build {config.model.get('_target_')}: {e}") from e
     dense.to_empty(device=env.device)
-    dense.init_weights()
-    if env.world_size > 1:
-        from torch.distributed.fsdp import fully_shard
-
-        fully_shard(dense)
-    return GEMModel(sparse, dense)
+    dense.init_weights()  # the same on every rank (same seed): fully_shard keeps each rank's slice
+    model = GEMModel(sparse, dense)
+    use_fsdp = p.fully_shard if p.fully_shard is not None else env.world_size > 1
+    if env.world_size > 1 and not use_fsdp:
+        raise ConfigError(f"parallelism.fully_shard=false with {env.world_size} ranks would leave the dense gradients "
+                          f"unsynchronized; for whole copies on every rank use parallelism=replicate")
+    mesh = dims.build_mesh(env.device.type) if use_fsdp else None
+    logger.info("dense: %s%s", dims.describe() if use_fsdp else "not sharded",
+                f", compute {p.param_dtype}, reduce {p.reduce_dtype}" if use_fsdp else "")
+    return parallelize_gem(model, mesh, param_dtype=dtype_from_name("parallelism.param_dtype", p.param_dtype),
+                           reduce_dtype=dtype_from_name("parallelism.reduce_dtype", p.reduce_dtype),
+                           activation_checkpointing=p.activation_checkpointing, compile=p.compile)
 
 
 @torch.no_grad()
@@ -158,7 +187,9 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
     start = time.perf_counter()
     config = validate(cfg)
     t = config.trainer
-    env = init_distributed(t.device, need_process_group=config.sparse.backend == "torchrec" and config.sparse.shard)
+    env = init_distributed(t.device, need_process_group=(config.sparse.backend == "torchrec" and config.sparse.shard)
+                           or bool(config.parallelism.fully_shard))
+    parallel_dims(config, env)  # an impossible layout fails here, on every rank, before any work
     run_dir = Path(t.run_dir)
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -192,30 +223,31 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
                 "%d steps, %.1fs to first step", config.model["_target_"], num_dense / 1e6, config.sparse.backend,
                 num_fused, total_steps, time.perf_counter() - start)
 
+    group = dist.group.WORLD if env.world_size > 1 else None
+    loss_fn = lambda logits, b: multitask_bce(logits, b.labels, b.label_mask, task_weights, b.weights, group=group)  # noqa: E731
+    optimizers = OptimizerSet((dense_opt, sparse_opt), list(model.dense_arch.parameters()), config.optim.grad_clip)
+    want = config.sparse.pipeline if config.sparse.pipeline is not None else env.device.type == "cuda"
+    shared = bool(getattr(model.sparse_arch, "module", model.sparse_arch).routed_id_features)
+    pipelined = want and fused is not None and not shared
+    reason = "needs TorchRec-sharded tables" if fused is None else "an id feature shares a sequence table"
+    logger.info("sparse-dist training pipeline (input all-to-all of batch i+1 overlaps dense compute of batch i): %s",
+                "active" if pipelined else f"off ({reason})" if want else "off")
+    train_step = TrainStep(model, loss_fn, optimizers, env.device, pipelined)
+
     step, window = 0, _Window()
     bar = tqdm(total=total_steps, disable=not (t.progress_bar and env.is_main), desc="train", dynamic_ncols=True)
     for epoch in range(t.epochs if t.max_steps <= 0 else 1 << 30):
         train_loader.set_epoch(epoch)
-        it = iter(train_loader)
+        batches = TimedIterator(itertools.islice(iter(train_loader), steps_per_epoch))
         for _ in range(steps_per_epoch):
             if step >= total_steps:
                 break
-            tick = time.perf_counter()
-            batch = next(it).to(env.device, non_blocking=True)
-            waited = time.perf_counter() - tick
-            logits = model(batch)
-            loss, per_task = multitask_bce(logits, batch.labels, batch.label_mask, task_weights, batch.weights)
-            loss.backward()
-            if config.optim.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.dense_arch.parameters(), config.optim.grad_clip)
-            for opt in (dense_opt, sparse_opt):
-                if opt is not None:
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
+            waited = batches.waited
+            per_task, batch_size = train_step(batches)
             scheduler.step()
             step += 1
             bar.update()
-            window.add(loss, per_task, batch.batch_size * env.world_size, waited)
+            window.add((per_task * task_weights).sum(), per_task, batch_size * env.world_size, batches.waited - waited)
             if step % t.log_every == 0 or step == total_steps:
                 values = window.summary(schema.tasks, step) | {"lr": scheduler.get_last_lr()[0], "epoch": epoch}
                 values |= {f"data/{k}": v for k, v in train_loader.stats.items() if k.startswith(("skipped", "trunc"))}
@@ -225,12 +257,14 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
                 window = _Window()
             if t.eval_every and step % t.eval_every == 0:
                 eval_start = time.perf_counter()
+                train_step.detach()
                 values = evaluate(model, loader("val", d.eval_batch_size, False), env, schema.tasks, t.eval_max_batches)
                 logger.info("val step %d %s", step, format_metrics(values))
                 metrics.write("val", step, values)
                 window.start += time.perf_counter() - eval_start  # throughput counts training time only
         if step >= total_steps:
             break
+    train_step.detach()
     bar.close()
     result = evaluate(model, loader("test", d.eval_batch_size, False), env, schema.tasks, t.eval_max_batches)
     result["train_seconds"] = time.perf_counter() - start

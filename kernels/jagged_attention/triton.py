@@ -29,9 +29,16 @@ SOFTMAX, SILU, GELU, FAST_GELU, RELU, IDENTITY = range(6)
 ACTIVATION_CODES = {name: code for code, name in enumerate(ACTIVATIONS)}
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# GEM_KERNELS_AUTOTUNE=1 benchmarks every config on each new (bucketed) shape key;
-# otherwise the per-head-dim default below (picked from H200 sweeps) is used directly.
-AUTOTUNE = os.environ.get("GEM_KERNELS_AUTOTUNE", "0") == "1"
+
+
+def autotune_enabled() -> bool:
+    """GEM_KERNELS_AUTOTUNE (default 1 on GPU): time a few configs per bucketed shape key.
+
+    With 0, the per-head-dim default config below is launched directly (no tuning runs);
+    the interpreter always uses one small config.
+    """
+    return not INTERPRET and os.environ.get("GEM_KERNELS_AUTOTUNE", "1") == "1"
+
 
 # Triton 3.7's interpreter gets bf16 tl.dot wrong; there every dot runs on float32 copies of
 # its (already rounded) operands, which keeps the numerics of the compiled kernel.
@@ -57,15 +64,26 @@ def _dot(a, b, acc, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _activation(s, ACTIVATION: tl.constexpr):
+def _tanh(x, FAST: tl.constexpr):
+    """tanh; FAST uses the hardware approximation (MUFU.TANH, rel. error ~5e-4, 16-bit inputs)."""
+    if FAST and not _UPCAST_DOTS:
+        return tl.inline_asm_elementwise(
+            "tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _activation(s, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
     """act(s) for the pointwise (GDPA) activations; s is float32."""
-    if ACTIVATION == 1:  # silu
-        return s * tl.sigmoid(s)
+    if ACTIVATION == 1:  # silu: s * sigmoid(s) = 0.5 s (1 + tanh(s / 2))
+        half_s = 0.5 * s
+        return half_s + half_s * _tanh(half_s, FAST)
     elif ACTIVATION == 2:  # gelu (erf)
         return 0.5 * s * (1.0 + tl.erf(s * 0.7071067811865476))
-    elif ACTIVATION == 3:  # fast_gelu: 0.5 s (1 + tanh(u)) = s * sigmoid(2u)
+    elif ACTIVATION == 3:  # fast_gelu: 0.5 s (1 + tanh(u))
         u = 0.7978845608028654 * (s + 0.044715 * s * s * s)
-        return s * tl.sigmoid(2.0 * u)
+        half_s = 0.5 * s
+        return half_s + half_s * _tanh(u, FAST)
     elif ACTIVATION == 4:  # relu
         return tl.maximum(s, 0.0)
     else:  # identity
@@ -73,18 +91,18 @@ def _activation(s, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _activation_grad(s, ACTIVATION: tl.constexpr):
+def _activation_grad(s, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
     """d act(s) / ds for the pointwise activations; s is float32."""
-    if ACTIVATION == 1:  # silu
-        sig = tl.sigmoid(s)
+    if ACTIVATION == 1:  # silu: sig (1 + s (1 - sig)), sig = 0.5 (1 + tanh(s / 2))
+        sig = 0.5 + 0.5 * _tanh(0.5 * s, FAST)
         return sig * (1.0 + s * (1.0 - sig))
     elif ACTIVATION == 2:  # gelu: Phi(s) + s phi(s)
         cdf = 0.5 * (1.0 + tl.erf(s * 0.7071067811865476))
         pdf = 0.3989422804014327 * tl.exp(-0.5 * s * s)
         return cdf + s * pdf
-    elif ACTIVATION == 3:  # fast_gelu, t = tanh(u) = 2 sigmoid(2u) - 1
+    elif ACTIVATION == 3:  # fast_gelu: 0.5 (1 + t) + 0.5 s (1 - t^2) du/ds, t = tanh(u)
         u = 0.7978845608028654 * (s + 0.044715 * s * s * s)
-        t = 2.0 * tl.sigmoid(2.0 * u) - 1.0
+        t = _tanh(u, FAST)
         du = 0.7978845608028654 * (1.0 + 0.134145 * s * s)
         return 0.5 * (1.0 + t) + 0.5 * s * (1.0 - t * t) * du
     elif ACTIVATION == 4:  # relu
@@ -217,7 +235,7 @@ def _fwd_inner(
             acc = acc * alpha[:, None]
             m_i = m_new
         else:
-            p = _activation(s, ACTIVATION)
+            p = _activation(s, ACTIVATION, DOT_PRECISION != "ieee")
             if MASKED:
                 vis = _visible(rows, cols, q_len, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK)
                 p = tl.where(vis, p, 0.0)
@@ -344,8 +362,8 @@ def _bwd_dkdv_inner(
                 p_t = tl.where(tl.trans(vis), p_t, 0.0)
             ds_t = p_t * (dp_t - delta[None, :])
         else:
-            p_t = _activation(s_t, ACTIVATION)
-            ds_t = dp_t * _activation_grad(s_t, ACTIVATION)
+            p_t = _activation(s_t, ACTIVATION, DOT_PRECISION != "ieee")
+            ds_t = dp_t * _activation_grad(s_t, ACTIVATION, DOT_PRECISION != "ieee")
             if MASKED:
                 vis_t = tl.trans(_visible(rows, cols, q_len, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK))
                 p_t = tl.where(vis_t, p_t, 0.0)
@@ -441,7 +459,7 @@ def _bwd_dq_inner(
             p = tl.math.exp2(s - lse[:, None])
             ds = p * (dp - delta[:, None])
         else:
-            ds = dp * _activation_grad(s, ACTIVATION)
+            ds = dp * _activation_grad(s, ACTIVATION, DOT_PRECISION != "ieee")
         if MASKED:
             vis = _visible(rows, cols, q_len, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK)
             ds = tl.where(vis, ds, 0.0)
@@ -524,7 +542,8 @@ def _bwd_dq_kernel(
 
 
 def _default_config(kind: str, block_d: int) -> dict:
-    """Block sizes, warps and stages per kernel kind and padded head dim (H200 defaults)."""
+    """Block sizes, warps and stages per kernel kind and padded head dim, used when
+    autotuning is off (GEM_KERNELS_AUTOTUNE=0) and for head dims above 128."""
     if INTERPRET:  # small tiles keep the interpreter fast and exercise multi-block paths
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
     if kind == "fwd":
@@ -543,30 +562,48 @@ def _default_config(kind: str, block_d: int) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=1)
 
 
+# Autotune candidates (BLOCK_M, BLOCK_N, num_warps, num_stages) for head dims up to 128.
 _TUNE_SPACE = {
-    "fwd": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4), (64, 128, 8, 3)],
-    "dkdv": [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 8, 3)],
-    "dq": [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 32, 4, 4)],
+    "fwd": [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)],
+    "dkdv": [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3)],
+    "dq": [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3)],
 }
 _TUNE_KEY = ["max_q_bucket", "max_kv_bucket", "BLOCK_D", "ACTIVATION", "CAUSAL", "HAS_WINDOW",
              "HAS_BLOCK", "Q_BROADCAST"]
 
 
 def _tuned(kernel, kind: str):
-    if not AUTOTUNE or INTERPRET:
+    """The kernel under triton.autotune; head dims above 128 get their one default config."""
+    if INTERPRET:
         return kernel
     configs = [triton.Config(dict(BLOCK_M=m, BLOCK_N=n), num_warps=w, num_stages=s)
                for m, n, w, s in _TUNE_SPACE[kind]]
-    return triton.autotune(configs=configs, key=_TUNE_KEY)(kernel)
+
+    def prune(configs, named_args, **kwargs):
+        block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D", 128))
+        if block_d <= 128:
+            return configs
+        launch = dict(_default_config(kind, block_d))
+        warps, stages = launch.pop("num_warps"), launch.pop("num_stages")
+        return [triton.Config(launch, num_warps=warps, num_stages=stages)]
+
+    return triton.autotune(configs=configs, key=_TUNE_KEY,
+                           prune_configs_by={"early_config_prune": prune})(kernel)
 
 
-_fwd = _tuned(_fwd_kernel, "fwd")
-_bwd_dkdv = _tuned(_bwd_dkdv_kernel, "dkdv")
-_bwd_dq = _tuned(_bwd_dq_kernel, "dq")
+_KERNELS = {
+    "fwd": (_fwd_kernel, _tuned(_fwd_kernel, "fwd")),
+    "dkdv": (_bwd_dkdv_kernel, _tuned(_bwd_dkdv_kernel, "dkdv")),
+    "dq": (_bwd_dq_kernel, _tuned(_bwd_dq_kernel, "dq")),
+}
 
 
-def _launch_kwargs(kind: str, block_d: int) -> dict:
-    return {} if (AUTOTUNE and not INTERPRET) else _default_config(kind, block_d)
+def _kernel_and_config(kind: str, block_d: int):
+    """(kernel, launch kwargs): the autotuned kernel, or the plain one with its default."""
+    plain, tuned = _KERNELS[kind]
+    if autotune_enabled():
+        return tuned, {}
+    return plain, _default_config(kind, block_d)
 
 
 def _bucket(n: int) -> int:
@@ -633,7 +670,7 @@ def jagged_attention_fwd(
     softmax = activation == "softmax"
     lse = q.new_empty((num_heads, num_rows) if softmax else (1,), dtype=torch.float32)
     meta = _common_meta(q, activation, causal, window, block_size, q_broadcast)
-    launch = _launch_kwargs("fwd", meta["BLOCK_D"])
+    kernel, launch = _kernel_and_config("fwd", meta["BLOCK_D"])
     qk_scale = scale * LOG2E if softmax else scale
 
     if num_rows == 0 or num_heads == 0 or max_q_len == 0 or num_batches == 0:
@@ -642,7 +679,7 @@ def jagged_attention_fwd(
     def grid(cfg):
         return (triton.cdiv(max_q_len, cfg["BLOCK_M"]) * num_batches * num_heads,)
 
-    wrap(_fwd)[grid](
+    wrap(kernel)[grid](
         q, k, v, out, lse, q_offsets, kv_offsets, batch_order,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), num_rows, num_heads, head_dim, max_q_len,
@@ -701,25 +738,27 @@ def jagged_attention_bwd(
     def grid_dkdv(cfg):
         return (triton.cdiv(max_kv_len, cfg["BLOCK_N"]) * num_batches * num_heads,)
 
-    wrap(_bwd_dkdv)[grid_dkdv](
+    kernel, launch = _kernel_and_config("dkdv", meta["BLOCK_D"])
+    wrap(kernel)[grid_dkdv](
         q, k, v, grad_out, lse, delta, dk, dv, q_offsets, kv_offsets, batch_order,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         grad_out.stride(0), grad_out.stride(1), dk.stride(0), dk.stride(1), dv.stride(0),
         dv.stride(1), lse_stride, num_heads, head_dim, max_kv_len, qk_scale, grad_scale,
         dv_scale, window, block_size, _bucket(max_q_len), _bucket(max_kv_len),
-        **meta, **_launch_kwargs("dkdv", meta["BLOCK_D"]),
+        **meta, **launch,
     )
 
     def grid_dq(cfg):
         return (triton.cdiv(max_q_len, cfg["BLOCK_M"]) * num_batches * num_heads,)
 
-    wrap(_bwd_dq)[grid_dq](
+    kernel, launch = _kernel_and_config("dq", meta["BLOCK_D"])
+    wrap(kernel)[grid_dq](
         q, k, v, grad_out, lse, delta, dq_rows, q_offsets, kv_offsets, batch_order,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         grad_out.stride(0), grad_out.stride(1), dq_rows.stride(0), dq_rows.stride(1),
         lse_stride, num_heads, head_dim, max_q_len, qk_scale, grad_scale,
         window, block_size, _bucket(max_q_len), _bucket(max_kv_len),
-        **meta, **_launch_kwargs("dq", meta["BLOCK_D"]),
+        **meta, **launch,
     )
     if q_broadcast:
         dq = dq_rows.view(num_batches, q.shape[0], num_heads, head_dim).sum(0).to(q.dtype)

@@ -9,3 +9,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# One default config per kernel keeps the GPU tier's compile time down; the autotuned path
+# is covered by test_gpu_autotuned_configs (which sets GEM_KERNELS_AUTOTUNE=1 itself).
+os.environ.setdefault("GEM_KERNELS_AUTOTUNE", "0")

@@ -33,9 +33,11 @@ requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 
 
 def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||a - e|| / ||e||, with an absolute floor of 1e-2 per element for (near-)zero
+    references, e.g. dQ of a softmax over one key, which is exactly zero."""
     expected = expected.double()
-    scale = expected.norm().item()
-    return (actual.double() - expected).norm().item() / max(scale, 1e-6)
+    floor = 1e-2 * max(expected.numel(), 1) ** 0.5
+    return (actual.double() - expected).norm().item() / max(expected.norm().item(), floor)
 
 
 def _check_against_reference(inputs, dtype, **kwargs) -> None:
@@ -64,7 +66,7 @@ def _lengths(draw, max_batches=4, max_len=40):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     q_lengths=_lengths(),
     kv_lengths=_lengths(),
@@ -203,7 +205,7 @@ def test_gpu_real_shapes(activation, head_dim):
 @requires_cuda
 @pytest.mark.parametrize("mask", sorted(MASKS))
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("activation", ["softmax", "gelu", "relu"])
+@pytest.mark.parametrize("activation", ["softmax", "gelu"])
 def test_gpu_layouts_and_masks(activation, layout, mask):
     gen = torch.Generator().manual_seed(7)
     lengths = torch.randint(0, 700, (6,), generator=gen)
@@ -228,3 +230,16 @@ def test_gpu_dtypes(dtype):
                          offsets_dtype=torch.int32, generator=gen)
     for activation in ("softmax", "identity"):
         _check_against_reference(inputs, dtype, activation=activation, causal=True)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("activation", ["softmax", "fast_gelu"])
+def test_gpu_autotuned_configs(activation, monkeypatch):
+    """Every autotune candidate config runs during tuning; the chosen one must be right."""
+    monkeypatch.setenv("GEM_KERNELS_AUTOTUNE", "1")
+    gen = torch.Generator().manual_seed(11)
+    lengths = torch.randint(0, 900, (10,), generator=gen)
+    inputs = make_inputs(lengths, num_heads=4, head_dim=128, dtype=torch.bfloat16,
+                         device="cuda", generator=gen)
+    _check_against_reference(inputs, torch.bfloat16, activation=activation, causal=True)

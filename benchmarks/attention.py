@@ -1,0 +1,367 @@
+"""Benchmark of kernels.jagged_attention against torch baselines, on one CUDA GPU.
+
+Shapes are those of /work/shared/PERFORMANCE_TARGETS.md (H=4, D=128, bf16): "self" rows
+(jagged Q and K/V of the same lengths) and the "pffn" row (jagged Q, dense K/V of 256 rows
+per example), each for GDPA (fast_gelu) and Jagged Flash (softmax); plus a length sweep
+256..16k for the linear modes (BlockAttention 64, sliding window 256) at a fixed token count.
+
+FLOPs are counted on the true jagged lengths: forward = 4 * H * D * (visible pairs),
+backward = 2.5 x forward, forward+backward = 3.5 x forward. Baselines, measured in the same
+run: torch ``varlen_attn`` (softmax), nested-tensor SDPA (softmax), padded SDPA with a key
+padding mask (softmax), and the padded reference under torch.compile (same activation);
+a baseline that is missing or runs out of memory is recorded as such.
+
+    python benchmarks/attention.py                  # everything, writes results/attention-h200.json + .png
+    python benchmarks/attention.py --quick          # two shapes, no compiled baseline
+    GEM_KERNELS_AUTOTUNE=1 python benchmarks/attention.py --quick   # autotuned configs
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from kernels import jagged_attention  # noqa: E402
+from kernels.jagged_attention import jagged_attention_reference, num_visible_pairs  # noqa: E402
+from kernels.jagged_attention.inputs import make_inputs, random_lengths  # noqa: E402
+
+NUM_HEADS, HEAD_DIM, DTYPE = 4, 128, torch.bfloat16
+# (name, layout, B, max_len, fill): PERFORMANCE_TARGETS.md rows.
+TARGET_SHAPES = [
+    ("self 1152x512 fill 0.5", "jagged", 1152, 512, 0.5),
+    ("self 1152x1024 fill 0.5", "jagged", 1152, 1024, 0.5),
+    ("self 1152x2048 fill 0.5", "jagged", 1152, 2048, 0.5),
+    ("self 1152x1024 fill 1.0", "jagged", 1152, 1024, 1.0),
+    ("pffn 1024x1000 fill 0.5 kv256", "dense_kv", 1024, 1000, 0.5),
+]
+# Reference figures (TFLOP/s fwd, fwd+bwd) from PERFORMANCE_TARGETS.md.
+META_GDPA = {0: (302, 259), 1: (350, 291), 2: (403, 331), 3: (427, 342), 4: (294, 265)}
+VARLEN_LISTED = {0: (231, 178), 1: (281, 240), 2: (302, 282), 3: (335, 288), 4: (244, 199)}
+SWEEP_LENGTHS = [256, 1024, 4096, 16384]
+SWEEP_TOKENS = 1 << 19
+SWEEP_MODES = {"block64": dict(block_size=64), "window256": dict(window=256)}
+SWEEP_ACTIVATIONS = {"block64": ("fast_gelu", "softmax"), "window256": ("softmax",)}
+
+
+def bench(fn, grad_to_none=None) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none,
+                                   return_mode="median")
+
+
+def measure(forward, tensors) -> dict:
+    """Median ms of forward, backward and forward+backward, and peak memory of one step."""
+    result = {}
+    with torch.no_grad():
+        result["fwd_ms"] = bench(forward)
+    out = forward()
+    grad = torch.randn_like(out)
+    result["bwd_ms"] = bench(lambda: out.backward(grad, retain_graph=True), grad_to_none=tensors)
+    del out
+
+    def step():
+        forward().backward(grad)
+
+    result["full_ms"] = bench(step, grad_to_none=tensors)
+    for t in tensors:
+        t.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    result["peak_mem_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+    return result
+
+
+def run_impl(name, make_forward, tensors, flops_fwd) -> dict:
+    row = {"impl": name}
+    try:
+        forward = make_forward()
+        row.update(measure(forward, tensors))
+        row["fwd_tflops"] = flops_fwd / row["fwd_ms"] / 1e9
+        row["bwd_tflops"] = 2.5 * flops_fwd / row["bwd_ms"] / 1e9
+        row["full_tflops"] = 3.5 * flops_fwd / row["full_ms"] / 1e9
+        row["status"] = "ok"
+    except torch.cuda.OutOfMemoryError as error:
+        row["status"] = "out of memory" + (f" ({error})" if "skipped" in str(error) else "")
+    except Exception as error:  # a baseline that does not exist here
+        row["status"] = f"unavailable: {type(error).__name__}: {str(error)[:200]}"
+    for t in tensors:
+        t.grad = None
+    torch.cuda.empty_cache()
+    return row
+
+
+def _baselines(inputs, activation, mask, compiled_reference):
+    """(name, make_forward) for every baseline that applies to this case."""
+    q, k, v = inputs.tensors()
+    q_off, kv_off = inputs.q_offsets, inputs.kv_offsets
+    num_batches = inputs.q_lengths.numel()
+    dense_kv = kv_off is None
+    kv_rows = (lambda t: t.reshape(-1, *t.shape[2:])) if dense_kv else (lambda t: t)
+    if dense_kv:
+        kv_off = torch.arange(num_batches + 1, device="cuda", dtype=torch.int64) * k.shape[1]
+    max_q, max_kv = int(inputs.q_lengths.max()), int(inputs.kv_lengths.max())
+    causal = mask.get("causal", False)
+    out = []
+    if activation == "softmax" and not mask.get("block_size"):
+        def varlen():
+            from torch.nn.attention.varlen import varlen_attn
+            cu_q, cu_k = q_off.to(torch.int32), kv_off.to(torch.int32)
+            kwargs = {"is_causal": causal} if causal else {}
+            if mask.get("window") is not None:
+                kwargs["window_size"] = [mask["window"], mask["window"]]
+            return lambda: varlen_attn(q, kv_rows(k), kv_rows(v), cu_q, cu_k, max_q, max_kv, **kwargs)
+
+        out.append(("torch varlen_attn", varlen))
+    if activation == "softmax" and not mask:
+        def nested():
+            def forward():
+                nq = torch.nested.nested_tensor_from_jagged(q, q_off).transpose(1, 2)
+                nk = torch.nested.nested_tensor_from_jagged(kv_rows(k), kv_off).transpose(1, 2)
+                nv = torch.nested.nested_tensor_from_jagged(kv_rows(v), kv_off).transpose(1, 2)
+                return F.scaled_dot_product_attention(nq, nk, nv).transpose(1, 2).values()
+            return forward
+
+        def padded():
+            from kernels.jagged_attention.reference import jagged_to_padded, padded_to_jagged
+
+            def forward():
+                pq = jagged_to_padded(q, q_off, max_q).transpose(1, 2)
+                pk = jagged_to_padded(kv_rows(k), kv_off, max_kv).transpose(1, 2)
+                pv = jagged_to_padded(kv_rows(v), kv_off, max_kv).transpose(1, 2)
+                key_mask = (torch.arange(max_kv, device="cuda")[None, :]
+                            < inputs.kv_lengths.cuda()[:, None])[:, None, None, :]
+                o = F.scaled_dot_product_attention(pq, pk, pv, attn_mask=key_mask)
+                return padded_to_jagged(o.transpose(1, 2), q_off, q.shape[0])
+            return forward
+
+        out += [("nested-tensor SDPA", nested), ("padded SDPA (key mask)", padded)]
+    padded_bytes = 16 * num_batches * NUM_HEADS * max_q * max_kv  # fp32 scores, probs, grads
+    if compiled_reference and padded_bytes > torch.cuda.mem_get_info()[0]:
+        def compiled():
+            raise torch.cuda.OutOfMemoryError(
+                f"skipped: needs about {padded_bytes / 2**30:.0f} GiB of padded fp32 scores")
+
+        out.append(("padded reference, torch.compile", compiled))
+    elif compiled_reference:
+        def compiled():
+            fn = torch.compile(jagged_attention_reference, dynamic=False)
+            return lambda: fn(*inputs.args(), activation=activation, **mask)
+
+        out.append(("padded reference, torch.compile", compiled))
+    return out
+
+
+def run_case(shape_name, layout, num_batches, max_len, fill, activation, mask, *,
+             compiled_reference, baselines=True, seed=0) -> list[dict]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = random_lengths(num_batches, max_len, fill, gen)
+    inputs = make_inputs(lengths, num_heads=NUM_HEADS, head_dim=HEAD_DIM, layout=layout,
+                         num_dense_kv=256, dtype=DTYPE, device="cuda", generator=gen)
+    inputs.max_q_len = max_len  # the data pipeline's bound, not the batch's true maximum
+    if inputs.max_kv_len is not None:
+        inputs.max_kv_len = max_len
+    pairs = num_visible_pairs(inputs.q_lengths, inputs.kv_lengths, mask.get("causal", False),
+                              mask.get("window"), mask.get("block_size"))
+    flops_fwd = 4 * NUM_HEADS * HEAD_DIM * pairs
+    tensors = list(inputs.tensors())
+    impls = [("gem triton", lambda: (lambda: jagged_attention(
+        *inputs.args(), activation=activation, backend="triton", **mask)))]
+    if baselines:
+        impls += _baselines(inputs, activation, mask, compiled_reference)
+    rows = []
+    for name, make_forward in impls:
+        row = run_impl(name, make_forward, tensors, flops_fwd)
+        row.update(shape=shape_name, layout=layout, batch=num_batches, max_len=max_len,
+                   fill=fill, activation=activation, mask=mask, num_tokens=int(lengths.sum()),
+                   flops_fwd=flops_fwd)
+        rows.append(row)
+        print(_format(row), flush=True)
+    return rows
+
+
+def _format(row) -> str:
+    head = f"{row['shape']:<32} {row['activation']:<9} {str(row['mask']):<22} {row['impl']:<32}"
+    if row["status"] != "ok":
+        return head + " " + row["status"][:80]
+    return (head + f" fwd {row['fwd_ms']:8.3f} ms {row['fwd_tflops']:6.1f} TF/s | bwd "
+            f"{row['bwd_ms']:8.3f} ms | fwd+bwd {row['full_ms']:8.3f} ms "
+            f"{row['full_tflops']:6.1f} TF/s | peak {row['peak_mem_gib']:6.2f} GiB")
+
+
+def _versions() -> dict:
+    try:
+        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                         stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        commit = os.environ.get("GIT_COMMIT", "unknown")
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "git_commit": commit,
+        "hardware": torch.cuda.get_device_name(),
+        "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "autotune": os.environ.get("GEM_KERNELS_AUTOTUNE", "1") == "1",  # the kernels' default
+    }
+
+
+def _plot(rows, path, hardware) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_tf, ax_tok) = plt.subplots(1, 2, figsize=(12, 4.5))
+    series = {}
+    for row in rows:
+        if row.get("sweep") and row["status"] == "ok":
+            series.setdefault(f"{row['impl']} {row['activation']} {row['sweep']}", []).append(row)
+    for label, points in series.items():
+        lengths = [p["max_len"] for p in points]
+        ax_tf.plot(lengths, [p["full_tflops"] for p in points], marker="o", label=label)
+        ax_tok.plot(lengths, [p["full_ms"] * 1e6 / p["num_tokens"] for p in points], marker="o",
+                    label=label)
+    for ax, title in ((ax_tf, "fwd+bwd TFLOP/s"), (ax_tok, "fwd+bwd ns per token")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length (fill 1.0, %d tokens)" % SWEEP_TOKENS)
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+    ax_tok.set_ylim(0, 1.2 * max([ax_tok.get_ylim()[1], 1e-9]))
+    ax_tf.legend(fontsize=7)
+    fig.suptitle(f"gem jagged attention (Triton), {hardware}, H={NUM_HEADS} D={HEAD_DIM} bf16, "
+                 "BlockAttention 64 / sliding window 256")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="two shapes, no compiled baseline")
+    parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
+    parser.add_argument("--plot-only", metavar="JSON",
+                        help="redraw the PNG and the summary from a results JSON (no GPU)")
+    parser.add_argument("--compiled-reference-rows", default="0,1,2,3,4",
+                        help="target rows (0-based) that also time the compiled padded reference")
+    args = parser.parse_args()
+    if args.plot_only:
+        record = json.loads(pathlib.Path(args.plot_only).read_text())
+        print("\n".join(summarize(record["rows"])["lines"]))
+        _plot(record["rows"], pathlib.Path(args.plot_only).with_suffix(".png"), record["hardware"])
+        return
+    torch.backends.cuda.matmul.allow_tf32 = True
+
+    rows = []
+    shapes = [TARGET_SHAPES[1], TARGET_SHAPES[4]] if args.quick else TARGET_SHAPES
+    compiled_rows = {int(i) for i in args.compiled_reference_rows.split(",") if i}
+    out_dir = pathlib.Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = "attention-h200" + ("-quick" if args.quick else "")
+
+    def save():  # after every case, so that a run cut short still leaves its numbers
+        record = {**_versions(), "num_heads": NUM_HEADS, "head_dim": HEAD_DIM,
+                  "dtype": str(DTYPE),
+                  "flops": "fwd = 4*H*D*sum(visible pairs); bwd = 2.5x fwd; fwd+bwd = 3.5x fwd",
+                  "shapes": [dict(zip(("name", "layout", "batch", "max_len", "fill"), s))
+                             for s in shapes],
+                  "rows": rows, "summary": summarize(rows)["targets"]}
+        (out_dir / f"{name}.json").write_text(json.dumps(record, indent=1))
+
+    for shape in shapes:
+        index = TARGET_SHAPES.index(shape)
+        for activation in ("fast_gelu", "softmax"):
+            # The compiled padded reference is the table's "padded GELU attention" column.
+            case = run_case(*shape, activation, {}, compiled_reference=(
+                not args.quick and activation != "softmax" and index in compiled_rows))
+            for row in case:
+                row["target_row"] = index
+                row["meta_gdpa_listed"] = META_GDPA[index]
+                row["varlen_listed"] = VARLEN_LISTED[index]
+            rows += case
+            save()
+    if not args.no_sweep:
+        lengths = SWEEP_LENGTHS[::2] if args.quick else SWEEP_LENGTHS
+        for sweep, mask in SWEEP_MODES.items():
+            for activation in SWEEP_ACTIVATIONS[sweep]:
+                for length in lengths:
+                    case = run_case(f"sweep {sweep} L={length}", "jagged", SWEEP_TOKENS // length,
+                                    length, 1.0, activation, mask, compiled_reference=False,
+                                    baselines=activation == "softmax" and length == lengths[-1])
+                    for row in case:
+                        row["sweep"] = sweep
+                    rows += case
+                    save()
+
+    summary = summarize(rows)
+    print("\n" + "\n".join(summary["lines"]))
+    save()
+    if not args.no_sweep:
+        _plot(rows, out_dir / f"{name}.png", torch.cuda.get_device_name())
+    print(f"wrote {out_dir / name}.json")
+    _print_tuned_configs()
+
+
+def _print_tuned_configs() -> None:
+    from kernels.jagged_attention import triton as tk
+
+    for name in ("_fwd", "_bwd_dkdv", "_bwd_dq"):
+        for key, config in getattr(getattr(tk, name), "cache", {}).items():
+            print(f"autotuned {name} {key}: {config}")
+
+
+def summarize(rows) -> dict:
+    """Ratios against the targets of PERFORMANCE_TARGETS.md."""
+    lines, targets = [], []
+    ours = {(r["shape"], r["activation"]): r for r in rows
+            if r["impl"] == "gem triton" and r["status"] == "ok" and "target_row" in r}
+    varlen = {r["shape"]: r for r in rows
+              if r["impl"] == "torch varlen_attn" and r["status"] == "ok" and "target_row" in r}
+    for (shape, activation), r in ours.items():
+        if activation == "fast_gelu":
+            meta_fwd, meta_full = r["meta_gdpa_listed"]
+            entry = dict(shape=shape, what="GDPA fast_gelu vs Meta Triton GDPA (listed)",
+                         fwd_tflops=r["fwd_tflops"], full_tflops=r["full_tflops"],
+                         fwd_ratio=r["fwd_tflops"] / meta_fwd, full_ratio=r["full_tflops"] / meta_full,
+                         target="fwd >= 1.2x, fwd+bwd >= 1.15x")
+        else:
+            base = varlen.get(shape)
+            entry = dict(shape=shape, what="softmax vs torch varlen_attn (same run)",
+                         fwd_tflops=r["fwd_tflops"], full_tflops=r["full_tflops"],
+                         fwd_ratio=base and r["fwd_tflops"] / base["fwd_tflops"],
+                         full_ratio=base and r["full_tflops"] / base["full_tflops"],
+                         target="fwd+bwd >= 1.1x")
+        targets.append(entry)
+        fmt = lambda x: "n/a" if x is None else f"{x:.2f}x"  # noqa: E731
+        lines.append(f"{shape:<32} {activation:<9} fwd {entry['fwd_tflops']:6.1f} "
+                     f"({fmt(entry['fwd_ratio'])}) fwd+bwd {entry['full_tflops']:6.1f} "
+                     f"({fmt(entry['full_ratio'])})  {entry['what']}; target {entry['target']}")
+    for sweep in SWEEP_MODES:
+        for activation in SWEEP_ACTIVATIONS[sweep]:
+            points = {r["max_len"]: r["full_ms"] / r["num_tokens"] for r in rows
+                      if r.get("sweep") == sweep and r["activation"] == activation
+                      and r["impl"] == "gem triton" and r["status"] == "ok"}
+            span = [points[n] for n in points if 1024 <= n <= 16384]
+            if len(span) >= 2:
+                spread = max(span) / min(span) - 1
+                targets.append(dict(what=f"{sweep} {activation} time/token spread 1k..16k",
+                                    spread=spread, target="<= 0.15"))
+                lines.append(f"{sweep} {activation}: fwd+bwd time per token spread 1k..16k "
+                             f"{100 * spread:.1f}% (target <= 15%)")
+    return {"lines": lines, "targets": targets}
+
+
+if __name__ == "__main__":
+    main()

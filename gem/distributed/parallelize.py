@@ -1,0 +1,64 @@
+"""``parallelize_gem``: activation checkpointing, then torch.compile, then FSDP2 ``fully_shard`` per
+dense block, in that fixed order, on the 1-D (FSDP) or 2-D (HSDP) mesh of ParallelDims.
+
+Only ``model.dense_arch`` is touched: the embedding tables in ``model.sparse_arch`` belong to
+TorchRec (gem/distributed/sharding.py) and never become FSDP parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+
+def dense_blocks(dense_arch: nn.Module) -> list[nn.Module]:
+    """The units FSDP2 shards (one all-gather each) and checkpointing recomputes.
+
+    A dense arch may name them with ``fsdp_blocks()``; otherwise they are its direct children
+    that own parameters, with ``ModuleDict`` / ``ModuleList`` containers opened (a container's own
+    forward is never called, so it cannot carry FSDP's hooks).
+    """
+    if hasattr(dense_arch, "fsdp_blocks"):
+        return list(dense_arch.fsdp_blocks())
+    blocks = []
+    for child in dense_arch.children():
+        members = child.values() if isinstance(child, nn.ModuleDict) else child if isinstance(child, nn.ModuleList) else [child]
+        blocks.extend(m for m in members if any(True for _ in m.parameters()))
+    return blocks
+
+
+def parallelize_gem(model: nn.Module, mesh: DeviceMesh | None, *, param_dtype: torch.dtype = torch.bfloat16,
+                    reduce_dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False,
+                    compile: bool = False) -> nn.Module:
+    """Parallelize ``model.dense_arch`` in place and return ``model``.
+
+    Args:
+        model: a GEMModel (``sparse_arch`` + ``dense_arch``), dense weights already initialized
+            (the same on every rank: ``fully_shard`` keeps each rank's slice of them).
+        mesh: ``ParallelDims.build_mesh(...)``: 1-D ``("dp_shard",)`` is FSDP, 2-D
+            ``("dp_replicate", "dp_shard")`` is HSDP. None: no sharding (one process), but
+            checkpointing and compile still apply.
+        param_dtype / reduce_dtype: FSDP2's MixedPrecisionPolicy: compute in ``param_dtype``
+            (unsharded parameters are cast after the all-gather), reduce gradients in
+            ``reduce_dtype``; the sharded parameters and the optimizer stay float32.
+        activation_checkpointing: recompute each block's activations in backward.
+        compile: ``torch.compile`` each block (regional compilation: one small graph per block).
+    """
+    from torch.distributed._composable import checkpoint
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dense = model.dense_arch
+    blocks = dense_blocks(dense)
+    for block in blocks:
+        if activation_checkpointing:
+            checkpoint(block)
+        if compile:
+            block.compile()
+    if mesh is None:
+        return model
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(dense, mesh=mesh, mp_policy=policy)  # the root: parameters outside the blocks, if any
+    return model
