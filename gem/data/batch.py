@@ -25,6 +25,8 @@ class Batch(Pipelineable):
             (conversion is only observed after a click).
         domain: ``[B]`` int64 surface / domain index.
         weights: optional ``[B]`` float32 example weights.
+        request_id: optional ``[B]`` int64 candidate group: rows with one request id are the
+            candidates scored for one request (one user); ranking metrics group by it.
 
     Example, two examples with a history group ``hist`` of two features::
 
@@ -42,6 +44,7 @@ class Batch(Pipelineable):
     label_mask: torch.Tensor
     domain: torch.Tensor
     weights: torch.Tensor | None = None
+    request_id: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

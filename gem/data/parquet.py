@@ -1,4 +1,4 @@
-"""The gem Parquet layout (version 1) and a simple, validating reader that yields Batches.
+"""The gem Parquet layout (version 2; version 1 files stay readable) and a simple, validating reader that yields Batches.
 
 One row per example. Columns, for a schema with id features ``F``, sequence features ``S``,
 tasks ``K``:
@@ -14,14 +14,20 @@ column               Arrow type                  meaning
 ``label_mask_<k>``   ``bool``                    False where task k is unobserved
 ``domain``           ``int64``                   surface / domain index in [0, num_domains)
 ``weight``           ``float32`` (optional)      example weight
+``request_id``       ``int64`` (optional, v2)    candidate group: the rows scored together for
+                                                 one request (ranking evaluation)
 ===================  ==========================  ==============================================
 
-The file's key-value metadata carries ``gem.layout_version`` (``"1"``) and ``gem.schema`` (the
+Version 2 added ``request_id``; a version 1 file is a version 2 file without it.
+
+The file's key-value metadata carries ``gem.layout_version`` (``"2"``) and ``gem.schema`` (the
 schema as JSON). A data set directory holds ``train/``, ``val/`` and ``test/`` folders of
 ``*.parquet`` files.
 
-This reader is deliberately simple (whole row groups, one process); every value is checked,
-and a bad one raises an error that names the file, the row, the column and the fix.
+``ParquetBatchReader`` is the simple reference reader (whole files, one process, fail on any
+bad value, naming the file, the row, the column and the fix). Training and evaluation use the
+streaming loader in gem/data/loader.py (sharded, shuffled, token-balanced, resumable, with a
+per-case bad-input policy).
 """
 
 from __future__ import annotations
@@ -40,10 +46,12 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from gem.data.batch import Batch
 from gem.data.schema import FeatureSchema
 
-LAYOUT_VERSION = "1"
+LAYOUT_VERSION = "2"
+READABLE_VERSIONS = ("1", "2")
+OPTIONAL_COLUMNS = ("weight", "request_id")
 
 
-def arrow_schema(schema: FeatureSchema, with_weight: bool = False) -> pa.Schema:
+def arrow_schema(schema: FeatureSchema, with_weight: bool = False, with_request_id: bool = False) -> pa.Schema:
     ids = pa.list_(pa.int64())
     fields = [pa.field(n, ids) for n in schema.id_feature_names + schema.sequence_feature_names]
     fields.append(pa.field("dense", pa.list_(pa.float32())))
@@ -52,6 +60,8 @@ def arrow_schema(schema: FeatureSchema, with_weight: bool = False) -> pa.Schema:
     fields.append(pa.field("domain", pa.int64()))
     if with_weight:
         fields.append(pa.field("weight", pa.float32()))
+    if with_request_id:
+        fields.append(pa.field("request_id", pa.int64()))
     metadata = {"gem.layout_version": LAYOUT_VERSION, "gem.schema": json.dumps(schema.to_config())}
     return pa.schema(fields, metadata=metadata)
 
@@ -60,7 +70,8 @@ def write_parquet(table: pa.Table, path: str | Path, schema: FeatureSchema, row_
     """Write ``table`` (columns as in the module docstring) atomically to ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    target = arrow_schema(schema, with_weight="weight" in table.column_names)
+    target = arrow_schema(schema, with_weight="weight" in table.column_names,
+                          with_request_id="request_id" in table.column_names)
     missing = [n for n in target.names if n not in table.column_names]
     if missing:
         raise ValueError(f"write_parquet: the table lacks columns {missing} of the gem layout v{LAYOUT_VERSION}")
@@ -176,7 +187,7 @@ class ParquetBatchReader(torch.utils.data.IterableDataset):
         missing = [c for c in self._columns if c not in file.schema_arrow.names]
         if missing:
             raise ValueError(f"{path}: missing columns {missing}; the gem layout v{LAYOUT_VERSION} needs {self._columns} (gem/data/parquet.py)")
-        columns = self._columns + (["weight"] if "weight" in file.schema_arrow.names else [])
+        columns = self._columns + [c for c in OPTIONAL_COLUMNS if c in file.schema_arrow.names]
         try:
             table = file.read(columns=columns)
         except (pa.ArrowInvalid, OSError) as e:
@@ -242,6 +253,9 @@ class ParquetBatchReader(torch.utils.data.IterableDataset):
         weights = None
         if "weight" in table.column_names:
             weights = torch.from_numpy(_column(table, "weight", where).astype(np.float32))
+        request_id = None
+        if "request_id" in table.column_names:
+            request_id = torch.from_numpy(_column(table, "request_id", where).astype(np.int64))
         return Batch(
             sparse=sparse,
             sequences=sequences,
@@ -251,6 +265,7 @@ class ParquetBatchReader(torch.utils.data.IterableDataset):
             label_mask=torch.from_numpy(mask),
             domain=torch.from_numpy(domain),
             weights=weights,
+            request_id=request_id,
         )
 
 

@@ -124,12 +124,13 @@ class Checkpointer:
 
     def __init__(self, cfg: CheckpointConfig, directory: Path, model: nn.Module, dense_opt: torch.optim.Optimizer,
                  sparse_opt: torch.optim.Optimizer | None, scheduler, config_yaml: str, rank: int = 0,
-                 world_size: int = 1) -> None:
+                 world_size: int = 1, loader=None) -> None:
         self.cfg = cfg
         self.dir = Path(directory)
         self.model, self.dense_opt, self.sparse_opt, self.scheduler = model, dense_opt, sparse_opt, scheduler
         self.config_yaml = config_yaml
         self.rank, self.world_size = rank, world_size
+        self.loader = loader  # the training loader (state_dict / load_state_dict), its position saved per rank
         self._pending: _Pending | None = None
         self._last_step = -1
         self._pg = None
@@ -197,6 +198,8 @@ class Checkpointer:
         tmp.mkdir(parents=True, exist_ok=True)
         # Written before DCP's save, whose final collective then proves every rank's file is on disk.
         (tmp / f"rng_rank{self.rank}.pkl").write_bytes(_rng_state())
+        if self.loader is not None:
+            (tmp / f"loader_rank{self.rank}.json").write_text(json.dumps(self.loader.state_dict()))
         if self.cfg.async_save:
             future = dcp.async_save(_snapshot(_flatten(state)[0]), checkpoint_id=str(tmp), process_group=self._pg,
                                     async_stager=_AlreadyStaged())
@@ -359,7 +362,27 @@ class Checkpointer:
         else:
             logger.warning("checkpoint: written by %d ranks, loading into %d (resharded); RNG states not restored",
                            saved_world_size, self.world_size)
+        self._restore_loader(path, Progress(**state["progress"]))
         return None
+
+    def _restore_loader(self, path: Path, progress: Progress) -> None:
+        """Continue the training loader where the checkpoint's rank left it. A loader position
+        belongs to one layout (world size, workers, batch size, files): under another one the
+        interrupted epoch starts again from its beginning, with a warning."""
+        if self.loader is None:
+            return
+        self.loader.set_epoch(progress.epoch)
+        file = path / f"loader_rank{self.rank}.json"
+        problem = None if file.is_file() else f"{file.name} is missing"
+        if problem is None:
+            try:
+                self.loader.load_state_dict(json.loads(file.read_text()))
+            except ValueError as e:
+                problem = str(e)
+        if problem is not None and progress.examples_in_epoch:
+            logger.warning("checkpoint: the data position cannot be restored (%s); epoch %d starts again from its "
+                           "first batch, so its first %d examples are seen twice", problem, progress.epoch,
+                           progress.examples_in_epoch)
 
 
 # ---------------------------------------------------------------------------------------- helpers

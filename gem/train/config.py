@@ -20,7 +20,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class DataConfig:
-    kind: str = "synthetic"  # synthetic | parquet
+    kind: str = "synthetic"  # synthetic | parquet | seqrec
     name: str = "synthetic"
     dir: Optional[str] = None  # synthetic: None = <cache_dir>/<name>-<hash of schema and knobs>
     cache_dir: str = ".cache/gem"
@@ -32,6 +32,8 @@ class DataConfig:
     num_examples: dict[str, int] = field(default_factory=lambda: {"train": 60000, "val": 5000, "test": 20000})
     synthetic: dict[str, Any] = field(default_factory=dict)
     schema: dict[str, Any] = field(default_factory=dict)
+    loader: dict[str, Any] = field(default_factory=dict)  # gem.data.loader.LoaderOptions
+    seqrec: dict[str, Any] = field(default_factory=dict)  # gem.data.seqrec.SeqRecOptions
 
 
 @dataclass
@@ -156,12 +158,14 @@ def validate(cfg: DictConfig | dict) -> Config:
         key = getattr(e, "full_key", None)
         raise ConfigError(f"config key {key!r}: {e.msg if hasattr(e, 'msg') else e}") from None
     d, s, o, t, p = config.data, config.sparse, config.optim, config.trainer, config.parallelism
-    _one_of("data.kind", d.kind, ("synthetic", "parquet"))
+    _one_of("data.kind", d.kind, ("synthetic", "parquet", "seqrec"))
     _positive("data.batch_size", d.batch_size)
     _positive("data.eval_batch_size", d.eval_batch_size)
     _positive("data.num_workers", d.num_workers, allow_zero=True)
     if d.kind == "parquet" and not d.dir:
         raise ConfigError("data.dir is required when data.kind=parquet; set data.dir=/path/to/dataset (with train/ val/ test/)")
+    if d.kind == "seqrec" and not d.dir:
+        raise ConfigError("data.dir is required when data.kind=seqrec; set data.dir=/folder/with/<data.name>.txt")
     for split in ("train", "test"):
         if d.kind == "synthetic" and d.num_examples.get(split, 0) < 1:
             raise ConfigError(f"data.num_examples.{split} must be >= 1 for synthetic data")

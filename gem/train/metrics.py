@@ -86,3 +86,79 @@ class TaskEvaluator:
             out[f"{task}/ne"] = normalized_entropy(p, y)
             out[f"{task}/count"] = int(m.sum())
         return out
+
+
+# -- ranking over candidate groups -------------------------------------------------------------
+RANKING_KS = {"hr": (1, 5, 10), "ndcg": (5, 10)}
+
+
+def positive_ranks(scores: torch.Tensor, labels: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """0-based rank of every positive among the negatives of its group (``[P]`` int64).
+
+    ``scores``, ``labels`` (1 = positive) and ``groups`` (request ids) are ``[N]``. A positive's
+    rank counts the negatives of its group scoring higher *or equal*: ties count against the
+    model, so a constant scorer ranks last rather than first.
+
+    Example, one group of a positive and three negatives::
+
+        # scores  [0.9, 0.9, 0.95, 0.1]   labels [1, 0, 0, 0]   -> rank 2 (0.95 and the tie)
+    """
+    positive = labels.flatten() > 0.5
+    _, group = torch.unique(groups.flatten(), return_inverse=True)
+    _, level = torch.unique(scores.double().flatten(), return_inverse=True)  # exact, order-preserving
+    # One int64 key ordering by (group, score); count each group's negatives at or above a positive.
+    span = int(level.max()) + 2 if level.numel() else 1
+    neg_key, _ = torch.sort(group[~positive] * span + level[~positive])
+    pos_group = group[positive]
+    group_end = torch.searchsorted(neg_key, pos_group * span + span - 1)
+    at_or_above = torch.searchsorted(neg_key, pos_group * span + level[positive])
+    return group_end - at_or_above
+
+
+def ranking_metrics(ranks: torch.Tensor) -> dict[str, float]:
+    """HR@{1,5,10}, NDCG@{5,10} and MRR from 0-based ranks (one positive per row)."""
+    ranks = ranks.double()
+    if ranks.numel() == 0:
+        return {**{f"hr@{k}": float("nan") for k in RANKING_KS["hr"]},
+                **{f"ndcg@{k}": float("nan") for k in RANKING_KS["ndcg"]}, "mrr": float("nan")}
+    out = {f"hr@{k}": (ranks < k).double().mean().item() for k in RANKING_KS["hr"]}
+    gain = 1.0 / torch.log2(ranks + 2.0)
+    out |= {f"ndcg@{k}": torch.where(ranks < k, gain, 0.0).mean().item() for k in RANKING_KS["ndcg"]}
+    out["mrr"] = (1.0 / (ranks + 1.0)).mean().item()
+    return out
+
+
+class RankingEvaluator:
+    """Groups scored candidates by request id and reports ranking metrics per task.
+
+    ``update(logits [B, K], labels [B, K], mask [B, K], request_id [B])``; ``compute()`` gathers
+    every rank's rows first, so a group split across batches or ranks is still ranked whole.
+    Keys: ``<task>/hr@10``, ``<task>/ndcg@10``, ``<task>/mrr``, ``<task>/groups`` ...
+    """
+
+    def __init__(self, tasks: tuple[str, ...]) -> None:
+        self.tasks = tasks
+        self._parts = TaskEvaluator(tasks)
+        self._ids: list[torch.Tensor] = []
+
+    def update(self, logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, request_id: torch.Tensor) -> None:
+        self._parts.update(logits, labels, mask)
+        self._ids.append(request_id.detach().long().cpu())
+
+    def has_groups(self) -> bool:
+        return bool(self._ids)
+
+    def compute(self) -> dict[str, float]:
+        logits, labels, mask = self._parts.gathered()
+        ids = torch.cat(self._ids) if self._ids else torch.zeros(0, dtype=torch.long)
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            parts: list = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(parts, ids)
+            ids = torch.cat(parts)
+        out: dict[str, float] = {}
+        for k, task in enumerate(self.tasks):
+            m = mask[:, k]
+            ranks = positive_ranks(logits[m, k], labels[m, k], ids[m])
+            out |= {f"{task}/{name}": v for name, v in ranking_metrics(ranks).items()}
+            out[f"{task}/groups"] = int(ranks.numel())
+        return out

@@ -22,8 +22,9 @@ from torch import nn
 from tqdm import tqdm
 
 from gem.data.dataset import prepare_synthetic, schema_from_files, split_files
-from gem.data.parquet import ParquetBatchReader
+from gem.data.loader import BatchLoader, build_loader
 from gem.data.schema import FeatureSchema
+from gem.data.seqrec import prepare_seqrec
 from gem.models.gem import GEMModel
 from gem.sparse.arch import SparseArch
 from gem.train import fault_injection
@@ -32,7 +33,7 @@ from gem.train.config import Config, ConfigError, check_schema_refs, validate
 from gem.train.flops import default_peak_tflops, mfu, step_flops
 from gem.train.logging import MetricsWriter, format_metrics, logger, setup_logging
 from gem.train.losses import multitask_bce
-from gem.train.metrics import TaskEvaluator
+from gem.train.metrics import RankingEvaluator, TaskEvaluator
 from gem.train.optim import build_optimizers
 from gem.train.startup import StartupTimer
 from gem.train.step import OptimizerSet, TimedIterator, TrainStep
@@ -106,6 +107,8 @@ def load_data(config: Config, env: DistEnv) -> tuple[FeatureSchema, Path]:
             d.cache_dir, d.name, schema, d.num_examples, d.seed, d.synthetic, is_writer=env.is_main)
     else:
         directory = Path(d.dir)
+        if d.kind == "seqrec":  # data.dir holds <data.name>.txt (S3-Rec) or an interaction table
+            directory = prepare_seqrec(d.dir, d.name, d.cache_dir, d.seqrec, is_writer=env.is_main)
         schema = FeatureSchema.from_config(d.schema) if d.schema else schema_from_files(split_files(directory, "train"))
     return schema, directory
 
@@ -170,24 +173,19 @@ def build_model(config: Config, schema: FeatureSchema, env: DistEnv, timer: Star
                            activation_checkpointing=p.activation_checkpointing, compile=p.compile)
 
 
-def make_loader(reader: ParquetBatchReader, num_workers: int, pin: bool) -> torch.utils.data.DataLoader:
-    return torch.utils.data.DataLoader(reader, batch_size=None, num_workers=num_workers, pin_memory=pin,
-                                       prefetch_factor=4 if num_workers else None)
-
-
 @torch.no_grad()
-def evaluate(model: nn.Module, reader: ParquetBatchReader, env: DistEnv, tasks: tuple[str, ...],
-             num_workers: int, max_batches: int = -1) -> dict[str, float]:
-    """Per-task AUC / NE over a split. Every rank runs the same number of forward passes (sharded
-    tables need all ranks in each step); a rank out of batches repeats its last one unrecorded."""
+def evaluate(model: nn.Module, loader: BatchLoader, env: DistEnv, tasks: tuple[str, ...],
+             max_batches: int = -1) -> dict[str, float]:
+    """Per-task AUC / NE over a split, plus ranking metrics (HR, NDCG, MRR) when it has candidate
+    groups (request ids). Every rank runs the same number of forward passes (sharded tables need
+    all ranks in each step); a rank out of batches repeats its last one unrecorded."""
     model.eval()
-    evaluator = TaskEvaluator(tasks)
-    total = -(-reader.num_rows() // reader.batch_size)
-    steps = -(-total // env.world_size)
+    evaluator, ranking = TaskEvaluator(tasks), RankingEvaluator(tasks)
+    steps = max(loader.reader.num_batches(r) for r in range(env.world_size))
     if max_batches > 0:
         steps = min(steps, max_batches)
     batch = None
-    it = iter(make_loader(reader, num_workers, env.device.type == "cuda"))
+    it = iter(loader)
     for _ in range(steps):
         nxt = next(it, None)
         real = nxt is not None
@@ -197,8 +195,10 @@ def evaluate(model: nn.Module, reader: ParquetBatchReader, env: DistEnv, tasks: 
         logits = model(batch)
         if real:
             evaluator.update(logits, batch.labels, batch.label_mask)
+            if batch.request_id is not None:
+                ranking.update(logits, batch.labels, batch.label_mask, batch.request_id)
     model.train()
-    return evaluator.compute()
+    return evaluator.compute() | (ranking.compute() if ranking.has_groups() else {})
 
 
 def train(cfg: DictConfig | dict) -> dict[str, float]:
@@ -230,24 +230,27 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
         model = build_model(config, schema, env, timer)
     timer.phases["model build"] -= timer.phases.get("sharding", 0.0)
     d = config.data
-    train_reader = ParquetBatchReader(split_files(data_dir, "train"), schema, d.batch_size, shuffle=d.shuffle,
-                                      seed=d.seed, drop_last=True, rank=env.rank, world_size=env.world_size)
-    steps_per_epoch = train_reader.num_rows() // (d.batch_size * env.world_size)
+    pin = env.device.type == "cuda"
+    loader = lambda split, batch_size, train: build_loader(  # noqa: E731
+        split_files(data_dir, split), schema, batch_size, shuffle=train and d.shuffle, seed=d.seed, drop_last=train,
+        rank=env.rank, world_size=env.world_size, num_workers=d.num_workers, pin_memory=pin,
+        options=d.loader if train else {**d.loader, "balance": False})  # eval: candidate groups stay contiguous
+    train_loader = loader("train", d.batch_size, True)  # state_dict() / load_state_dict() resume it exactly
+    steps_per_epoch = train_loader.steps_per_epoch
     if steps_per_epoch == 0:
         raise ConfigError(f"data.batch_size={d.batch_size} x {env.world_size} ranks exceeds the training split "
-                          f"({train_reader.num_rows()} rows); lower data.batch_size")
+                          f"({train_loader.num_rows()} rows); lower data.batch_size")
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * steps_per_epoch
     dense_opt, sparse_opt, scheduler = build_optimizers(model, config.optim, total_steps)
     progress, ckpt = Progress(), None
     if config.checkpoint.enabled:
         with timer.phase("checkpoint load"):
             ckpt = Checkpointer(config.checkpoint, Path(config.checkpoint.dir or run_dir / "checkpoints"), model,
-                                dense_opt, sparse_opt, scheduler, config_yaml, env.rank, env.world_size)
+                                dense_opt, sparse_opt, scheduler, config_yaml, env.rank, env.world_size,
+                                loader=train_loader)
             progress = ckpt.restore() or progress
     task_weights = torch.tensor([t.task_weights.get(k, 1.0) for k in schema.tasks], device=env.device)
     metrics = MetricsWriter(run_dir / "metrics.jsonl" if env.is_main else None, append=progress.step > 0)
-    eval_reader = lambda split: ParquetBatchReader(split_files(data_dir, split), schema, d.eval_batch_size,  # noqa: E731
-                                                   rank=env.rank, world_size=env.world_size)
     num_dense = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("sparse_arch."))
     fused = getattr(model.sparse_arch, "fused_optimizer", None)  # present when TorchRec sharded the tables
     num_fused = len(fused.params) if fused is not None else 0
@@ -271,12 +274,9 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
     bar = tqdm(total=total_steps, initial=step, disable=not (t.progress_bar and env.is_main), desc="train",
                dynamic_ncols=True)
     for epoch in range(progress.epoch, t.epochs if t.max_steps <= 0 else 1 << 30):
-        # Global batches (of all ranks) consumed in this epoch; non-zero only in the epoch we resume in.
-        consumed = _resume_batch(progress, d.batch_size) if epoch == progress.epoch else 0
-        train_reader.set_epoch(epoch, start_batch=consumed)
-        steps_left = (steps_per_epoch * env.world_size - consumed) // env.world_size
-        batches = TimedIterator(itertools.islice(make_loader(train_reader, d.num_workers, env.device.type == "cuda"),
-                                                 steps_left), count_flops)
+        train_loader.set_epoch(epoch)  # keeps a restored position in the epoch we resume in
+        steps_left = steps_per_epoch - sum(train_loader.consumed)
+        batches = TimedIterator(itertools.islice(iter(train_loader), steps_left), count_flops)
         for _ in range(steps_left):
             if step >= total_steps:
                 break
@@ -284,19 +284,20 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
             per_task, batch_size = train_step(batches)
             scheduler.step()
             step += 1
-            consumed += env.world_size
             if step == progress.step + 1:
                 timer.phases["first batch"] = batches.waited - waited
                 _log_startup(timer, time.perf_counter() - tick - (batches.waited - waited), metrics, run_dir, env)
             fault_injection.after_step(step, env.rank, train_step.last_batch)
             if ckpt is not None:
                 seen = progress.examples + (step - progress.step) * d.batch_size * env.world_size
-                ckpt.maybe_save(Progress(step, epoch, consumed * d.batch_size, seen), total_steps)
+                in_epoch = sum(train_loader.consumed) * d.batch_size * env.world_size
+                ckpt.maybe_save(Progress(step, epoch, in_epoch, seen), total_steps)
             bar.update()
             window.add((per_task * task_weights).sum(), per_task, batch_size * env.world_size, batches.waited - waited,
                        None if None in (flops, batches.flops) else batches.flops - flops)
             if step % t.log_every == 0 or step == total_steps:
                 values = window.summary(schema.tasks, step) | {"lr": scheduler.get_last_lr()[0], "epoch": epoch}
+                values |= {f"data/{k}": v for k, v in train_loader.stats.items() if k.startswith(("skipped", "trunc"))}
                 bar.set_postfix(loss=f"{values['loss']:.4f}")
                 logger.info("step %d %s", step, format_metrics(values))
                 metrics.write("train", step, values)
@@ -304,7 +305,7 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
             if t.eval_every and step % t.eval_every == 0:
                 eval_start = time.perf_counter()
                 train_step.detach()
-                values = evaluate(model, eval_reader("val"), env, schema.tasks, d.num_workers, t.eval_max_batches)
+                values = evaluate(model, loader("val", d.eval_batch_size, False), env, schema.tasks, t.eval_max_batches)
                 logger.info("val step %d %s", step, format_metrics(values))
                 metrics.write("val", step, values)
                 window.start += time.perf_counter() - eval_start  # throughput counts training time only
@@ -314,7 +315,7 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
     bar.close()
     if ckpt is not None:
         ckpt.wait()
-    result = evaluate(model, eval_reader("test"), env, schema.tasks, d.num_workers, t.eval_max_batches)
+    result = evaluate(model, loader("test", d.eval_batch_size, False), env, schema.tasks, t.eval_max_batches)
     result["train_seconds"] = time.perf_counter() - start
     result["steps"] = step
     metrics.write("test", step, result)
@@ -322,14 +323,6 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
         (run_dir / "test_metrics.json").write_text(json.dumps(result, indent=2))
     logger.info("test %s", format_metrics(result))
     return result
-
-
-def _resume_batch(progress: Progress, batch_size: int) -> int:
-    if progress.examples_in_epoch % batch_size:
-        logger.warning("checkpoint: %d examples of epoch %d were consumed, not a multiple of data.batch_size=%d; "
-                       "resuming at the batch boundary before, so up to %d examples are seen twice",
-                       progress.examples_in_epoch, progress.epoch, batch_size, batch_size - 1)
-    return progress.examples_in_epoch // batch_size
 
 
 def _log_startup(timer: StartupTimer, first_step_s: float, metrics: MetricsWriter, run_dir: Path, env: DistEnv) -> None:

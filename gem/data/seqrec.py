@@ -1,0 +1,353 @@
+"""Public sequential-recommendation data -> the gem Parquet layout, with the leave-one-out protocol.
+
+Sources:
+
+- the S3-Rec format (``<Name>.txt``: ``user item item ...`` in time order, ids from 1;
+  ``<Name>_item2attributes.json``: ``{item: [attribute, ...]}``; optionally
+  ``<Name>_sample.txt``: ``user neg ... neg``, the 99 evaluation negatives of each user);
+- MovieLens-style interaction tables (``user, item, rating, timestamp``; ``::``, comma or tab
+  separated, header optional), ordered by time per user.
+
+Protocol (as in the S3-Rec paper): per user, the last item is the test target, the second
+last the validation target, the rest train. Training rows: every prefix ``s[:t]`` of the
+training part predicts ``s[t]`` (t >= 1), one positive row plus ``num_negatives`` rows with
+items the user never touched. Evaluation rows: the true item and 99 negatives per user, all
+with the user's id as ``request_id``, so gem's RankingEvaluator ranks them together.
+
+The schema (one place: :func:`seqrec_schema`)::
+
+    user_id    [1]            id feature, the user
+    item_id    [1]            id feature, the candidate item (table "item")
+    item_attr  [<= max_attrs] id feature, the candidate's attributes (when the source has them)
+    hist_item  [<= max_len]   sequence group "hist": the items before the target, oldest first (table "item")
+    dense      [1]            log(1 + history length)
+    label_next_item           1 for the true next item, 0 for a negative
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+
+from gem.data.parquet import write_parquet
+from gem.data.schema import FeatureSchema
+
+logger = logging.getLogger("gem")
+
+CONVERTER_VERSION = 2
+TASK = "next_item"
+
+
+@dataclass(frozen=True)
+class SeqRecOptions:
+    """``data.seqrec`` in config.
+
+    Attributes:
+        max_len: history events kept (the most recent), as SASRec's 50.
+        num_negatives: sampled negatives per training positive.
+        max_targets_per_user: keep only each user's most recent training targets (0 = all).
+        num_eval_negatives: negatives per evaluation target (99 in the paper).
+        max_eval_users: evaluate a seeded sample of this many users (0 = all).
+        max_attrs: attributes kept per item (first ones, deduplicated).
+        seed: training negatives; ``eval_seed`` (12345 as in the paper) the evaluation negatives.
+        users_per_file: rows of this many users per Parquet file.
+    """
+
+    max_len: int = 50
+    num_negatives: int = 4
+    max_targets_per_user: int = 0
+    num_eval_negatives: int = 99
+    max_eval_users: int = 0
+    max_attrs: int = 8
+    seed: int = 0
+    eval_seed: int = 12345
+    users_per_file: int = 2000
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any] | None) -> "SeqRecOptions":
+        try:
+            return cls(**dict(cfg or {}))
+        except TypeError as e:
+            raise ValueError(f"data.seqrec: {e}; known keys: {list(cls.__dataclass_fields__)}") from None
+
+
+@dataclass
+class SeqRecData:
+    """Users' item sequences (time order, item ids from 1) and optional side data."""
+
+    sequences: list[np.ndarray]  # user u (0-based here; written as u + 1) -> items
+    num_items: int
+    attributes: dict[int, list[int]] | None = None  # item -> attribute ids (from 1)
+    eval_negatives: dict[int, np.ndarray] | None = None  # user (0-based) -> fixed negatives
+
+
+def seqrec_schema(num_users: int, num_items: int, num_attributes: int, max_attrs: int, max_len: int) -> FeatureSchema:
+    """The one place the seqrec schema is made: candidate, attributes and history share the item id space."""
+    id_features = [
+        {"name": "user_id", "cardinality": num_users + 1},
+        {"name": "item_id", "cardinality": num_items + 1, "table": "item"},
+    ]
+    if num_attributes:
+        id_features.append({"name": "item_attr", "cardinality": num_attributes + 1, "max_ids": max_attrs})
+    return FeatureSchema.from_config({
+        "id_features": id_features,
+        "sequence_groups": [{"name": "hist", "max_len": max_len,
+                             "features": [{"name": "hist_item", "cardinality": num_items + 1, "table": "item"}]}],
+        "num_dense": 1,
+        "tasks": [TASK],
+        "num_domains": 1,
+    })
+
+
+# -- readers -----------------------------------------------------------------------------------
+def read_s3rec(directory: str | Path, name: str) -> SeqRecData:
+    """Read ``<name>.txt`` (+ ``_item2attributes.json``, ``_sample.txt`` when present) from ``directory``."""
+    directory = Path(directory)
+    path = directory / f"{name}.txt"
+    if not path.is_file():
+        found = sorted(p.stem for p in directory.glob("*.txt") if not p.stem.endswith("_sample")) if directory.is_dir() else []
+        raise FileNotFoundError(f"{path} not found; set data.dir to the folder and data.name to one of {found}")
+    sequences, users = [], []
+    for line_no, line in enumerate(path.read_text().splitlines(), 1):
+        parts = line.split()
+        if not parts:
+            continue
+        try:
+            ids = np.array(parts, dtype=np.int64)
+        except ValueError:
+            raise ValueError(f"{path}, line {line_no}: expected 'user item item ...' as integers, got {line[:80]!r}") from None
+        if (ids[1:] < 1).any():
+            raise ValueError(f"{path}, line {line_no}: item ids start at 1, found {int(ids[1:].min())}")
+        users.append(int(ids[0]))
+        sequences.append(ids[1:])
+    if users != list(range(1, len(users) + 1)):
+        raise ValueError(f"{path}: users must be numbered 1, 2, ... in line order (the S3-Rec format)")
+    num_items = int(max(int(s.max()) for s in sequences if len(s)))
+    data = SeqRecData(sequences, num_items)
+
+    attr_path = directory / f"{name}_item2attributes.json"
+    if attr_path.is_file():
+        raw = json.loads(attr_path.read_text())
+        data.attributes = {int(k): [int(a) for a in v] for k, v in raw.items()}
+        data.num_items = max(num_items, max(data.attributes, default=0))
+    sample_path = directory / f"{name}_sample.txt"
+    if sample_path.is_file():
+        negatives = {}
+        for line_no, line in enumerate(sample_path.read_text().splitlines(), 1):
+            parts = np.array(line.split(), dtype=np.int64)
+            if len(parts):
+                negatives[int(parts[0]) - 1] = parts[1:]
+        data.eval_negatives = negatives
+    return data
+
+
+def read_interactions(path: str | Path, min_rating: float = 0.0) -> SeqRecData:
+    """Read a MovieLens-style table (user, item, rating, timestamp); ids are remapped to 1..N.
+
+    Rows with ``rating < min_rating`` are dropped; each user's items are ordered by timestamp
+    (ties keep file order).
+    """
+    path = Path(path)
+    text = path.read_bytes()
+    first = text.split(b"\n", 1)[0]
+    if b"::" in first:
+        text, delimiter = text.replace(b"::", b"\t"), "\t"
+    else:
+        delimiter = "\t" if b"\t" in first else ","
+    head = first.replace(b"::", b"\t").split(delimiter.encode())
+    has_header = not head[0].strip().lstrip(b"-").isdigit()
+    try:
+        table = pacsv.read_csv(io.BytesIO(text),
+                               read_options=pacsv.ReadOptions(autogenerate_column_names=not has_header),
+                               parse_options=pacsv.ParseOptions(delimiter=delimiter))
+    except pa.ArrowInvalid as e:
+        raise ValueError(f"{path}: not a user, item, rating, timestamp table ({e})") from None
+    if table.num_columns < 4:
+        raise ValueError(f"{path}: needs 4 columns (user, item, rating, timestamp), found {table.num_columns}")
+    user, item, rating, stamp = (np.asarray(table.column(i).to_numpy(zero_copy_only=False)) for i in range(4))
+    keep = rating.astype(np.float64) >= min_rating
+    user, item, stamp = user[keep], item[keep], stamp[keep].astype(np.int64)
+    user_ids, user_idx = np.unique(user, return_inverse=True)
+    item_ids, item_idx = np.unique(item, return_inverse=True)
+    order = np.lexsort((np.arange(len(user_idx)), stamp, user_idx))
+    user_idx, item_idx = user_idx[order], item_idx[order] + 1
+    bounds = np.concatenate([[0], np.cumsum(np.bincount(user_idx, minlength=len(user_ids)))])
+    sequences = [item_idx[bounds[u]:bounds[u + 1]] for u in range(len(user_ids))]
+    return SeqRecData(sequences, len(item_ids))
+
+
+# -- examples ----------------------------------------------------------------------------------
+def _gather_ranges(flat: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Offsets ``[R+1]`` and values of ``flat[starts[r]:ends[r]]`` for every r, without a Python loop."""
+    lengths = ends - starts
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    idx = np.repeat(starts - offsets[:-1], lengths) + np.arange(offsets[-1])
+    return offsets, flat[idx]
+
+
+class _Seen:
+    """Membership of (user, item) pairs, for sampling negatives the user never interacted with."""
+
+    def __init__(self, sequences: list[np.ndarray], num_items: int) -> None:
+        self.span = num_items + 1
+        users = np.repeat(np.arange(len(sequences)), [len(s) for s in sequences])
+        self.keys = np.unique(users * self.span + np.concatenate(sequences))
+
+    def sample(self, rng: np.random.Generator, users: np.ndarray, k: int) -> np.ndarray:
+        """``[len(users), k]`` items from 1..num_items, none seen by its user (with replacement)."""
+        out = rng.integers(1, self.span, size=(len(users), k))
+        for _ in range(100):
+            keys = users[:, None] * self.span + out
+            pos = np.minimum(np.searchsorted(self.keys, keys), len(self.keys) - 1)
+            bad = self.keys[pos] == keys
+            if not bad.any():
+                return out
+            out[bad] = rng.integers(1, self.span, size=int(bad.sum()))
+        raise ValueError("could not sample unseen negatives: some user has interacted with almost every item")
+
+
+def _table(attrs: tuple[np.ndarray, np.ndarray] | None, schema: FeatureSchema, flat: np.ndarray, starts: np.ndarray, users: np.ndarray,
+           ends: np.ndarray, items: np.ndarray, labels: np.ndarray, request_id: np.ndarray, max_len: int,
+           max_attrs: int) -> pa.Table:
+    """Rows: user ``users[r]`` (0-based), history ``s[:ends[r]]`` (most recent max_len), candidate ``items[r]``."""
+    hist_start = starts[users] + np.maximum(0, ends - max_len)
+    offsets, hist = _gather_ranges(flat, hist_start, starts[users] + ends)
+    num_rows = len(users)
+    ones = np.arange(num_rows + 1)
+    columns = {
+        "user_id": pa.ListArray.from_arrays(ones, users + 1),
+        "item_id": pa.ListArray.from_arrays(ones, items.astype(np.int64)),
+        "hist_item": pa.ListArray.from_arrays(offsets, hist.astype(np.int64)),
+        "dense": pa.ListArray.from_arrays(ones, np.log1p(np.diff(offsets)).astype(np.float32)),
+        f"label_{TASK}": pa.array(labels.astype(np.float32)),
+        f"label_mask_{TASK}": pa.array(np.ones(num_rows, dtype=bool)),
+        "domain": pa.array(np.zeros(num_rows, dtype=np.int64)),
+        "request_id": pa.array(request_id.astype(np.int64)),
+    }
+    if attrs is not None:
+        attr_offsets, attr_values = attrs
+        columns["item_attr"] = pa.ListArray.from_arrays(*_gather_ranges(attr_values, attr_offsets[items], attr_offsets[items + 1]))
+    return pa.table(columns)
+
+
+def write_seqrec(data: SeqRecData, out_dir: str | Path, options: SeqRecOptions = SeqRecOptions()) -> dict[str, Any]:
+    """Write ``train/ val/ test/`` under ``out_dir`` (atomically) and return a summary (also ``conversion.json``)."""
+    o = options
+    out_dir = Path(out_dir)
+    lengths = np.array([len(s) for s in data.sequences])
+    kept = np.flatnonzero(lengths >= 3)  # a train item, a validation and a test target
+    if not len(kept):
+        raise ValueError("no user has 3 or more interactions; the leave-one-out split needs them")
+    flat = np.concatenate(data.sequences).astype(np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    num_attributes, attrs = 0, None
+    if data.attributes:
+        num_attributes = max((max(v) for v in data.attributes.values() if v), default=0)
+        per_item = [list(dict.fromkeys(data.attributes.get(i, [])))[:o.max_attrs] for i in range(data.num_items + 1)]
+        attrs = (np.concatenate([[0], np.cumsum([len(a) for a in per_item])]),
+                 np.array([a for v in per_item for a in v], dtype=np.int64))
+    schema = seqrec_schema(len(data.sequences), data.num_items, num_attributes, o.max_attrs, o.max_len)
+    seen = _Seen(data.sequences, data.num_items)
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    counts = {"train": 0, "val": 0, "test": 0}
+
+    # Training: targets t = 1 .. n-3 of each user (the most recent max_targets_per_user of them).
+    rng = np.random.default_rng(o.seed)
+    for f, chunk in enumerate(np.array_split(kept, max(1, -(-len(kept) // o.users_per_file)))):
+        first = np.maximum(1, lengths[chunk] - 3 + 1 - (o.max_targets_per_user or 1 << 40))
+        num_targets = np.maximum(0, lengths[chunk] - 2 - first)
+        users = np.repeat(chunk, num_targets)
+        ends = np.repeat(first - np.concatenate([[0], np.cumsum(num_targets)[:-1]]), num_targets) + np.arange(num_targets.sum())
+        positives = flat[starts[users] + ends]
+        negatives = seen.sample(rng, users, o.num_negatives)
+        k = 1 + o.num_negatives
+        items = np.concatenate([positives[:, None], negatives], axis=1).reshape(-1)
+        labels = np.tile(np.r_[1.0, np.zeros(o.num_negatives)], len(users))
+        request = np.repeat(counts["train"] // k + np.arange(len(users)), k)
+        table = _table(attrs, schema, flat, starts, np.repeat(users, k), np.repeat(ends, k), items, labels, request,
+                       o.max_len, o.max_attrs)
+        write_parquet(table, tmp / "train" / f"part-{f:05d}.parquet", schema)
+        counts["train"] += table.num_rows
+
+    # Evaluation: the true item + num_eval_negatives per user; the same negatives for val and test.
+    eval_users = kept
+    if o.max_eval_users and len(kept) > o.max_eval_users:
+        eval_users = np.sort(np.random.default_rng(o.eval_seed).choice(kept, o.max_eval_users, replace=False))
+    eval_rng = np.random.default_rng(o.eval_seed)
+    for f, chunk in enumerate(np.array_split(eval_users, max(1, -(-len(eval_users) // o.users_per_file)))):
+        negatives = _eval_negatives(data, seen, eval_rng, chunk, o.num_eval_negatives)
+        k = 1 + negatives.shape[1]
+        for split, back in (("val", 2), ("test", 1)):
+            ends = lengths[chunk] - back
+            items = np.concatenate([flat[starts[chunk] + ends][:, None], negatives], axis=1).reshape(-1)
+            labels = np.tile(np.r_[1.0, np.zeros(k - 1)], len(chunk))
+            table = _table(attrs, schema, flat, starts, np.repeat(chunk, k), np.repeat(ends, k), items, labels,
+                           np.repeat(chunk + 1, k), o.max_len, o.max_attrs)
+            write_parquet(table, tmp / split / f"part-{f:05d}.parquet", schema)
+            counts[split] += table.num_rows
+    summary = {"converter_version": CONVERTER_VERSION, "options": asdict(o), "rows": counts,
+               "users": len(data.sequences), "users_kept": int(len(kept)), "eval_users": int(len(eval_users)),
+               "items": data.num_items, "attributes": num_attributes,
+               "fixed_eval_negatives": data.eval_negatives is not None, "schema": schema.to_config()}
+    (tmp / "conversion.json").write_text(json.dumps(summary, indent=2))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    return summary
+
+
+def _eval_negatives(data: SeqRecData, seen: _Seen, rng: np.random.Generator, users: np.ndarray, k: int) -> np.ndarray:
+    if data.eval_negatives is None:
+        return seen.sample(rng, users, k)
+    missing = [int(u) + 1 for u in users if int(u) not in data.eval_negatives]
+    if missing:
+        raise ValueError(f"the negatives file lacks users {missing[:5]}...; delete it to sample negatives instead")
+    rows = [data.eval_negatives[int(u)] for u in users]
+    if any(len(r) != len(rows[0]) for r in rows):
+        raise ValueError("the negatives file has lines of different lengths; every user needs the same number")
+    return np.stack(rows)
+
+
+def prepare_seqrec(source: str | Path, name: str, cache_dir: str | Path, options: Mapping[str, Any] | None = None,
+                   is_writer: bool = True) -> Path:
+    """Convert ``source/<name>.txt`` (S3-Rec) or the interaction table ``source/<name>`` (MovieLens-style:
+    ``.dat``, ``.csv``, ``.tsv``) once into ``cache_dir``; return the gem data set folder.
+
+    The folder's name hashes the source files' sizes and times and the options, so a changed
+    source or option converts again. Only ``is_writer`` converts; others wait for it.
+    """
+    o = SeqRecOptions.from_config(options)
+    source = Path(source)
+    candidates = [source / f"{name}.txt", source / f"{name}_item2attributes.json", source / f"{name}_sample.txt",
+                  source / name]
+    present = [p for p in candidates if p.is_file()]
+    if not present:
+        raise FileNotFoundError(f"no {name}.txt (S3-Rec) or {name} (interaction table) in data.dir={str(source)!r}")
+    key = json.dumps({"v": CONVERTER_VERSION, "o": asdict(o),
+                      "files": [(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in present]}, sort_keys=True)
+    out = Path(cache_dir) / f"seqrec-{name.replace('.', '_')}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+    if out.exists():
+        return out
+    if not is_writer:
+        deadline = time.monotonic() + 1800
+        while not out.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited 30 min for rank 0 to convert {out}")
+            time.sleep(0.5)
+        return out
+    start = time.perf_counter()
+    data = read_s3rec(source, name) if (source / f"{name}.txt").is_file() else read_interactions(source / name)
+    summary = write_seqrec(data, out, o)
+    logger.info("converted %s/%s -> %s in %.1fs: %s rows", source, name, out, time.perf_counter() - start, summary["rows"])
+    return out

@@ -1,0 +1,151 @@
+import json
+import math
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from gem.data.dataset import schema_from_files, split_files
+from gem.data.seqrec import SeqRecOptions, prepare_seqrec, read_interactions, read_s3rec, write_seqrec
+from gem.train.metrics import RankingEvaluator, positive_ranks, ranking_metrics
+from gem.train.trainer import train
+from tests.conftest import compose
+
+NUM_ITEMS = 40
+
+
+def _write_s3rec(directory, name="Tiny", num_users=30, seed=0, with_sample=False):
+    rng = np.random.default_rng(seed)
+    lines, sample = [], []
+    for user in range(1, num_users + 1):
+        items = rng.choice(np.arange(1, NUM_ITEMS + 1), size=int(rng.integers(3, 12)), replace=False)
+        lines.append(" ".join(map(str, [user, *items])))
+        unseen = np.setdiff1d(np.arange(1, NUM_ITEMS + 1), items)
+        sample.append(" ".join(map(str, [user, *rng.choice(unseen, 20, replace=False)])))
+    (directory / f"{name}.txt").write_text("\n".join(lines) + "\n")
+    attrs = {str(i): [1 + i % 5, 6 + i % 3, 1 + i % 5] for i in range(1, NUM_ITEMS + 1)}  # repeats are dropped
+    (directory / f"{name}_item2attributes.json").write_text(json.dumps(attrs))
+    if with_sample:
+        (directory / f"{name}_sample.txt").write_text("\n".join(sample) + "\n")
+    return [np.array(line.split()[1:], dtype=np.int64) for line in lines]
+
+
+def _rows(directory, split):
+    return pq.ParquetDataset(directory / split).read().to_pylist()
+
+
+def test_s3rec_leave_one_out_split_examples_and_negatives(tmp_path):
+    sequences = _write_s3rec(tmp_path)
+    out = tmp_path / "out"
+    summary = write_seqrec(read_s3rec(tmp_path, "Tiny"), out,
+                           SeqRecOptions(max_len=4, num_negatives=2, num_eval_negatives=9, users_per_file=7))
+    schema = schema_from_files(split_files(out, "test"))
+    assert schema.cardinality("item_id") == NUM_ITEMS + 1 and schema.group("hist").max_len == 4
+    assert {f.name: f.table for f in schema.id_features}["item_id"] == "item" == schema.group("hist").features[0].table
+
+    for split, back in (("val", 2), ("test", 1)):
+        rows = _rows(out, split)
+        assert len(rows) == 30 * 10 == summary["rows"][split]
+        for user, seq in enumerate(sequences, 1):
+            group = [r for r in rows if r["request_id"] == user]
+            assert len(group) == 10 and sum(r["label_next_item"] for r in group) == 1
+            positive = next(r for r in group if r["label_next_item"] == 1)
+            assert positive["item_id"] == [seq[-back]], "leave-one-out target"
+            assert all(r["hist_item"] == seq[:-back][-4:].tolist() for r in group), "the most recent 4 events"
+            negatives = [r["item_id"][0] for r in group if r["label_next_item"] == 0]
+            assert not set(negatives) & set(seq.tolist()), "negatives are items the user never touched"
+            assert positive["item_attr"] == [1 + seq[-back] % 5, 6 + seq[-back] % 3]
+
+    train_rows = _rows(out, "train")
+    positives = [r for r in train_rows if r["label_next_item"] == 1]
+    assert len(train_rows) == 3 * len(positives) == 3 * sum(len(s) - 3 for s in sequences)
+    for r in positives:
+        seq = sequences[r["user_id"][0] - 1]
+        t = int(np.flatnonzero(seq == r["item_id"][0])[0])
+        assert 1 <= t <= len(seq) - 3 and r["hist_item"] == seq[:t][-4:].tolist()
+        assert r["dense"] == [pytest.approx(math.log1p(min(t, 4)))]
+
+
+def test_s3rec_fixed_negatives_and_bad_files(tmp_path):
+    sequences = _write_s3rec(tmp_path, with_sample=True)
+    data = read_s3rec(tmp_path, "Tiny")
+    write_seqrec(data, tmp_path / "out", SeqRecOptions(num_eval_negatives=99))
+    rows = [r for r in _rows(tmp_path / "out", "test") if r["request_id"] == 3]
+    expected = (tmp_path / "Tiny_sample.txt").read_text().splitlines()[2].split()[1:]
+    assert len(rows) == 21 and sorted(r["item_id"][0] for r in rows[1:]) == sorted(map(int, expected))
+    assert rows[0]["item_id"] == [sequences[2][-1]]
+
+    with pytest.raises(FileNotFoundError, match="data.name to one of \\['Tiny'\\]"):
+        read_s3rec(tmp_path, "Missing")
+    (tmp_path / "Bad.txt").write_text("1 3 4\n2 x 5\n")
+    with pytest.raises(ValueError, match="Bad.txt, line 2: expected 'user item item ...'"):
+        read_s3rec(tmp_path, "Bad")
+
+
+@pytest.mark.parametrize("fmt", ["dat", "csv"])
+def test_movielens_tables_order_by_time_and_remap_ids(tmp_path, fmt):
+    # user, item, rating, timestamp; user 7's items arrive out of order in the file.
+    rows = [(7, 100, 5, 30), (7, 205, 3, 10), (7, 100, 4, 20), (9, 300, 1, 5), (7, 300, 2, 40),
+            (9, 205, 5, 6), (9, 100, 5, 7), (9, 999, 4, 8)]
+    if fmt == "dat":
+        text = "\n".join("::".join(map(str, r)) for r in rows)
+    else:
+        text = "userId,movieId,rating,timestamp\n" + "\n".join(",".join(map(str, r)) for r in rows)
+    (tmp_path / f"ratings.{fmt}").write_text(text + "\n")
+    data = read_interactions(tmp_path / f"ratings.{fmt}")
+    ids = {100: 1, 205: 2, 300: 3, 999: 4}
+    assert data.num_items == 4
+    assert [s.tolist() for s in data.sequences] == [[ids[205], ids[100], ids[100], ids[300]],
+                                                    [ids[300], ids[205], ids[100], ids[999]]]
+    high = read_interactions(tmp_path / f"ratings.{fmt}", min_rating=4)  # item 300 drops out: ids 1..3
+    assert [s.tolist() for s in high.sequences] == [[1, 1], [2, 1, 3]] and high.num_items == 3
+    out = prepare_seqrec(tmp_path, f"ratings.{fmt}", tmp_path / "cache", {"num_eval_negatives": 0, "num_negatives": 0})
+    test = _rows(out, "test")
+    assert [(r["request_id"], r["item_id"], r["hist_item"]) for r in test] == [(1, [3], [2, 1, 1]), (2, [4], [3, 2, 1])]
+    assert prepare_seqrec(tmp_path, f"ratings.{fmt}", tmp_path / "cache", {"num_eval_negatives": 0, "num_negatives": 0}) == out, "cached"
+
+
+# -- ranking metrics, hand-computed ------------------------------------------------------------
+def test_positive_ranks_count_ties_against_the_model():
+    scores = torch.tensor([0.9, 0.9, 0.95, 0.1, 5.0, 1.0, 2.0, 0.3, 0.2])
+    labels = torch.tensor([1, 0, 0, 0, 0, 1, 0, 1, 0])
+    groups = torch.tensor([3, 3, 3, 3, 7, 7, 7, 8, 8])
+    assert positive_ranks(scores, labels, groups).tolist() == [2, 2, 0]
+    assert positive_ranks(torch.zeros(4), torch.tensor([0, 0, 1, 0]), torch.zeros(4)).tolist() == [3]
+
+
+def test_ranking_metrics_by_hand():
+    got = ranking_metrics(torch.tensor([0, 2, 7, 30]))
+    assert got["hr@1"] == pytest.approx(1 / 4)
+    assert got["hr@5"] == pytest.approx(2 / 4)
+    assert got["hr@10"] == pytest.approx(3 / 4)
+    assert got["ndcg@5"] == pytest.approx((1 + 1 / math.log2(4)) / 4)
+    assert got["ndcg@10"] == pytest.approx((1 + 1 / math.log2(4) + 1 / math.log2(9)) / 4)
+    assert got["mrr"] == pytest.approx((1 + 1 / 3 + 1 / 8 + 1 / 31) / 4)
+
+
+def test_ranking_evaluator_groups_across_batches_and_skips_masked_rows():
+    ev = RankingEvaluator(("next_item",))
+    # group 1: positive 0.5 vs negatives 0.9, 0.1 (rank 1); group 2: positive 0.7 vs 0.2 (rank 0);
+    # a masked row with a huge score does not count.
+    ev.update(torch.tensor([[0.5], [0.9]]), torch.tensor([[1.0], [0.0]]), torch.tensor([[True], [True]]), torch.tensor([1, 1]))
+    ev.update(torch.tensor([[0.1], [0.7], [0.2], [9.0]]), torch.tensor([[0.0], [1.0], [0.0], [0.0]]),
+              torch.tensor([[True], [True], [True], [False]]), torch.tensor([1, 2, 2, 2]))
+    got = ev.compute()
+    assert got["next_item/groups"] == 2 and got["next_item/hr@1"] == pytest.approx(0.5)
+    assert got["next_item/mrr"] == pytest.approx((1 / 2 + 1) / 2)
+    assert got["next_item/ndcg@5"] == pytest.approx((1 / math.log2(3) + 1) / 2)
+
+
+def test_seqrec_experiment_trains_and_writes_test_metrics(tmp_path):
+    _write_s3rec(tmp_path, num_users=60)
+    cfg = compose(["experiment=seqrec", f"data.dir={tmp_path}", "data.name=Tiny", f"data.cache_dir={tmp_path / 'cache'}",
+                   f"trainer.run_dir={tmp_path / 'run'}", "data.batch_size=32", "data.num_workers=0",
+                   "data.eval_batch_size=500", "trainer.max_steps=15", "trainer.progress_bar=false",
+                   "data.seqrec.num_eval_negatives=20"])
+    result = train(cfg)
+    saved = json.loads((tmp_path / "run" / "test_metrics.json").read_text())
+    for key in ("hr@1", "hr@5", "hr@10", "ndcg@5", "ndcg@10", "mrr"):
+        assert 0 <= saved[f"next_item/{key}"] <= 1 and saved[f"next_item/{key}"] == pytest.approx(result[f"next_item/{key}"])
+    assert saved["next_item/groups"] == 60 and saved["next_item/hr@1"] <= saved["next_item/hr@5"] <= saved["next_item/hr@10"]
