@@ -80,7 +80,7 @@ def test_unknown_task_weight_and_empty_dataset_fail_clearly(cache_dir, tmp_path)
     (tmp_path / "empty" / "train").mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match="holds no \\*.parquet files"):
         train(_cfg(cache_dir, tmp_path / "run", "data=parquet", f"data.dir={tmp_path / 'empty'}",
-                   f"data.schema={{}}"))
+                   "data.schema={}"))
 
 
 def test_quickstart_default_learns_the_hidden_signal(tmp_path):

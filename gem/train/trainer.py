@@ -8,7 +8,6 @@ import math
 import os
 import random
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
