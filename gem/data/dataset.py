@@ -40,12 +40,17 @@ def prepare_synthetic(cache_dir: str, name: str, schema: FeatureSchema, num_exam
         if is_writer:
             write_dataset(directory, schema, dict(num_examples), seed, cfg)
         else:
-            deadline = time.monotonic() + 600
-            while not directory.exists():
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"waited 10 min for rank 0 to generate {directory}")
-                time.sleep(0.5)
+            wait_for_folder(directory, 600, "generate")
     return directory
+
+
+def wait_for_folder(directory: Path, timeout_s: float, what: str) -> None:
+    """Block a non-writer rank until rank 0's data set folder appears (written atomically)."""
+    deadline = time.monotonic() + timeout_s
+    while not directory.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout_s / 60:.0f} min for rank 0 to {what} {directory}")
+        time.sleep(0.5)
 
 
 def split_files(directory: str | os.PathLike, split: str) -> list[Path]:

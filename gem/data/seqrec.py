@@ -40,6 +40,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 
+from gem.data.dataset import wait_for_folder
 from gem.data.parquet import write_parquet
 from gem.data.schema import FeatureSchema
 
@@ -340,11 +341,7 @@ def prepare_seqrec(source: str | Path, name: str, cache_dir: str | Path, options
     if out.exists():
         return out
     if not is_writer:
-        deadline = time.monotonic() + 1800
-        while not out.exists():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"waited 30 min for rank 0 to convert {out}")
-            time.sleep(0.5)
+        wait_for_folder(out, 1800, "convert")
         return out
     start = time.perf_counter()
     data = read_s3rec(source, name) if (source / f"{name}.txt").is_file() else read_interactions(source / name)
