@@ -579,7 +579,8 @@ _TUNE_KEY = ["max_q_bucket", "max_kv_bucket", "BLOCK_D", "ACTIVATION", "CAUSAL",
 
 
 def _tuned(kernel, kind: str):
-    """The kernel under triton.autotune; head dims above 128 get their one default config."""
+    """The kernel under triton.autotune; head dims above 128 and the fp32 backward get their one
+    default config."""
     if INTERPRET:
         return kernel
     configs = [triton.Config(dict(BLOCK_M=m, BLOCK_N=n), num_warps=w, num_stages=s)
@@ -587,9 +588,13 @@ def _tuned(kernel, kind: str):
 
     def prune(configs, named_args, **kwargs):
         block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D", 128))
-        if block_d <= 128:
+        q = named_args.get("Q")
+        elem_bytes = q.element_size() if hasattr(q, "element_size") else 2
+        if block_d <= 128 and (elem_bytes < 4 or kind == "fwd"):
             return configs
-        launch = dict(_default_config(kind, block_d))
+        # Head dims above 128, and the fp32 backward (whose 16-bit candidates overflow shared memory
+        # at head dim 128), launch their one default config.
+        launch = dict(_default_config(kind, block_d, elem_bytes))
         warps, stages = launch.pop("num_warps"), launch.pop("num_stages")
         return [triton.Config(launch, num_warps=warps, num_stages=stages)]
 
