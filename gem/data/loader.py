@@ -35,12 +35,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from gem.data.balance import deal_by_length
 from gem.data.batch import Batch
 from gem.data.checks import Violation, error_policy, file_violations, row_violations
-from gem.data.parquet import OPTIONAL_COLUMNS, _keep_most_recent, arrow_schema
+from gem.data.parquet import OPTIONAL_COLUMNS, _keep_most_recent, _kjt, arrow_schema
 from gem.data.schema import FeatureSchema
 
 logger = logging.getLogger("gem")
@@ -344,13 +343,6 @@ def table_to_batch(table: pa.Table, schema: FeatureSchema) -> tuple[Batch, int]:
         **optional,
     )
     return batch, truncated
-
-
-def _kjt(keys: list[str], lengths: list[np.ndarray], values: list[np.ndarray]) -> KeyedJaggedTensor:
-    if not keys:
-        return KeyedJaggedTensor.empty()
-    return KeyedJaggedTensor(keys=keys, values=torch.from_numpy(np.concatenate(values).astype(np.int64, copy=False)),
-                             lengths=torch.from_numpy(np.concatenate(lengths).astype(np.int32)))
 
 
 class BatchLoader:

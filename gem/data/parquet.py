@@ -306,10 +306,8 @@ def _keep_most_recent(lengths: np.ndarray, values: np.ndarray, max_len: int) -> 
 
 
 def _kjt(keys: list[str], lengths: list[np.ndarray], values: list[np.ndarray]) -> KeyedJaggedTensor:
+    """A KJT from per-key lengths and values (key-major), ids as int64, lengths as int32."""
     if not keys:
         return KeyedJaggedTensor.empty()
-    return KeyedJaggedTensor(
-        keys=keys,
-        values=torch.from_numpy(np.concatenate(values)),
-        lengths=torch.from_numpy(np.concatenate(lengths)).to(torch.int32),
-    )
+    return KeyedJaggedTensor(keys=keys, values=torch.from_numpy(np.concatenate(values).astype(np.int64, copy=False)),
+                             lengths=torch.from_numpy(np.concatenate(lengths).astype(np.int32)))
