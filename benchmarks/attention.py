@@ -13,7 +13,8 @@ a baseline that is missing or runs out of memory is recorded as such.
 
     python benchmarks/attention.py                  # everything, writes results/attention-h200.json + .png
     python benchmarks/attention.py --quick          # two shapes, no compiled baseline
-    GEM_KERNELS_AUTOTUNE=1 python benchmarks/attention.py --quick   # autotuned configs
+    GEM_KERNELS_AUTOTUNE=0 python benchmarks/attention.py --quick   # default configs, no tuning
+    GEM_KERNELS_TUNE_SPACE=wide python benchmarks/attention.py     # a larger autotune search
 """
 
 from __future__ import annotations
@@ -276,7 +277,8 @@ def main() -> None:
                   "flops": "fwd = 4*H*D*sum(visible pairs); bwd = 2.5x fwd; fwd+bwd = 3.5x fwd",
                   "shapes": [dict(zip(("name", "layout", "batch", "max_len", "fill"), s))
                              for s in shapes],
-                  "rows": rows, "summary": summarize(rows)["targets"]}
+                  "tune_space": os.environ.get("GEM_KERNELS_TUNE_SPACE", "default"),
+                  "tuned_configs": _tuned_configs(), "rows": rows, "summary": summarize(rows)["targets"]}
         (out_dir / f"{name}.json").write_text(json.dumps(record, indent=1))
 
     for shape in shapes:
@@ -310,15 +312,17 @@ def main() -> None:
     if not args.no_sweep:
         _plot(rows, out_dir / f"{name}.png", torch.cuda.get_device_name())
     print(f"wrote {out_dir / name}.json")
-    _print_tuned_configs()
+    for kind, chosen in _tuned_configs().items():
+        for key, config in chosen.items():
+            print(f"autotuned {kind} {key}: {config}")
 
 
-def _print_tuned_configs() -> None:
+def _tuned_configs() -> dict:
+    """{kernel kind: {autotune key: chosen config}} for every shape bucket tuned in this run."""
     from kernels.jagged_attention import triton as tk
 
-    for name in ("_fwd", "_bwd_dkdv", "_bwd_dq"):
-        for key, config in getattr(getattr(tk, name), "cache", {}).items():
-            print(f"autotuned {name} {key}: {config}")
+    return {kind: {str(key): str(config) for key, config in getattr(tuned, "cache", {}).items()}
+            for kind, (_, tuned) in tk._KERNELS.items()}
 
 
 def summarize(rows) -> dict:

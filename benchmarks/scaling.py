@@ -39,7 +39,8 @@ def run(nproc: int, overrides: list[str], run_dir: Path, skip: int) -> dict:
            f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "-m", "gem.train", *overrides,
            f"trainer.run_dir={run_dir}", "trainer.progress_bar=false", "trainer.eval_max_batches=1"]
     print("$", " ".join(cmd), flush=True)
-    subprocess.run(cmd, cwd=ROOT, check=True, env=os.environ | {"PYTHONPATH": str(ROOT)})
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)  # keep the caller's too
+    subprocess.run(cmd, cwd=ROOT, check=True, env=os.environ | {"PYTHONPATH": path})
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     windows = [r for r in rows if r["kind"] == "train"][skip:]
     if not windows:
@@ -48,6 +49,8 @@ def run(nproc: int, overrides: list[str], run_dir: Path, skip: int) -> dict:
     return {"nproc": nproc, "examples_per_s": statistics.median(r["examples_per_s"] for r in windows),
             "step_ms": statistics.median(r["step_ms"] for r in windows),
             "data_wait_frac": statistics.median(r["data_wait_frac"] for r in windows),
+            "mfu": statistics.median(r["mfu"] for r in windows) if all(r.get("mfu") is not None for r in windows)
+            else None,
             "windows": len(windows), "final_loss": windows[-1]["loss"]}
 
 
@@ -87,10 +90,12 @@ def main() -> None:
     for r in results:
         r["speedup"] = r["examples_per_s"] / base["examples_per_s"]
         r["efficiency"] = r["speedup"] * base["nproc"] / r["nproc"]
-    print(f"\n{'nproc':>5}  {'examples/s':>12}  {'step ms':>8}  {'data wait':>9}  {'speedup':>7}  {'efficiency':>10}")
+    print(f"\n{'nproc':>5}  {'examples/s':>12}  {'step ms':>8}  {'data wait':>9}  {'MFU':>6}  {'speedup':>7}  "
+          f"{'efficiency':>10}")
     for r in results:
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         print(f"{r['nproc']:>5}  {r['examples_per_s']:>12.0f}  {r['step_ms']:>8.2f}  {r['data_wait_frac']:>9.3f}  "
-              f"{r['speedup']:>7.2f}  {r['efficiency']:>10.1%}")
+              f"{mfu:>6}  {r['speedup']:>7.2f}  {r['efficiency']:>10.1%}")
     tag = args.tag or "".join(c if c.isalnum() else "-" for c in env["hardware"].lower()).strip("-")
     out = ROOT / "benchmarks" / "results" / f"scaling-{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

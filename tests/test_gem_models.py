@@ -279,8 +279,10 @@ def test_gem_tiny_on_cuda_triton_and_reference_give_the_same_loss_trajectory():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("autocast", ["null", "bfloat16"])
 @pytest.mark.parametrize("block", BLOCKS)
-def test_gem_tiny_trains_on_cuda(tmp_path, block):
+def test_gem_tiny_trains_on_cuda(tmp_path, block, autocast):
     result = train(compose(["debug=tiny", "model=gem_tiny", f"model.block={block}", "sparse=native",
-                            "trainer.device=cuda", f"trainer.run_dir={tmp_path}", f"data.cache_dir={tmp_path}"]))
+                            "trainer.device=cuda", f"trainer.autocast={autocast}", f"trainer.run_dir={tmp_path}",
+                            f"data.cache_dir={tmp_path}"]))
     assert result["steps"] == 20 and result["click/auc"] > 0.5

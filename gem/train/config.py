@@ -89,6 +89,7 @@ class TrainerConfig:
     progress_bar: bool = True
     task_weights: dict[str, float] = field(default_factory=dict)
     peak_tflops: Optional[float] = None  # per device, for MFU; None: by detected GPU (gem/train/flops.py), else no MFU
+    autocast: Optional[str] = None  # bfloat16: forward under torch.autocast (loss in float32); None: off
 
 
 @dataclass
@@ -194,6 +195,8 @@ def validate(cfg: DictConfig | dict) -> Config:
             raise ConfigError(f"parallelism.{key}={getattr(p, key)} must be >= 1, or -1 to fill the world")
     _one_of("parallelism.param_dtype", p.param_dtype, ("float32", "bfloat16", "float16"))
     _one_of("parallelism.reduce_dtype", p.reduce_dtype, ("float32", "bfloat16"))
+    if t.autocast is not None:
+        _one_of("trainer.autocast", t.autocast, ("bfloat16",))  # float16 would need a GradScaler
     if config.model is None or "_target_" not in config.model:
         raise ConfigError("model must name a dense architecture with _target_; pick one with model=dlrm")
     if config.kernels.attention_backend is not None:

@@ -9,6 +9,7 @@ batch i+1 is already under way and batch i+2 is being copied to the device. It r
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from typing import Callable, Iterable, Iterator
@@ -17,6 +18,13 @@ import torch
 from torch import nn
 
 from gem.data.batch import Batch
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` on ``device`` in ``dtype``, or nothing when ``dtype`` is None."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
 
 
 class OptimizerSet:
@@ -78,11 +86,14 @@ class TrainStep:
         device: where batches go.
         pipelined: use TorchRec's ``TrainPipelineSparseDist`` (needs a DistributedModelParallel
             sparse arch); otherwise copy, forward, backward, step, one batch at a time.
+        autocast: run the model's forward under ``torch.autocast`` in this dtype (None: off); the
+            loss is computed in float32 on float32 logits.
     """
 
     def __init__(self, model: nn.Module, loss_fn: Callable, optimizers: OptimizerSet, device: torch.device,
-                 pipelined: bool) -> None:
+                 pipelined: bool, autocast: torch.dtype | None = None) -> None:
         self.model, self.loss_fn, self.optimizers, self.device = model, loss_fn, optimizers, device
+        self.autocast = autocast
         self.pipelined = pipelined
         self.pipeline = None  # built at the first step, and again after each detach()
         self.last_batch: Batch | None = None  # the batch the last step trained on
@@ -92,7 +103,9 @@ class TrainStep:
 
     def _forward(self, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, int]]:
         self.last_batch = batch
-        loss, per_task = self.loss_fn(self.model(batch), batch)
+        with autocast(self.device, self.autocast):
+            logits = self.model(batch)
+        loss, per_task = self.loss_fn(logits.float(), batch)
         return loss, (per_task, batch.batch_size)
 
     def __call__(self, batches: Iterator[Batch]) -> tuple[torch.Tensor, int]:

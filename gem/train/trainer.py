@@ -35,7 +35,7 @@ from gem.train.losses import multitask_bce
 from gem.train.metrics import RankingEvaluator, TaskEvaluator
 from gem.train.optim import build_optimizers
 from gem.train.startup import StartupTimer
-from gem.train.step import OptimizerSet, TimedIterator, TrainStep
+from gem.train.step import OptimizerSet, TimedIterator, TrainStep, autocast
 
 
 @dataclass
@@ -174,7 +174,7 @@ def build_model(config: Config, schema: FeatureSchema, env: DistEnv, timer: Star
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: BatchLoader, env: DistEnv, tasks: tuple[str, ...],
-             max_batches: int = -1) -> dict[str, float]:
+             max_batches: int = -1, autocast_dtype: torch.dtype | None = None) -> dict[str, float]:
     """Per-task AUC / NE over a split, plus ranking metrics (HR, NDCG, MRR) when it has candidate
     groups (request ids). Every rank runs the same number of forward passes (sharded tables need
     all ranks in each step); a rank out of batches repeats its last one unrecorded."""
@@ -191,7 +191,8 @@ def evaluate(model: nn.Module, loader: BatchLoader, env: DistEnv, tasks: tuple[s
         batch = nxt.to(env.device, non_blocking=True) if real else batch
         if batch is None:
             raise ValueError("evaluation split is empty; add examples to data.dir/val and data.dir/test")
-        logits = model(batch)
+        with autocast(env.device, autocast_dtype):
+            logits = model(batch).float()
         if real:
             evaluator.update(logits, batch.labels, batch.label_mask)
             if batch.request_id is not None:
@@ -265,7 +266,8 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
     reason = "needs TorchRec-sharded tables" if fused is None else "an id feature shares a sequence table"
     logger.info("sparse-dist training pipeline (input all-to-all of batch i+1 overlaps dense compute of batch i): %s",
                 "active" if pipelined else f"off ({reason})" if want else "off")
-    train_step = TrainStep(model, loss_fn, optimizers, env.device, pipelined)
+    autocast_dtype = {None: None, "bfloat16": torch.bfloat16}[t.autocast]
+    train_step = TrainStep(model, loss_fn, optimizers, env.device, pipelined, autocast_dtype)
 
     peak_tflops = t.peak_tflops if t.peak_tflops is not None else default_peak_tflops(env.device)
     count_flops = lambda b: step_flops(model.dense_arch, b, schema)  # noqa: E731 (host lengths: no device sync)
@@ -304,7 +306,8 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
             if t.eval_every and step % t.eval_every == 0:
                 eval_start = time.perf_counter()
                 train_step.detach()
-                values = evaluate(model, loader("val", d.eval_batch_size, False), env, schema.tasks, t.eval_max_batches)
+                values = evaluate(model, loader("val", d.eval_batch_size, False), env, schema.tasks, t.eval_max_batches,
+                                  autocast_dtype)
                 logger.info("val step %d %s", step, format_metrics(values))
                 metrics.write("val", step, values)
                 window.start += time.perf_counter() - eval_start  # throughput counts training time only
@@ -314,7 +317,8 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
     bar.close()
     if ckpt is not None:
         ckpt.wait()
-    result = evaluate(model, loader("test", d.eval_batch_size, False), env, schema.tasks, t.eval_max_batches)
+    result = evaluate(model, loader("test", d.eval_batch_size, False), env, schema.tasks, t.eval_max_batches,
+                      autocast_dtype)
     result["train_seconds"] = time.perf_counter() - start
     result["steps"] = step
     metrics.write("test", step, result)

@@ -574,6 +574,16 @@ _TUNE_SPACE = {
     "dkdv": [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3)],
     "dq": [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3)],
 }
+# GEM_KERNELS_TUNE_SPACE=wide: a larger search for benchmarks and for choosing the list above
+# (about three times the tuning time at each new shape bucket).
+_WIDE_EXTRA = {
+    "fwd": [(128, 64, 8, 2), (128, 128, 8, 2), (64, 128, 4, 3), (128, 64, 4, 3), (128, 32, 4, 4),
+            (64, 64, 4, 4)],
+    "dkdv": [(64, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 3), (128, 64, 8, 2)],
+    "dq": [(128, 64, 8, 3), (128, 128, 8, 2), (64, 32, 4, 3), (64, 128, 4, 2), (128, 64, 4, 2)],
+}
+if os.environ.get("GEM_KERNELS_TUNE_SPACE", "default") == "wide":
+    _TUNE_SPACE = {kind: space + _WIDE_EXTRA[kind] for kind, space in _TUNE_SPACE.items()}
 _TUNE_KEY = ["max_q_bucket", "max_kv_bucket", "BLOCK_D", "ACTIVATION", "CAUSAL", "HAS_WINDOW",
              "HAS_BLOCK", "Q_BROADCAST"]
 
