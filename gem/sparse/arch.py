@@ -42,6 +42,14 @@ class SparseOutput:
     sequences: dict[str, JaggedEmbeddings]  # sequence group -> jagged embeddings
 
 
+# Pytree nodes, so that module hooks that look for tensors in outputs find the ones inside. FSDP2
+# registers each block's pre-backward all-gather on the tensors of its output: a block returning
+# JaggedEmbeddings as an opaque leaf had its parameters freed when its backward ran (on CUDA,
+# where the autograd engine reached that path before any other output's hook).
+torch.export.register_dataclass(JaggedEmbeddings)
+torch.export.register_dataclass(SparseOutput)
+
+
 class SparseArch(nn.Module):
     """Embedding lookups for every id feature and sequence feature of ``schema``.
 

@@ -545,9 +545,9 @@ def _default_config(kind: str, block_d: int, elem_bytes: int = 2) -> dict:
     """Block sizes, warps and stages per kernel kind and padded head dim, used when
     autotuning is off (GEM_KERNELS_AUTOTUNE=0) and for head dims above 128.
 
-    fp32 inputs (``elem_bytes=4``) take the backward tiles of the next larger head dim: the
-    16-bit tiles at head dim 128 need 262,656 bytes of shared memory in fp32, over the H200's
-    232,448 (measured: OutOfResources in the dK/dV kernel)."""
+    fp32 inputs (``elem_bytes=4``) take the backward tiles of the next larger head dim: an
+    earlier 16-bit dK/dV tile (64 x 128) needed 262,656 bytes of shared memory in fp32 at head
+    dim 128, over the H200's 232,448 (measured: OutOfResources)."""
     if INTERPRET:  # small tiles keep the interpreter fast and exercise multi-block paths
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
     if elem_bytes >= 4 and kind != "fwd" and block_d > 64:
@@ -556,31 +556,33 @@ def _default_config(kind: str, block_d: int, elem_bytes: int = 2) -> dict:
         if block_d <= 64:
             return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
         if block_d <= 128:
-            return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+            return dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4)
         return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)
     if kind == "dkdv":  # BLOCK_N: key rows held; BLOCK_M: query rows streamed
         if block_d <= 128:
-            return dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2)
+            return dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3)
         return dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=1)
     # dq: BLOCK_M query rows held; BLOCK_N key rows streamed
     if block_d <= 128:
-        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
     return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=1)
 
 
-# Autotune candidates (BLOCK_M, BLOCK_N, num_warps, num_stages) for head dims up to 128.
+# Autotune candidates (BLOCK_M, BLOCK_N, num_warps, num_stages) for head dims up to 128: the
+# configs the wide search below picked on an H200 for the benchmark's shapes (bf16, D=128;
+# benchmarks/results/attention-h200.json, "tuned_configs").
 _TUNE_SPACE = {
-    "fwd": [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)],
-    "dkdv": [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3)],
-    "dq": [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3)],
+    "fwd": [(128, 32, 4, 4), (128, 64, 8, 3), (64, 64, 4, 3)],
+    "dkdv": [(32, 64, 4, 3), (64, 128, 8, 3), (64, 64, 4, 2)],
+    "dq": [(128, 64, 8, 3), (64, 32, 4, 3), (128, 32, 4, 3)],
 }
 # GEM_KERNELS_TUNE_SPACE=wide: a larger search for benchmarks and for choosing the list above
 # (about three times the tuning time at each new shape bucket).
 _WIDE_EXTRA = {
-    "fwd": [(128, 64, 8, 2), (128, 128, 8, 2), (64, 128, 4, 3), (128, 64, 4, 3), (128, 32, 4, 4),
+    "fwd": [(128, 64, 8, 2), (128, 128, 8, 3), (128, 128, 8, 2), (64, 128, 4, 3), (128, 64, 4, 3),
             (64, 64, 4, 4)],
-    "dkdv": [(64, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 3), (128, 64, 8, 2)],
-    "dq": [(128, 64, 8, 3), (128, 128, 8, 2), (64, 32, 4, 3), (64, 128, 4, 2), (128, 64, 4, 2)],
+    "dkdv": [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 2)],
+    "dq": [(128, 64, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 2), (128, 64, 4, 2)],
 }
 if os.environ.get("GEM_KERNELS_TUNE_SPACE", "default") == "wide":
     _TUNE_SPACE = {kind: space + _WIDE_EXTRA[kind] for kind, space in _TUNE_SPACE.items()}
