@@ -203,11 +203,13 @@ def _format(row) -> str:
 
 
 def _versions() -> dict:
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                         stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        commit = os.environ.get("GIT_COMMIT", "unknown")
+    commit = os.environ.get("GIT_COMMIT")  # set it where the checkout's .git is not this tree's
+    if not commit:
+        try:
+            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                             stderr=subprocess.DEVNULL).strip()
+        except Exception:
+            commit = "unknown"
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "git_commit": commit,
@@ -256,6 +258,9 @@ def main() -> None:
                         help="redraw the PNG and the summary from a results JSON (no GPU)")
     parser.add_argument("--compiled-reference-rows", default="0,1,2,3,4",
                         help="target rows (0-based) that also time the compiled padded reference")
+    parser.add_argument("--only-sweeps", metavar="NAMES",
+                        help=f"run only these sweeps (comma-separated, of {list(SWEEP_MODES)}) and "
+                             "replace their rows in the existing results JSON")
     args = parser.parse_args()
     if args.plot_only:
         record = json.loads(pathlib.Path(args.plot_only).read_text())
@@ -270,15 +275,27 @@ def main() -> None:
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     name = "attention-h200" + ("-quick" if args.quick else "")
+    sweeps = dict(SWEEP_MODES)
+    earlier = {"rows": [], "tuned_configs": {}}
+    if args.only_sweeps:
+        sweeps = {k: SWEEP_MODES[k] for k in args.only_sweeps.split(",")}
+        earlier = json.loads((out_dir / f"{name}.json").read_text())
+        earlier["rows"] = [r for r in earlier["rows"] if r.get("sweep") not in sweeps]
+        shapes = []
 
     def save():  # after every case, so that a run cut short still leaves its numbers
+        all_rows = earlier["rows"] + rows
+        tuned = {kind: {**earlier["tuned_configs"].get(kind, {}), **chosen}
+                 for kind, chosen in _tuned_configs().items()}
         record = {**_versions(), "num_heads": NUM_HEADS, "head_dim": HEAD_DIM,
                   "dtype": str(DTYPE),
                   "flops": "fwd = 4*H*D*sum(visible pairs); bwd = 2.5x fwd; fwd+bwd = 3.5x fwd",
-                  "shapes": [dict(zip(("name", "layout", "batch", "max_len", "fill"), s))
-                             for s in shapes],
+                  "shapes": earlier.get("shapes") or [
+                      dict(zip(("name", "layout", "batch", "max_len", "fill"), s)) for s in shapes],
                   "tune_space": os.environ.get("GEM_KERNELS_TUNE_SPACE", "default"),
-                  "tuned_configs": _tuned_configs(), "rows": rows, "summary": summarize(rows)["targets"]}
+                  "tuned_configs": tuned, "rows": all_rows, "summary": summarize(all_rows)["targets"]}
+        if args.only_sweeps:
+            record["notes"] = f"sweeps {args.only_sweeps} re-run on {record['date']}; other rows from {earlier['date']}"
         (out_dir / f"{name}.json").write_text(json.dumps(record, indent=1))
 
     for shape in shapes:
@@ -295,7 +312,7 @@ def main() -> None:
             save()
     if not args.no_sweep:
         lengths = SWEEP_LENGTHS[::2] if args.quick else SWEEP_LENGTHS
-        for sweep, mask in SWEEP_MODES.items():
+        for sweep, mask in sweeps.items():
             for activation in SWEEP_ACTIVATIONS[sweep]:
                 for length in lengths:
                     case = run_case(f"sweep {sweep} L={length}", "jagged", SWEEP_TOKENS // length,
@@ -306,11 +323,11 @@ def main() -> None:
                     rows += case
                     save()
 
-    summary = summarize(rows)
+    summary = summarize(earlier["rows"] + rows)
     print("\n" + "\n".join(summary["lines"]))
     save()
     if not args.no_sweep:
-        _plot(rows, out_dir / f"{name}.png", torch.cuda.get_device_name())
+        _plot(earlier["rows"] + rows, out_dir / f"{name}.png", torch.cuda.get_device_name())
     print(f"wrote {out_dir / name}.json")
     for kind, chosen in _tuned_configs().items():
         for key, config in chosen.items():

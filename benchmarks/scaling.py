@@ -67,11 +67,13 @@ def environment() -> dict:
         info["hardware"] = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
     else:
         info["hardware"] = f"cpu ({os.cpu_count()} cores)"
-    try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                        check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        info["commit"] = None
+    info["commit"] = os.environ.get("GIT_COMMIT")  # set it where the checkout's .git is not this tree's
+    if not info["commit"]:
+        try:
+            info["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                            check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            info["commit"] = None
     return info
 
 
