@@ -43,9 +43,10 @@ class SparseOutput:
 
 
 # Pytree nodes, so that module hooks that look for tensors in outputs find the ones inside. FSDP2
-# registers each block's pre-backward all-gather on the tensors of its output: a block returning
-# JaggedEmbeddings as an opaque leaf had its parameters freed when its backward ran (on CUDA,
-# where the autograd engine reached that path before any other output's hook).
+# registers each block's pre-backward all-gather on the tensors of its output; torch 2.11's
+# FSDP2 found them with tree_flatten, saw JaggedEmbeddings as an opaque leaf, and a layer's
+# backward through its sequence output met freed parameters (gem_base on an H200). torch 2.13
+# also walks dataclasses.
 torch.export.register_dataclass(JaggedEmbeddings)
 torch.export.register_dataclass(SparseOutput)
 
