@@ -224,6 +224,10 @@ def test_explicit_plans_check_their_tables_and_print_bytes_per_rank(tiny_schema)
         explicit_plan(arch, dict.fromkeys(names, "row_wise") | {"t_user_id": "table_wise:5"}, 2, 2, "cpu")
     with pytest.raises(ValueError, match=r"sparse.plan.t_user_id='diagonal': the sharding must be one of"):
         explicit_plan(arch, dict.fromkeys(names, "row_wise") | {"t_user_id": "diagonal"}, 2, 2, "cpu")
+    small = min(arch.tables, key=lambda t: t.num_embeddings)  # fewer rows than 4 ranks: empty shards
+    with pytest.raises(ValueError, match=rf"sparse.plan.{small.name}=row_wise: {small.num_embeddings} rows over 4 "
+                                         r"ranks leaves ranks without rows; name table_wise"):
+        explicit_plan(arch, dict.fromkeys(names, "table_wise") | {small.name: "row_wise"}, 4, 4, "cpu")
     plan = explicit_plan(arch, dict.fromkeys(names, "table_wise") | {"t_ad_id": "row_wise", "t_user_id": "table_wise:1"},
                          2, 2, "cpu")
     lines = {line.split()[0]: line.split() for line in format_plan(plan, arch, 2).splitlines()[2:]}

@@ -85,6 +85,12 @@ def explicit_plan(sparse_arch: nn.Module, per_table: Mapping[str, str], world_si
             raise ValueError(f"sparse.plan.{t.name}=table_row_wise: TorchRec shards sequence tables "
                              f"(EmbeddingCollection) table_wise, row_wise, column_wise or data_parallel only; "
                              f"name another sharding for {t.name} in sparse.plan")
+        spec = per_table[t.name]
+        over = world_size if spec == "row_wise" else local_size if spec.startswith("table_row_wise") else 0
+        if t.num_embeddings < over:
+            # Measured with fbgemm-gpu-cpu 1.8: the row-wise Adagrad of an empty shard fails now and then.
+            raise ValueError(f"sparse.plan.{t.name}={spec}: {t.num_embeddings} rows over {over} ranks leaves ranks "
+                             f"without rows; name table_wise or data_parallel for {t.name} in sparse.plan")
         if not t.pooled and per_table[t.name] == "data_parallel" and device_type == "cpu":
             # Measured with TorchRec 1.8 / fbgemm-gpu-cpu 1.8: the lookup returns one row per example
             # instead of one per event, and the forward fails in construct_jagged_tensors.
