@@ -45,7 +45,7 @@ def run_case(case: dict, data_dir: Path, batch_size: int, world_size: int, devic
     case: ``plan`` (a sharding type for every table, or ``{"pooled": ..., "sequence": ...}``, or None:
     native tables replicated with DDP), ``mesh``
     ``[dp_replicate, dp_shard]`` for the dense arch, ``optimizer`` (the table optimizer),
-    ``activation_checkpointing``.
+    ``activation_checkpointing``, ``reshard_after_forward``.
     """
     from gem.distributed.parallel_dims import ParallelDims
     from gem.distributed.parallelize import parallelize_gem
@@ -86,7 +86,8 @@ def run_case(case: dict, data_dir: Path, batch_size: int, world_size: int, devic
         group = dist.group.WORLD
     # fp32 compute: parity is exact up to the order of sums.
     parallelize_gem(model, mesh, param_dtype=torch.float32,
-                    activation_checkpointing=case.get("activation_checkpointing", False))
+                    activation_checkpointing=case.get("activation_checkpointing", False),
+                    reshard_after_forward=case.get("reshard_after_forward", True))
     dense_opt, sparse_opt, _ = build_optimizers(model, optim, NUM_STEPS)
     rank = dist.get_rank() if world_size > 1 else 0
     reader = ParquetBatchReader(split_files(data_dir, "train"), schema, batch_size, rank=rank, world_size=world_size)

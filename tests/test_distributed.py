@@ -79,6 +79,7 @@ class TestShardedParity:
         self._check([
             {"name": "table_wise", "plan": "table_wise", "mesh": [1, 2]},
             {"name": "row_wise", "plan": "row_wise", "mesh": [1, 2]},
+            {"name": "row_wise_gathered", "plan": "row_wise", "mesh": [1, 2], "reshard_after_forward": False},
             # Row-wise Adagrad keeps one accumulator per row *per column shard* in TorchRec / FBGEMM,
             # so column-wise sharding changes that optimizer; element-wise Adagrad is exact.
             {"name": "column_wise", "plan": "column_wise", "mesh": [1, 2], "optimizer": "adagrad"},
@@ -161,6 +162,33 @@ def test_parallelize_gem_wraps_dense_blocks_only_and_checkpointing_changes_no_nu
     assert all("checkpoint" in _get_registry(b) for b in blocks) and _get_registry(model.sparse_arch) is None
     with_ac = run_case({"activation_checkpointing": True}, tiny_dataset, 32, 1, torch.device("cpu"))
     assert with_ac == _reference(str(tiny_dataset), "rowwise_adagrad", 32)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_reshard_after_forward_decides_whether_blocks_stay_gathered_until_backward(reshard):
+    """FSDP2 swaps a block's sharded DTensor parameters for gathered tensors in forward; with
+    reshard_after_forward=False they stay gathered until the block's backward."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from gem.distributed.parallelize import parallelize_gem
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = nn.Module()
+        model.dense_arch = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+        parallelize_gem(model, init_device_mesh("cpu", (1,)), param_dtype=torch.float32,
+                        reshard_after_forward=reshard)
+        block = model.dense_arch[0]
+        assert isinstance(block.weight, DTensor)
+        loss = model.dense_arch(torch.randn(3, 4)).sum()
+        assert isinstance(block.weight, DTensor) == reshard
+        loss.backward()
+        assert isinstance(block.weight, DTensor) and block.weight.grad is not None
+    finally:
+        dist.destroy_process_group()
 
 
 def test_trainer_with_an_impossible_mesh_fails_on_every_rank_without_hanging(tiny_dataset, tmp_path):

@@ -30,7 +30,7 @@ def dense_blocks(dense_arch: nn.Module) -> list[nn.Module]:
 
 def parallelize_gem(model: nn.Module, mesh: DeviceMesh | None, *, param_dtype: torch.dtype = torch.bfloat16,
                     reduce_dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False,
-                    compile: bool = False) -> nn.Module:
+                    compile: bool = False, reshard_after_forward: bool = True) -> nn.Module:
     """Parallelize ``model.dense_arch`` in place and return ``model``.
 
     Args:
@@ -44,6 +44,9 @@ def parallelize_gem(model: nn.Module, mesh: DeviceMesh | None, *, param_dtype: t
             ``reduce_dtype``; the sharded parameters and the optimizer stay float32.
         activation_checkpointing: recompute each block's activations in backward.
         compile: ``torch.compile`` each block (regional compilation: one small graph per block).
+        reshard_after_forward: free each block's gathered parameters after its forward and gather
+            them again in backward (least memory); False keeps them gathered until the block's
+            backward (one all-gather per block per step instead of two; ZeRO-2-like memory).
     """
     from torch.distributed._composable import checkpoint
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -59,6 +62,6 @@ def parallelize_gem(model: nn.Module, mesh: DeviceMesh | None, *, param_dtype: t
         return model
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(dense, mesh=mesh, mp_policy=policy)  # the root: parameters outside the blocks, if any
     return model

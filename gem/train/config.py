@@ -101,6 +101,7 @@ class ParallelismConfig:
     reduce_dtype: str = "float32"
     activation_checkpointing: bool = False
     compile: bool = False  # torch.compile each dense block
+    reshard_after_forward: bool = True  # False: keep gathered dense blocks from forward to backward
 
 
 @dataclass

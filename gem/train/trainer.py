@@ -169,7 +169,8 @@ def build_model(config: Config, schema: FeatureSchema, env: DistEnv, timer: Star
                 f", compute {p.param_dtype}, reduce {p.reduce_dtype}" if use_fsdp else "")
     return parallelize_gem(model, mesh, param_dtype=dtype_from_name("parallelism.param_dtype", p.param_dtype),
                            reduce_dtype=dtype_from_name("parallelism.reduce_dtype", p.reduce_dtype),
-                           activation_checkpointing=p.activation_checkpointing, compile=p.compile)
+                           activation_checkpointing=p.activation_checkpointing, compile=p.compile,
+                           reshard_after_forward=p.reshard_after_forward)
 
 
 @torch.no_grad()
