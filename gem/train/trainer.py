@@ -267,7 +267,7 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
     reason = "needs TorchRec-sharded tables" if fused is None else "an id feature shares a sequence table"
     logger.info("sparse-dist training pipeline (input all-to-all of batch i+1 overlaps dense compute of batch i): %s",
                 "active" if pipelined else f"off ({reason})" if want else "off")
-    autocast_dtype = {None: None, "bfloat16": torch.bfloat16}[t.autocast]
+    autocast_dtype = getattr(torch, t.autocast) if t.autocast else None  # validated: "bfloat16"
     train_step = TrainStep(model, loss_fn, optimizers, env.device, pipelined, autocast_dtype)
 
     peak_tflops = t.peak_tflops if t.peak_tflops is not None else default_peak_tflops(env.device)
