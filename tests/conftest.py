@@ -68,3 +68,13 @@ def compose(overrides: list[str]):
 
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         return hydra_compose("train", overrides=overrides)
+
+
+@pytest.fixture
+def one_rank_group():
+    """A one-rank gloo process group (FSDP2 on a 1-rank mesh) for the test's duration."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

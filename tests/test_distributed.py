@@ -165,30 +165,25 @@ def test_parallelize_gem_wraps_dense_blocks_only_and_checkpointing_changes_no_nu
 
 
 @pytest.mark.parametrize("reshard", [True, False])
-def test_reshard_after_forward_decides_whether_blocks_stay_gathered_until_backward(reshard):
+def test_reshard_after_forward_decides_whether_blocks_stay_gathered_until_backward(reshard, one_rank_group):
     """FSDP2 swaps a block's sharded DTensor parameters for gathered tensors in forward; with
     reshard_after_forward=False they stay gathered until the block's backward."""
-    import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
     from gem.distributed.parallelize import parallelize_gem
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        model = nn.Module()
-        model.dense_arch = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
-        parallelize_gem(model, init_device_mesh("cpu", (1,)), param_dtype=torch.float32,
-                        reshard_after_forward=reshard)
-        block = model.dense_arch[0]
-        assert isinstance(block.weight, DTensor)
-        loss = model.dense_arch(torch.randn(3, 4)).sum()
-        assert isinstance(block.weight, DTensor) == reshard
-        loss.backward()
-        assert isinstance(block.weight, DTensor) and block.weight.grad is not None
-    finally:
-        dist.destroy_process_group()
+    model = nn.Module()
+    model.dense_arch = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    parallelize_gem(model, init_device_mesh("cpu", (1,)), param_dtype=torch.float32,
+                    reshard_after_forward=reshard)
+    block = model.dense_arch[0]
+    assert isinstance(block.weight, DTensor)
+    loss = model.dense_arch(torch.randn(3, 4)).sum()
+    assert isinstance(block.weight, DTensor) == reshard
+    loss.backward()
+    assert isinstance(block.weight, DTensor) and block.weight.grad is not None
 
 
 def test_trainer_with_an_impossible_mesh_fails_on_every_rank_without_hanging(tiny_dataset, tmp_path):

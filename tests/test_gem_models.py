@@ -123,13 +123,13 @@ def _select(batch: Batch, rows: list[int]) -> Batch:
 
 
 @pytest.mark.parametrize("block", BLOCKS)
-def test_fsdp_gathers_a_layer_for_a_backward_through_its_sequence_outputs_alone(tiny_schema, tiny_dataset, block):
+def test_fsdp_gathers_a_layer_for_a_backward_through_its_sequence_outputs_alone(tiny_schema, tiny_dataset, block,
+                                                                               one_rank_group):
     """FSDP2 hooks its pre-backward all-gather on the tensors of a block's output. A layer returns
     its sequences as JaggedEmbeddings, registered as a pytree node so that the hooks find them too
     (torch 2.11's FSDP2 looked only through pytree nodes: on an H200 a backward through a layer's
     sequence output met freed parameters). A loss on that output alone reaches every parameter
     of the layer's sequence arch."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.utils._pytree import tree_leaves
 
@@ -137,23 +137,19 @@ def test_fsdp_gathers_a_layer_for_a_backward_through_its_sequence_outputs_alone(
 
     values = torch.ones(3, 2)
     assert any(t is values for t in tree_leaves({"s": JaggedEmbeddings(values, torch.tensor([0, 3]), 3)}))
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        model = build(tiny_schema, block=block)
-        parallelize_gem(model, init_device_mesh("cpu", (1,)), param_dtype=torch.float32)
-        layer = model.dense_arch.layers[0]
-        inputs = []
-        handle = layer.register_forward_pre_hook(lambda module, args: inputs.append(args))
-        model(first_batch(tiny_dataset, tiny_schema, batch_size=8))
-        handle.remove()
-        x, seqs, *rest = inputs[0]  # Kunlun layers also take the cached summaries (None in layer 0)
-        seqs = {k: JaggedEmbeddings(s.values.detach(), s.offsets, s.max_len) for k, s in seqs.items()}
-        out = layer(x.detach(), seqs, *rest)[1]
-        sum(s.values.sum() for s in out.values()).backward()
-        sequence_arch = [(n, p) for n, p in layer.named_parameters() if n.startswith(("attention.", "pffn."))]
-        assert sequence_arch and all(p.grad is not None for _, p in sequence_arch), sequence_arch
-    finally:
-        dist.destroy_process_group()
+    model = build(tiny_schema, block=block)
+    parallelize_gem(model, init_device_mesh("cpu", (1,)), param_dtype=torch.float32)
+    layer = model.dense_arch.layers[0]
+    inputs = []
+    handle = layer.register_forward_pre_hook(lambda module, args: inputs.append(args))
+    model(first_batch(tiny_dataset, tiny_schema, batch_size=8))
+    handle.remove()
+    x, seqs, *rest = inputs[0]  # Kunlun layers also take the cached summaries (None in layer 0)
+    seqs = {k: JaggedEmbeddings(s.values.detach(), s.offsets, s.max_len) for k, s in seqs.items()}
+    out = layer(x.detach(), seqs, *rest)[1]
+    sum(s.values.sum() for s in out.values()).backward()
+    sequence_arch = [(n, p) for n, p in layer.named_parameters() if n.startswith(("attention.", "pffn."))]
+    assert sequence_arch and all(p.grad is not None for _, p in sequence_arch), sequence_arch
 
 
 @pytest.mark.parametrize("block", BLOCKS)
