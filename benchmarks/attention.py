@@ -217,6 +217,7 @@ def _versions() -> dict:
         "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
         "python": platform.python_version(),
         "autotune": os.environ.get("GEM_KERNELS_AUTOTUNE", "1") == "1",  # the kernels' default
+        "packed_act": os.environ.get("GEM_KERNELS_PACKED_ACT", "1") == "1",  # bf16x2 activations
     }
 
 
