@@ -96,6 +96,19 @@ def test_trainer_on_cuda(cache_dir, tmp_path):
     assert result["steps"] == 20 and result["click/auc"] > 0.5
 
 
+def test_regional_compile_trains_like_eager(cache_dir, tmp_path):
+    """parallelism.compile=true (torch.compile per GEM block; Inductor, here on CPU) gives the
+    eager run's losses."""
+    runs = {}
+    for compiled in ("false", "true"):
+        run_dir = tmp_path / compiled
+        train(_cfg(cache_dir, run_dir, "model=gem_tiny", "trainer.max_steps=3", "trainer.log_every=1",
+                   f"parallelism.compile={compiled}"))
+        runs[compiled] = _losses(run_dir)[0]
+    assert len(runs["true"]) == 3
+    assert runs["true"] == pytest.approx(runs["false"], rel=1e-4), runs
+
+
 @pytest.mark.parametrize("model", ["model=dlrm", "model=gem_tiny"])
 def test_bf16_autocast_tracks_float32(cache_dir, tmp_path, model):
     """trainer.autocast=bfloat16 runs the dense forward in bf16 (on CPU too) and trains like float32:

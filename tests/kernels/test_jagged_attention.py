@@ -247,3 +247,27 @@ def test_gpu_autotuned_configs(activation, dtype, monkeypatch):
     inputs = make_inputs(lengths, num_heads=4, head_dim=128, dtype=dtype, device="cuda",
                          generator=gen)
     _check_against_reference(inputs, dtype, activation=activation, causal=True)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("activation", ["fast_gelu", "silu"])
+def test_gpu_packed_activation_path(activation, layout, monkeypatch):
+    """bf16 silu / fast_gelu take the bf16x2 path on sm_90 (the default); it and the float32 path
+    (GEM_KERNELS_PACKED_ACT=0) both match the reference, with and without border masks."""
+    from kernels.jagged_attention import triton as triton_kernels
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the bf16x2 instructions need sm_90")
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.randint(0, 700, (6,), generator=gen)
+    lengths[2] = 0
+    inputs = make_inputs(lengths, torch.randint(0, 700, (6,), generator=gen), num_heads=4,
+                         head_dim=128, layout=layout, num_dense_kv=256, num_queries=64,
+                         dtype=torch.bfloat16, device="cuda", generator=gen)
+    for packed in (True, False):
+        monkeypatch.setattr(triton_kernels, "PACKED_ACT", packed)
+        assert triton_kernels._packed_act(inputs.q, activation) == packed
+        for mask in ({}, {"causal": True, "window": 77}):
+            _check_against_reference(inputs, torch.bfloat16, activation=activation, **mask)
