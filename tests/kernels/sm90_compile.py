@@ -1,0 +1,89 @@
+"""Compiles the Triton kernels for sm_90 (Hopper) without a GPU: ``python tests/kernels/sm90_compile.py``.
+
+Runs the real launchers on CPU tensors with a ``wrap`` that compiles each kernel to a cubin
+(Triton frontend, PTX and ptxas, all CPU-side) instead of launching it, with the bf16x2
+activation path forced on. The CPU test tier runs it in a subprocess (the interpreter's
+settings are fixed at import time), so the inline PTX of the GPU-only paths is checked in CI.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kernels.jagged_attention import triton as kernels  # noqa: E402
+from kernels.jagged_attention.inputs import make_inputs  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+         torch.int64: "i64", torch.int32: "i32"}
+
+
+def _signature(fn, args, kwargs):
+    """(signature, constexprs) of a launch, in the form ASTSource takes."""
+    values = dict(zip(fn.arg_names, args)) | kwargs
+    constexpr_names = {fn.arg_names[i] for i in fn.constexprs}
+    signature, constexprs = {}, {}
+    for index, name in enumerate(fn.arg_names):
+        value = values[name]
+        if name in constexpr_names:
+            signature[name] = "constexpr"
+            constexprs[(index,)] = value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = "*" + TYPES[value.dtype]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i64" if abs(value) >= 2**31 else "i32"
+    return signature, constexprs
+
+
+def compile_only(kernel):
+    """A launcher ``wrap``: compiles the kernel (first autotune config) for sm_90, launches nothing."""
+    tuned = isinstance(kernel, triton.runtime.Autotuner)
+    fn = kernel.fn if tuned else kernel
+
+    class Grid:
+        def __getitem__(self, grid):
+            def compile_(*args, **kwargs):
+                if tuned:
+                    config = kernel.configs[0]
+                    kwargs = kwargs | config.kwargs | dict(num_warps=config.num_warps,
+                                                             num_stages=config.num_stages)
+                options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
+                signature, constexprs = _signature(fn, args, kwargs)
+                compiled = triton.compile(ASTSource(fn, signature, constexprs), target=TARGET,
+                                          options=options)
+                assert compiled.asm["cubin"], fn.__name__
+                if kwargs.get("PACKED_ACT"):
+                    assert "tanh.approx.bf16x2" in compiled.asm["ptx"], fn.__name__
+                print(f"compiled {fn.__name__} activation={kwargs.get('ACTIVATION')} "
+                      f"packed={kwargs.get('PACKED_ACT')}", flush=True)
+            return compile_
+
+    return Grid()
+
+
+def main() -> None:
+    kernels._packed_act = lambda q, activation: (
+        q.dtype == torch.bfloat16 and activation in ("silu", "fast_gelu"))
+    inputs = make_inputs([5, 0, 9], [7, 3, 0], num_heads=2, head_dim=128, dtype=torch.bfloat16)
+    q, k, v = inputs.tensors()
+    order = torch.arange(3, dtype=torch.int32)
+    for activation in sys.argv[1:] or ("fast_gelu", "silu", "softmax"):
+        common = (inputs.q_offsets, inputs.kv_offsets, order, inputs.max_q_len, inputs.max_kv_len,
+                  activation, 0.088, 1.0 if activation == "softmax" else 0.1, True, -1, 0, False)
+        out, lse = kernels.jagged_attention_fwd(q, k, v, *common, wrap=compile_only)
+        kernels.jagged_attention_bwd(torch.randn_like(out), q, k, v, out, lse, *common,
+                                     wrap=compile_only)
+
+
+if __name__ == "__main__":
+    main()
