@@ -218,6 +218,7 @@ def _versions() -> dict:
         "python": platform.python_version(),
         "autotune": os.environ.get("GEM_KERNELS_AUTOTUNE", "1") == "1",  # the kernels' default
         "packed_act": os.environ.get("GEM_KERNELS_PACKED_ACT", "1") == "1",  # bf16x2 activations
+        "tma": os.environ.get("GEM_KERNELS_TMA", "0") == "1",  # tensor-descriptor K/V loads (forward)
     }
 
 

@@ -22,6 +22,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from torch._subclasses.fake_tensor import is_fake
 
 from kernels.jagged_attention.reference import ACTIVATIONS
 
@@ -40,6 +41,10 @@ ACT_UNIT = {"silu": 0.5, "gelu": 0.5, "fast_gelu": 0.5, "relu": 1.0, "identity":
 # the float64 reference 3.7e-3 (output) and 5.1e-3 (dQ, dK) instead of 2.3e-3 (docs/kernels.md).
 # Set 0 for float32 math.
 PACKED_ACT = not INTERPRET and os.environ.get("GEM_KERNELS_PACKED_ACT", "1") == "1"
+# GEM_KERNELS_TMA=1 (experimental, default 0; not yet measured on a GPU): the forward reads its
+# K/V tiles through tensor descriptors (TMA on sm_90: no address arithmetic, zero fill past the
+# sequence end instead of masked loads). See _use_tma for when it applies.
+USE_TMA = os.environ.get("GEM_KERNELS_TMA", "0") == "1"
 
 
 def autotune_enabled() -> bool:
@@ -287,12 +292,19 @@ def _fwd_inner(
     MASKED: tl.constexpr, ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PACKED_ACT: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
+    """K and V: pointers to the example's first row of this head, or with USE_TMA tensor
+    descriptors over its ``[kv_len, head_dim]`` rows (zero past the end)."""
     offs_n = tl.arange(0, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + offs_n
-        k = _load_rows(K + cols[:, None] * stride_kt + offs_d[None, :], cols, kv_len, dmask, MASKED, EVEN_D)
-        v = _load_rows(V + cols[:, None] * stride_vt + offs_d[None, :], cols, kv_len, dmask, MASKED, EVEN_D)
+        if USE_TMA:
+            k = K.load([n0, 0])
+            v = V.load([n0, 0])
+        else:
+            k = _load_rows(K + cols[:, None] * stride_kt + offs_d[None, :], cols, kv_len, dmask, MASKED, EVEN_D)
+            v = _load_rows(V + cols[:, None] * stride_vt + offs_d[None, :], cols, kv_len, dmask, MASKED, EVEN_D)
         x = _dot(q, tl.trans(k), None, DOT_PRECISION)  # [M, N] raw scores
         if ACTIVATION == 0:  # online softmax, log2 domain
             s = x * qk_scale
@@ -327,7 +339,7 @@ def _fwd_kernel(
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_BLOCK: tl.constexpr, Q_BROADCAST: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PACKED_ACT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_q_blocks = tl.cdiv(max_q_len, BLOCK_M)
@@ -353,6 +365,11 @@ def _fwd_kernel(
     K += kv_start * stride_kt + h * stride_kh
     V += kv_start * stride_vt + h * stride_vh
     q = _load_rows(Q + rows[:, None] * stride_qt + offs_d[None, :], rows, q_len, dmask, True, EVEN_D)
+    if USE_TMA:
+        K = tl.make_tensor_descriptor(K, shape=[kv_len, head_dim], strides=[stride_kt, 1],
+                                      block_shape=[BLOCK_N, BLOCK_D])
+        V = tl.make_tensor_descriptor(V, shape=[kv_len, head_dim], strides=[stride_vt, 1],
+                                      block_shape=[BLOCK_N, BLOCK_D])
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -364,15 +381,15 @@ def _fwd_kernel(
     acc, m_i, l_i = _fwd_inner(
         acc, m_i, l_i, q, K, V, stride_kt, stride_vt, rows, offs_d, dmask, first, full_start,
         q_len, kv_len, qk_scale, window, block_size, True, ACTIVATION, CAUSAL, HAS_WINDOW,
-        HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT)
+        HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
     acc, m_i, l_i = _fwd_inner(
         acc, m_i, l_i, q, K, V, stride_kt, stride_vt, rows, offs_d, dmask, full_start, full_end,
         q_len, kv_len, qk_scale, window, block_size, False, ACTIVATION, CAUSAL, HAS_WINDOW,
-        HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT)
+        HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
     acc, m_i, l_i = _fwd_inner(
         acc, m_i, l_i, q, K, V, stride_kt, stride_vt, rows, offs_d, dmask, full_end, last,
         q_len, kv_len, qk_scale, window, block_size, True, ACTIVATION, CAUSAL, HAS_WINDOW,
-        HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT)
+        HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
 
     row_mask = rows < q_len
     if ACTIVATION == 0:
@@ -760,6 +777,24 @@ def _capability(device_index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
+def _use_tma(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """GEM_KERNELS_TMA and K/V rows a tensor descriptor can address (16-byte aligned base, row and
+    head strides, so every example's first row is aligned too), on an sm_90+ GPU or in the
+    interpreter. A traced call (torch.compile: fake tensors, no address) keeps pointer loads."""
+    if not USE_TMA or not (INTERPRET or (k.is_cuda and _capability(k.device.index)[0] >= 9)):
+        return False
+    if is_fake(k) or is_fake(v):
+        return False
+    size = k.element_size()
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) * size % 16 == 0
+               and t.stride(1) * size % 16 == 0 for t in (k, v))
+
+
+def _descriptor_scratch(size: int, alignment: int, stream, device: torch.device) -> torch.Tensor:
+    """Global memory for the tensor descriptors the forward builds (``triton.set_allocator``)."""
+    return torch.empty(size, dtype=torch.int8, device=device)
+
+
 def jagged_attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor,
     kv_offsets: torch.Tensor, batch_order: torch.Tensor, max_q_len: int, max_kv_len: int,
@@ -791,6 +826,9 @@ def jagged_attention_fwd(
     kernel, launch = _kernel_and_config("fwd", meta["BLOCK_D"])
     qk_scale = scale * LOG2E if softmax else scale
     out_scale = 1.0 if softmax else post_scale * ACT_UNIT[activation] * scale
+    meta["USE_TMA"] = _use_tma(k, v)
+    if meta["USE_TMA"]:
+        triton.set_allocator(functools.partial(_descriptor_scratch, device=q.device))
 
     if num_rows == 0 or num_heads == 0 or max_q_len == 0 or num_batches == 0:
         return out.zero_(), lse.fill_(float("inf"))

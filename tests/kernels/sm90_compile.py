@@ -2,7 +2,7 @@
 
 Runs the real launchers on CPU tensors with a ``wrap`` that compiles each kernel to a cubin
 (Triton frontend, PTX and ptxas, all CPU-side) instead of launching it, with the bf16x2
-activation path forced on. The CPU test tier runs it in a subprocess (the interpreter's
+activation path and the forward's tensor-descriptor loads forced on. The CPU test tier runs it in a subprocess (the interpreter's
 settings are fixed at import time), so the inline PTX of the GPU-only paths is checked in CI.
 """
 
@@ -64,8 +64,10 @@ def compile_only(kernel):
                 assert compiled.asm["cubin"], fn.__name__
                 if kwargs.get("PACKED_ACT"):
                     assert "tanh.approx.bf16x2" in compiled.asm["ptx"], fn.__name__
+                if kwargs.get("USE_TMA"):
+                    assert "cp.async.bulk.tensor" in compiled.asm["ptx"], fn.__name__
                 print(f"compiled {fn.__name__} activation={kwargs.get('ACTIVATION')} "
-                      f"packed={kwargs.get('PACKED_ACT')}", flush=True)
+                      f"packed={kwargs.get('PACKED_ACT')} tma={kwargs.get('USE_TMA')}", flush=True)
             return compile_
 
     return Grid()
@@ -83,6 +85,11 @@ def main() -> None:
         out, lse = kernels.jagged_attention_fwd(q, k, v, *common, wrap=compile_only)
         kernels.jagged_attention_bwd(torch.randn_like(out), q, k, v, out, lse, *common,
                                      wrap=compile_only)
+        if activation == "fast_gelu":  # the forward's tensor-descriptor (TMA) loads too
+            use_tma = kernels._use_tma
+            kernels._use_tma = lambda k, v: True
+            kernels.jagged_attention_fwd(q, k, v, *common, wrap=compile_only)
+            kernels._use_tma = use_tma
 
 
 if __name__ == "__main__":
