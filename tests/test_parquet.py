@@ -89,12 +89,12 @@ def _write_with(tmp_path, tiny_schema, column, values):
 @pytest.mark.parametrize(
     "column, values, match",
     [
-        ("user_id", pa.array([[1], [2], [-1], [3], [4], [5]], pa.list_(pa.int64())), "'user_id' holds id -1, outside \\[0, 50\\)"),
-        ("ad_id", pa.array([[1], [2], [3], [80], [4], [5]], pa.list_(pa.int64())), "'ad_id' holds id 80.*cardinality"),
-        ("label_click", pa.array([0, 1, 1.5, 0, 0, 1], pa.float32()), "row 2: column 'label_click' is 1.5, outside \\[0, 1\\]"),
-        ("dense", pa.array([[0, 0, 0]] * 3 + [[0, float("nan"), 0]] + [[0, 0, 0]] * 2, pa.list_(pa.float32())), "row 3: column 'dense' holds NaN"),
-        ("dense", pa.array([[0, 0, 0]] * 5 + [[0, 0]], pa.list_(pa.float32())), "row 5: column 'dense' has 2 values"),
-        ("domain", pa.array([0, 1, 2, 0, 0, 0], pa.int64()), "row 2: column 'domain' is 2"),
+        ("user_id", pa.array([[1], [2], [-1], [3], [4], [5]], pa.list_(pa.int64())), "bad.parquet: row 2, column 'user_id': an id outside \\[0, 50\\).*the row holds \\[-1\\]"),
+        ("ad_id", pa.array([[1], [2], [3], [80], [4], [5]], pa.list_(pa.int64())), "row 3, column 'ad_id': an id outside \\[0, 80\\).*cardinality.*the row holds \\[80\\]"),
+        ("label_click", pa.array([0, 1, 1.5, 0, 0, 1], pa.float32()), "row 2, column 'label_click': outside \\[0, 1\\].*the row holds 1.5"),
+        ("dense", pa.array([[0, 0, 0]] * 3 + [[0, float("nan"), 0]] + [[0, 0, 0]] * 2, pa.list_(pa.float32())), "row 3, column 'dense': NaN or inf.*the row holds \\[0.0, nan, 0.0\\]"),
+        ("dense", pa.array([[0, 0, 0]] * 5 + [[0, 0]], pa.list_(pa.float32())), "row 5, column 'dense': not exactly data.schema.num_dense=3 values.*the row holds \\[0.0, 0.0\\]"),
+        ("domain", pa.array([0, 1, 2, 0, 0, 0], pa.int64()), "row 2, column 'domain': outside \\[0, data.schema.num_domains=2\\).*the row holds 2"),
     ],
 )
 def test_bad_values_name_the_column_and_the_fix(tmp_path, tiny_schema, column, values, match):
@@ -113,7 +113,7 @@ def test_bad_files_and_folders(tmp_path, tiny_schema):
         _read_all([tmp_path / "corrupt.parquet"], tiny_schema, 4)
     table = generate(tiny_schema, 5, seed=0).drop_columns(["hist_gap"])
     pq.write_table(table, tmp_path / "old.parquet")
-    with pytest.raises(ValueError, match="missing columns \\['hist_gap'\\]"):
+    with pytest.raises(ValueError, match="old.parquet: column 'hist_gap': missing; layout v2 needs it"):
         _read_all([tmp_path / "old.parquet"], tiny_schema, 4)
     unequal = generate(tiny_schema, 3, seed=0)
     idx = unequal.schema.get_field_index("hist_action")

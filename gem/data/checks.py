@@ -1,8 +1,9 @@
 """Checks of files and rows against the gem Parquet layout, and the policy for bad input.
 
 Every check is vectorized over a table and returns *all* offending rows, so that the same code
-serves the validator (which reports every violation with its row and column) and the
-streaming reader (which, per case, fails on the first or skips and counts the rows).
+serves the validator (which reports every violation with its row and column), the
+streaming reader (which, per case, fails on the first or skips and counts the rows) and the
+reference reader ``ParquetBatchReader`` (which fails on the first).
 
 Cases (keys of ``on_error``; each is ``"fail"`` or ``"skip"``):
 

@@ -39,7 +39,7 @@ import torch
 from gem.data.balance import deal_by_length
 from gem.data.batch import Batch
 from gem.data.checks import Violation, error_policy, file_violations, row_violations
-from gem.data.parquet import OPTIONAL_COLUMNS, _keep_most_recent, _kjt, arrow_schema
+from gem.data.parquet import OPTIONAL_COLUMNS, arrow_schema, table_to_batch
 from gem.data.schema import FeatureSchema
 
 logger = logging.getLogger("gem")
@@ -291,58 +291,6 @@ class StreamingParquetReader(torch.utils.data.IterableDataset):
                 return self.files[file], first_row + row
             row -= count
         raise IndexError(row)
-
-
-def _list_parts(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
-    """Lengths ``[B]`` and values ``[T]`` of a list column; views of the Arrow buffers, no copy."""
-    arr = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
-    offsets = arr.offsets.to_numpy()
-    values = arr.values.slice(offsets[0], offsets[-1] - offsets[0]).to_numpy()
-    return np.diff(offsets), values
-
-
-def table_to_batch(table: pa.Table, schema: FeatureSchema) -> tuple[Batch, int]:
-    """A checked Arrow table in the gem layout -> (Batch, number of histories truncated to max_len)."""
-    num_rows = table.num_rows
-    lengths, values = [], []
-    for f in schema.id_features:
-        ln, vals = _list_parts(table.column(f.name))
-        lengths.append(ln)
-        values.append(vals)
-    sparse = _kjt(schema.id_feature_names, lengths, values)
-
-    lengths, values, max_seq_len, truncated = [], [], {}, 0
-    for g in schema.sequence_groups:
-        for f in g.features:
-            ln, vals = _list_parts(table.column(f.name))
-            ln, vals, cut = _keep_most_recent(ln, vals, g.max_len)
-            lengths.append(ln)
-            values.append(vals)
-        truncated += cut
-        max_seq_len[g.name] = int(lengths[-1].max()) if num_rows else 0
-    sequences = _kjt(schema.sequence_feature_names, lengths, values)
-
-    _, dense = _list_parts(table.column("dense"))
-    tasks = schema.tasks
-    labels = np.stack([table.column(f"label_{t}").to_numpy() for t in tasks], axis=1).astype(np.float32)
-    mask = np.stack([table.column(f"label_mask_{t}").to_numpy(zero_copy_only=False) for t in tasks], axis=1)
-    labels[~mask] = 0.0
-    optional = {}
-    if "weight" in table.column_names:
-        optional["weights"] = torch.from_numpy(table.column("weight").to_numpy().astype(np.float32))
-    if "request_id" in table.column_names:
-        optional["request_id"] = torch.from_numpy(table.column("request_id").to_numpy().astype(np.int64))
-    batch = Batch(
-        sparse=sparse,
-        sequences=sequences,
-        max_seq_len=max_seq_len,
-        dense=torch.from_numpy(dense.astype(np.float32).reshape(num_rows, schema.num_dense)),
-        labels=torch.from_numpy(labels),
-        label_mask=torch.from_numpy(mask),
-        domain=torch.from_numpy(table.column("domain").to_numpy().astype(np.int64)),
-        **optional,
-    )
-    return batch, truncated
 
 
 class BatchLoader:

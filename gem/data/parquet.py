@@ -27,7 +27,8 @@ schema as JSON). A data set directory holds ``train/``, ``val/`` and ``test/`` f
 ``ParquetBatchReader`` is the simple reference reader (whole files, one process, fail on any
 bad value, naming the file, the row, the column and the fix). Training and evaluation use the
 streaming loader in gem/data/loader.py (sharded, shuffled, token-balanced, resumable, with a
-per-case bad-input policy).
+per-case bad-input policy). Both check files and rows with gem/data/checks.py and turn Arrow
+tables into Batches with ``table_to_batch`` (here).
 """
 
 from __future__ import annotations
@@ -141,7 +142,6 @@ class ParquetBatchReader(torch.utils.data.IterableDataset):
         self.epoch = 0
         self.start_batch = 0
         self.stats = ReaderStats()
-        self._columns = [f.name for f in arrow_schema(schema)]
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         """Read epoch ``epoch`` (its seeded shuffle) from its global batch ``start_batch`` on:
@@ -170,127 +170,122 @@ class ParquetBatchReader(torch.utils.data.IterableDataset):
             while pending.num_rows >= self.batch_size:
                 chunk, pending = pending.slice(0, self.batch_size), pending.slice(self.batch_size)
                 if mine(index) and index >= self.start_batch:
-                    yield self.to_batch(chunk, str(self.files[i]))
+                    yield self._convert(chunk)
                 index += 1
         if pending is not None and pending.num_rows and not self.drop_last and mine(index):
-            yield self.to_batch(pending, "last batch")
+            yield self._convert(pending)
 
     def num_rows(self) -> int:
         """Rows in all files, from the Parquet footers (no data read)."""
         return sum(pq.ParquetFile(f).metadata.num_rows for f in self.files)
 
     def _read(self, path: Path) -> pa.Table:
+        """The layout's columns of ``path``, cast to the layout's types, every row checked."""
+        from gem.data.checks import file_violations  # checks imports the layout from this module
+
         try:
             file = pq.ParquetFile(path)
-        except (pa.ArrowInvalid, OSError) as e:
+        except (pa.ArrowException, OSError) as e:
             raise ValueError(f"{path}: not a readable Parquet file ({e}); delete or regenerate it") from e
-        missing = [c for c in self._columns if c not in file.schema_arrow.names]
-        if missing:
-            raise ValueError(f"{path}: missing columns {missing}; the gem layout v{LAYOUT_VERSION} needs {self._columns} (gem/data/parquet.py)")
-        columns = self._columns + [c for c in OPTIONAL_COLUMNS if c in file.schema_arrow.names]
+        problems = file_violations(file.schema_arrow, self.schema)
+        if problems:
+            raise ValueError(f"{path}: " + "; ".join(map(str, problems)))
+        names = file.schema_arrow.names
+        target = arrow_schema(self.schema, with_weight="weight" in names, with_request_id="request_id" in names)
+        target = target.remove_metadata()
         try:
-            table = file.read(columns=columns)
-        except (pa.ArrowInvalid, OSError) as e:
+            table = file.read(columns=target.names)
+        except (pa.ArrowException, OSError) as e:
             raise ValueError(f"{path}: corrupt or truncated Parquet data ({e}); delete or regenerate it") from e
+        table = table.select(target.names).replace_schema_metadata(None).cast(target)
+        _check_rows(table, self.schema, str(path))
         self.stats.files.append(str(path))
         self.stats.rows += table.num_rows
         return table
 
     def to_batch(self, table: pa.Table, where: str) -> Batch:
-        """Convert an Arrow table in the gem layout into a validated Batch."""
-        s = self.schema
-        lengths, values = [], []
-        for f in s.id_features:
-            ln, vals = _list_column(table, f.name, where)
-            _check_ids(vals, f.cardinality, f.name, where)
+        """Convert an Arrow table in the gem layout into a validated Batch (``where`` names it in errors)."""
+        _check_rows(table, self.schema, where)
+        return self._convert(table)
+
+    def _convert(self, table: pa.Table) -> Batch:
+        batch, truncated = table_to_batch(table, self.schema)
+        self.stats.truncated_histories += truncated
+        return batch
+
+
+def _check_rows(table: pa.Table, schema: FeatureSchema, where: str) -> None:
+    """Raise on the first bad row of ``table`` (gem/data/checks.py), naming ``where``, the row, the column and the fix."""
+    from gem.data.checks import Violation, row_violations  # checks imports the layout from this module
+
+    for case, column, rows, message in row_violations(table, schema):
+        row = int(rows[0])
+        raise ValueError(f"{where}: {Violation(case, column, row, message)}; "
+                         f"the row holds {_cell(table, column, row)}")
+
+
+def _cell(table: pa.Table, column: str, row: int, limit: int = 8) -> str:
+    """The value in ``column`` at ``row``, for an error message; a long list is shortened."""
+    value = table.column(column)[row].as_py()
+    if isinstance(value, list) and len(value) > limit:
+        return f"[{', '.join(map(str, value[:limit]))}, ...] ({len(value)} values)"
+    return str(value)
+
+
+def _list_parts(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """Lengths ``[B]`` and values ``[T]`` of a list column; views of the Arrow buffers, no copy."""
+    arr = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+    offsets = arr.offsets.to_numpy()
+    values = arr.values.slice(offsets[0], offsets[-1] - offsets[0]).to_numpy()
+    return np.diff(offsets), values
+
+
+def table_to_batch(table: pa.Table, schema: FeatureSchema) -> tuple[Batch, int]:
+    """A checked Arrow table in the gem layout -> (Batch, number of histories truncated to max_len).
+
+    The one conversion of both readers; ``table`` has passed gem/data/checks.py (no nulls, ids in
+    range, equal lengths within a sequence group, ``num_dense`` values per row).
+    """
+    num_rows = table.num_rows
+    lengths, values = [], []
+    for f in schema.id_features:
+        ln, vals = _list_parts(table.column(f.name))
+        lengths.append(ln)
+        values.append(vals)
+    sparse = _kjt(schema.id_feature_names, lengths, values)
+
+    lengths, values, max_seq_len, truncated = [], [], {}, 0
+    for g in schema.sequence_groups:
+        for f in g.features:
+            ln, vals = _list_parts(table.column(f.name))
+            ln, vals, cut = _keep_most_recent(ln, vals, g.max_len)
             lengths.append(ln)
             values.append(vals)
-        sparse = _kjt(s.id_feature_names, lengths, values)
+        truncated += cut
+        max_seq_len[g.name] = int(lengths[-1].max()) if num_rows else 0
+    sequences = _kjt(schema.sequence_feature_names, lengths, values)
 
-        lengths, values, max_seq_len = [], [], {}
-        for g in s.sequence_groups:
-            group_lengths = None
-            for f in g.features:
-                ln, vals = _list_column(table, f.name, where)
-                _check_ids(vals, f.cardinality, f.name, where)
-                if group_lengths is None:
-                    group_lengths = ln
-                elif not np.array_equal(ln, group_lengths):
-                    row = int(np.nonzero(ln != group_lengths)[0][0])
-                    raise ValueError(
-                        f"{where}, row {row}: column {f.name!r} has {ln[row]} events but {g.features[0].name!r} has "
-                        f"{group_lengths[row]}; all features of sequence group {g.name!r} need equal lengths"
-                    )
-                ln, vals, cut = _keep_most_recent(ln, vals, g.max_len)
-                lengths.append(ln)
-                values.append(vals)
-            self.stats.truncated_histories += cut
-            max_seq_len[g.name] = int(lengths[-1].max()) if len(lengths[-1]) else 0
-        sequences = _kjt(s.sequence_feature_names, lengths, values)
-
-        dense_lengths, dense = _list_column(table, "dense", where, np.float32)
-        if np.any(dense_lengths != s.num_dense):
-            row = int(np.nonzero(dense_lengths != s.num_dense)[0][0])
-            raise ValueError(f"{where}, row {row}: column 'dense' has {dense_lengths[row]} values, data.schema.num_dense is {s.num_dense}")
-        if not np.all(np.isfinite(dense)):
-            row = int(np.nonzero(~np.isfinite(dense))[0][0]) // max(s.num_dense, 1)
-            raise ValueError(f"{where}, row {row}: column 'dense' holds NaN or inf; clean the data or impute the value")
-
-        labels = np.stack([_column(table, f"label_{t}", where).astype(np.float32) for t in s.tasks], axis=1)
-        mask = np.stack([_column(table, f"label_mask_{t}", where).astype(bool) for t in s.tasks], axis=1)
-        bad = mask & ~((labels >= 0) & (labels <= 1))
-        if bad.any():
-            row, task = (int(x[0]) for x in np.nonzero(bad))
-            raise ValueError(
-                f"{where}, row {row}: column 'label_{s.tasks[task]}' is {labels[row, task]}, outside [0, 1]; "
-                "labels are probabilities or 0/1 (set label_mask to False where unobserved)"
-            )
-        labels[~mask] = 0.0
-        domain = _column(table, "domain", where).astype(np.int64)
-        if domain.size and (domain.min() < 0 or domain.max() >= s.num_domains):
-            row = int(np.nonzero((domain < 0) | (domain >= s.num_domains))[0][0])
-            raise ValueError(f"{where}, row {row}: column 'domain' is {domain[row]}, outside [0, data.schema.num_domains={s.num_domains})")
-        weights = None
-        if "weight" in table.column_names:
-            weights = torch.from_numpy(_column(table, "weight", where).astype(np.float32))
-        request_id = None
-        if "request_id" in table.column_names:
-            request_id = torch.from_numpy(_column(table, "request_id", where).astype(np.int64))
-        return Batch(
-            sparse=sparse,
-            sequences=sequences,
-            max_seq_len=max_seq_len,
-            dense=torch.from_numpy(dense.reshape(table.num_rows, s.num_dense).copy()),
-            labels=torch.from_numpy(labels),
-            label_mask=torch.from_numpy(mask),
-            domain=torch.from_numpy(domain),
-            weights=weights,
-            request_id=request_id,
-        )
-
-
-def _column(table: pa.Table, name: str, where: str) -> np.ndarray:
-    col = table.column(name)
-    if col.null_count:
-        raise ValueError(f"{where}: column {name!r} has {col.null_count} nulls; every row needs a value")
-    return col.to_numpy()
-
-
-def _list_column(table: pa.Table, name: str, where: str, dtype=np.int64) -> tuple[np.ndarray, np.ndarray]:
-    """Lengths ``[B]`` and flat values ``[T]`` of a list column (nulls read as empty lists)."""
-    col = table.column(name).combine_chunks()
-    lengths = col.value_lengths().fill_null(0).to_numpy().astype(np.int64)
-    values = col.flatten().to_numpy().astype(dtype, copy=False)
-    return lengths, values
-
-
-def _check_ids(values: np.ndarray, cardinality: int, name: str, where: str) -> None:
-    if values.size and (values.min() < 0 or values.max() >= cardinality):
-        bad = values[(values < 0) | (values >= cardinality)][0]
-        raise ValueError(
-            f"{where}: column {name!r} holds id {bad}, outside [0, {cardinality}); raise the feature's cardinality "
-            f"in data.schema or remap (hash) the ids into range"
-        )
+    _, dense = _list_parts(table.column("dense"))
+    tasks = schema.tasks
+    labels = np.stack([table.column(f"label_{t}").to_numpy() for t in tasks], axis=1).astype(np.float32)
+    mask = np.stack([table.column(f"label_mask_{t}").to_numpy(zero_copy_only=False) for t in tasks], axis=1)
+    labels[~mask] = 0.0
+    optional = {}
+    if "weight" in table.column_names:
+        optional["weights"] = torch.from_numpy(table.column("weight").to_numpy().astype(np.float32))
+    if "request_id" in table.column_names:
+        optional["request_id"] = torch.from_numpy(table.column("request_id").to_numpy().astype(np.int64))
+    batch = Batch(
+        sparse=sparse,
+        sequences=sequences,
+        max_seq_len=max_seq_len,
+        dense=torch.from_numpy(dense.astype(np.float32).reshape(num_rows, schema.num_dense)),
+        labels=torch.from_numpy(labels),
+        label_mask=torch.from_numpy(mask),
+        domain=torch.from_numpy(table.column("domain").to_numpy().astype(np.int64)),
+        **optional,
+    )
+    return batch, truncated
 
 
 def _keep_most_recent(lengths: np.ndarray, values: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray, int]:
