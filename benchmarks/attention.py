@@ -15,11 +15,13 @@ a baseline that is missing or runs out of memory is recorded as such.
     python benchmarks/attention.py --quick          # two shapes, no compiled baseline
     GEM_KERNELS_AUTOTUNE=0 python benchmarks/attention.py --quick   # default configs, no tuning
     GEM_KERNELS_TUNE_SPACE=wide python benchmarks/attention.py     # a larger autotune search
+    python benchmarks/attention.py --no-sweep --variants           # + float32 activations, TMA loads
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -165,8 +167,31 @@ def _baselines(inputs, activation, mask, compiled_reference):
     return out
 
 
+# --variants: the kernel's switches (module flags read at each launch) measured in the same run
+# as the default, forward and backward. Not all apply to every activation.
+KERNEL_VARIANTS = {
+    "gem triton (float32 activation)": dict(PACKED_ACT=False),  # GEM_KERNELS_PACKED_ACT=0
+    "gem triton (TMA loads)": dict(USE_TMA=True),  # GEM_KERNELS_TMA=1
+}
+
+
+@contextlib.contextmanager
+def kernel_flags(**flags):
+    """Sets module flags of kernels/jagged_attention/triton.py for the duration."""
+    from kernels.jagged_attention import triton as tk
+
+    saved = {name: getattr(tk, name) for name in flags}
+    for name, value in flags.items():
+        setattr(tk, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(tk, name, value)
+
+
 def run_case(shape_name, layout, num_batches, max_len, fill, activation, mask, *,
-             compiled_reference, baselines=True, seed=0) -> list[dict]:
+             compiled_reference, baselines=True, variants=False, seed=0) -> list[dict]:
     gen = torch.Generator().manual_seed(seed)
     lengths = random_lengths(num_batches, max_len, fill, gen)
     inputs = make_inputs(lengths, num_heads=NUM_HEADS, head_dim=HEAD_DIM, layout=layout,
@@ -178,13 +203,19 @@ def run_case(shape_name, layout, num_batches, max_len, fill, activation, mask, *
                               mask.get("window"), mask.get("block_size"))
     flops_fwd = 4 * NUM_HEADS * HEAD_DIM * pairs
     tensors = list(inputs.tensors())
-    impls = [("gem triton", lambda: (lambda: jagged_attention(
-        *inputs.args(), activation=activation, backend="triton", **mask)))]
+    def ours():
+        return lambda: jagged_attention(*inputs.args(), activation=activation, backend="triton", **mask)
+
+    impls = [("gem triton", ours, {})]
+    if variants:
+        impls += [(name, ours, flags) for name, flags in KERNEL_VARIANTS.items()
+                  if activation != "softmax" or "PACKED_ACT" not in flags]
     if baselines:
-        impls += _baselines(inputs, activation, mask, compiled_reference)
+        impls += [(name, make, {}) for name, make in _baselines(inputs, activation, mask, compiled_reference)]
     rows = []
-    for name, make_forward in impls:
-        row = run_impl(name, make_forward, tensors, flops_fwd)
+    for name, make_forward, flags in impls:
+        with kernel_flags(**flags):
+            row = run_impl(name, make_forward, tensors, flops_fwd)
         row.update(shape=shape_name, layout=layout, batch=num_batches, max_len=max_len,
                    fill=fill, activation=activation, mask=mask, num_tokens=int(lengths.sum()),
                    flops_fwd=flops_fwd)
@@ -260,6 +291,8 @@ def main() -> None:
                         help="redraw the PNG and the summary from a results JSON (no GPU)")
     parser.add_argument("--compiled-reference-rows", default="0,1,2,3,4",
                         help="target rows (0-based) that also time the compiled padded reference")
+    parser.add_argument("--variants", action="store_true",
+                        help=f"also time the kernel switches {list(KERNEL_VARIANTS)} on the target rows")
     parser.add_argument("--only-sweeps", metavar="NAMES",
                         help=f"run only these sweeps (comma-separated, of {list(SWEEP_MODES)}) and "
                              "replace their rows in the existing results JSON")
@@ -304,7 +337,7 @@ def main() -> None:
         index = TARGET_SHAPES.index(shape)
         for activation in ("fast_gelu", "softmax"):
             # The compiled padded reference is the table's "padded GELU attention" column.
-            case = run_case(*shape, activation, {}, compiled_reference=(
+            case = run_case(*shape, activation, {}, variants=args.variants, compiled_reference=(
                 not args.quick and activation != "softmax" and index in compiled_rows))
             for row in case:
                 row["target_row"] = index

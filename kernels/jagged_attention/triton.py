@@ -686,7 +686,7 @@ _WIDE_EXTRA = {
 if os.environ.get("GEM_KERNELS_TUNE_SPACE", "default") == "wide":
     _TUNE_SPACE = {kind: space + _WIDE_EXTRA[kind] for kind, space in _TUNE_SPACE.items()}
 _TUNE_KEY = ["max_q_bucket", "max_kv_bucket", "BLOCK_D", "ACTIVATION", "CAUSAL", "HAS_WINDOW",
-             "HAS_BLOCK", "Q_BROADCAST"]
+             "HAS_BLOCK", "Q_BROADCAST", "PACKED_ACT", "USE_TMA"]  # (keys a kernel lacks are skipped)
 
 
 def _tuned(kernel, kind: str):
