@@ -41,9 +41,10 @@ ACT_UNIT = {"silu": 0.5, "gelu": 0.5, "fast_gelu": 0.5, "relu": 1.0, "identity":
 # the float64 reference 3.7e-3 (output) and 5.1e-3 (dQ, dK) instead of 2.3e-3 (docs/kernels.md).
 # Set 0 for float32 math.
 PACKED_ACT = not INTERPRET and os.environ.get("GEM_KERNELS_PACKED_ACT", "1") == "1"
-# GEM_KERNELS_TMA=1 (experimental, default 0; not yet measured on a GPU): the forward reads its
-# K/V tiles through tensor descriptors (TMA on sm_90: no address arithmetic, zero fill past the
-# sequence end instead of masked loads). See _use_tma for when it applies.
+# GEM_KERNELS_TMA=1 (experimental, default 0; not yet measured on a GPU): the kernels read the
+# tiles they stream (K/V in the forward and dQ, Q/dO in dK/dV) through tensor descriptors (TMA
+# on sm_90: no address arithmetic, zero fill past the sequence end instead of masked loads).
+# See _use_tma for when it applies.
 USE_TMA = os.environ.get("GEM_KERNELS_TMA", "0") == "1"
 
 
@@ -433,12 +434,17 @@ def _bwd_dkdv_inner(
     MASKED: tl.constexpr, ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PACKED_ACT: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     offs_m = tl.arange(0, BLOCK_M)
     for m0 in range(start, end, BLOCK_M):
         rows = m0 + offs_m
-        q = _load_rows(Q + rows[:, None] * stride_qt + offs_d[None, :], rows, q_len, dmask, MASKED, EVEN_D)
-        do = _load_rows(DO + rows[:, None] * stride_dot + offs_d[None, :], rows, q_len, dmask, MASKED, EVEN_D)
+        if USE_TMA:  # Q, DO: tensor descriptors over the example's rows of this head
+            q = Q.load([m0, 0])
+            do = DO.load([m0, 0])
+        else:
+            q = _load_rows(Q + rows[:, None] * stride_qt + offs_d[None, :], rows, q_len, dmask, MASKED, EVEN_D)
+            do = _load_rows(DO + rows[:, None] * stride_dot + offs_d[None, :], rows, q_len, dmask, MASKED, EVEN_D)
         x_t = _dot(k, tl.trans(q), None, DOT_PRECISION)  # [N, M] raw scores
         dp_t = _dot(v, tl.trans(do), None, DOT_PRECISION)  # [N, M]
         if ACTIVATION == 0:
@@ -479,7 +485,7 @@ def _bwd_dkdv_kernel(
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_BLOCK: tl.constexpr, Q_BROADCAST: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PACKED_ACT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_kv_blocks = tl.cdiv(max_kv_len, BLOCK_N)
@@ -509,6 +515,11 @@ def _bwd_dkdv_kernel(
     DO += o_start * stride_dot + h * stride_doh
     LSE += h * stride_lse_h + o_start
     DELTA += h * stride_lse_h + o_start
+    if USE_TMA:
+        Q = tl.make_tensor_descriptor(Q, shape=[q_len, head_dim], strides=[stride_qt, 1],
+                                      block_shape=[BLOCK_M, BLOCK_D])
+        DO = tl.make_tensor_descriptor(DO, shape=[q_len, head_dim], strides=[stride_dot, 1],
+                                       block_shape=[BLOCK_M, BLOCK_D])
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -519,15 +530,15 @@ def _bwd_dkdv_kernel(
     dk, dv = _bwd_dkdv_inner(
         dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_dot, cols, offs_d, dmask, first,
         full_start, q_len, kv_len, qk_scale, window, block_size, True, ACTIVATION, CAUSAL,
-        HAS_WINDOW, HAS_BLOCK, BLOCK_M, EVEN_D, DOT_PRECISION, PACKED_ACT)
+        HAS_WINDOW, HAS_BLOCK, BLOCK_M, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
     dk, dv = _bwd_dkdv_inner(
         dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_dot, cols, offs_d, dmask, full_start,
         full_end, q_len, kv_len, qk_scale, window, block_size, False, ACTIVATION, CAUSAL,
-        HAS_WINDOW, HAS_BLOCK, BLOCK_M, EVEN_D, DOT_PRECISION, PACKED_ACT)
+        HAS_WINDOW, HAS_BLOCK, BLOCK_M, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
     dk, dv = _bwd_dkdv_inner(
         dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_dot, cols, offs_d, dmask, full_end,
         last, q_len, kv_len, qk_scale, window, block_size, True, ACTIVATION, CAUSAL,
-        HAS_WINDOW, HAS_BLOCK, BLOCK_M, EVEN_D, DOT_PRECISION, PACKED_ACT)
+        HAS_WINDOW, HAS_BLOCK, BLOCK_M, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
 
     col_mask = (cols < kv_len)[:, None] & dmask[None, :]
     DK += kv_start * stride_dkt + h * stride_dkh
@@ -543,12 +554,17 @@ def _bwd_dq_inner(
     MASKED: tl.constexpr, ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PACKED_ACT: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + offs_n
-        k = _load_rows(K + cols[:, None] * stride_kt + offs_d[None, :], cols, kv_len, dmask, MASKED, EVEN_D)
-        v = _load_rows(V + cols[:, None] * stride_vt + offs_d[None, :], cols, kv_len, dmask, MASKED, EVEN_D)
+        if USE_TMA:  # K, V: tensor descriptors over the example's rows of this head
+            k = K.load([n0, 0])
+            v = V.load([n0, 0])
+        else:
+            k = _load_rows(K + cols[:, None] * stride_kt + offs_d[None, :], cols, kv_len, dmask, MASKED, EVEN_D)
+            v = _load_rows(V + cols[:, None] * stride_vt + offs_d[None, :], cols, kv_len, dmask, MASKED, EVEN_D)
         x = _dot(q, tl.trans(k), None, DOT_PRECISION)  # [M, N] raw scores
         dp = _dot(do, tl.trans(v), None, DOT_PRECISION)  # [M, N]
         if ACTIVATION == 0:
@@ -576,7 +592,7 @@ def _bwd_dq_kernel(
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_BLOCK: tl.constexpr, Q_BROADCAST: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PACKED_ACT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_q_blocks = tl.cdiv(max_q_len, BLOCK_M)
@@ -605,6 +621,11 @@ def _bwd_dq_kernel(
     V += kv_start * stride_vt + h * stride_vh
     q = _load_rows(Q + rows[:, None] * stride_qt + offs_d[None, :], rows, q_len, dmask, True, EVEN_D)
     do = _load_rows(DO + rows[:, None] * stride_dot + offs_d[None, :], rows, q_len, dmask, True, EVEN_D)
+    if USE_TMA:
+        K = tl.make_tensor_descriptor(K, shape=[kv_len, head_dim], strides=[stride_kt, 1],
+                                      block_shape=[BLOCK_N, BLOCK_D])
+        V = tl.make_tensor_descriptor(V, shape=[kv_len, head_dim], strides=[stride_vt, 1],
+                                      block_shape=[BLOCK_N, BLOCK_D])
     if ACTIVATION == 0:
         lse = tl.load(LSE + h * stride_lse_h + o_start + rows, mask=row_mask, other=float("inf"))
         delta = tl.load(DELTA + h * stride_lse_h + o_start + rows, mask=row_mask, other=0.0)
@@ -620,15 +641,15 @@ def _bwd_dq_kernel(
     dq = _bwd_dq_inner(
         dq, q, do, lse, delta, K, V, stride_kt, stride_vt, rows, offs_d, dmask, first, full_start,
         q_len, kv_len, qk_scale, window, block_size, True, ACTIVATION, CAUSAL, HAS_WINDOW,
-        HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT)
+        HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
     dq = _bwd_dq_inner(
         dq, q, do, lse, delta, K, V, stride_kt, stride_vt, rows, offs_d, dmask, full_start, full_end,
         q_len, kv_len, qk_scale, window, block_size, False, ACTIVATION, CAUSAL, HAS_WINDOW,
-        HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT)
+        HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
     dq = _bwd_dq_inner(
         dq, q, do, lse, delta, K, V, stride_kt, stride_vt, rows, offs_d, dmask, full_end, last,
         q_len, kv_len, qk_scale, window, block_size, True, ACTIVATION, CAUSAL, HAS_WINDOW,
-        HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT)
+        HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
 
     DQ += o_start * stride_dqt + h * stride_dqh
     dq_ptrs = DQ + rows[:, None] * stride_dqt + offs_d[None, :]
@@ -777,21 +798,23 @@ def _capability(device_index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
-def _use_tma(k: torch.Tensor, v: torch.Tensor) -> bool:
-    """GEM_KERNELS_TMA and K/V rows a tensor descriptor can address (16-byte aligned base, row and
-    head strides, so every example's first row is aligned too), on an sm_90+ GPU or in the
-    interpreter. A traced call (torch.compile: fake tensors, no address) keeps pointer loads."""
-    if not USE_TMA or not (INTERPRET or (k.is_cuda and _capability(k.device.index)[0] >= 9)):
+def _use_tma(*tensors: torch.Tensor) -> bool:
+    """GEM_KERNELS_TMA and ``[T, H, D]`` tensors whose streamed rows a tensor descriptor can
+    address (16-byte aligned base, row and head strides, so every example's first row is aligned
+    too), on an sm_90+ GPU or in the interpreter. A traced call (torch.compile: fake tensors, no
+    address) keeps pointer loads."""
+    first = tensors[0]
+    if not USE_TMA or not (INTERPRET or (first.is_cuda and _capability(first.device.index)[0] >= 9)):
         return False
-    if is_fake(k) or is_fake(v):
+    if any(is_fake(t) for t in tensors):
         return False
-    size = k.element_size()
+    size = first.element_size()
     return all(t.data_ptr() % 16 == 0 and t.stride(0) * size % 16 == 0
-               and t.stride(1) * size % 16 == 0 for t in (k, v))
+               and t.stride(1) * size % 16 == 0 for t in tensors)
 
 
 def _descriptor_scratch(size: int, alignment: int, stream, device: torch.device) -> torch.Tensor:
-    """Global memory for the tensor descriptors the forward builds (``triton.set_allocator``)."""
+    """Global memory for the tensor descriptors the kernels build (``triton.set_allocator``)."""
     return torch.empty(size, dtype=torch.int8, device=device)
 
 
@@ -876,6 +899,9 @@ def jagged_attention_bwd(
     if num_rows == 0 or num_heads == 0 or num_batches == 0 or max_q_len == 0 or max_kv_len == 0:
         return torch.zeros_like(q), dk.zero_(), dv.zero_()
     grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
+    meta["USE_TMA"] = _use_tma(q, k, v, grad_out)
+    if meta["USE_TMA"]:
+        triton.set_allocator(functools.partial(_descriptor_scratch, device=q.device))
 
     if softmax:
         delta = torch.empty_like(lse)  # [H, To]

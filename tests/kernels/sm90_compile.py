@@ -2,7 +2,7 @@
 
 Runs the real launchers on CPU tensors with a ``wrap`` that compiles each kernel to a cubin
 (Triton frontend, PTX and ptxas, all CPU-side) instead of launching it, with the bf16x2
-activation path and the forward's tensor-descriptor loads forced on. The CPU test tier runs it in a subprocess (the interpreter's
+activation path and the tensor-descriptor loads forced on. The CPU test tier runs it in a subprocess (the interpreter's
 settings are fixed at import time), so the inline PTX of the GPU-only paths is checked in CI.
 """
 
@@ -85,10 +85,12 @@ def main() -> None:
         out, lse = kernels.jagged_attention_fwd(q, k, v, *common, wrap=compile_only)
         kernels.jagged_attention_bwd(torch.randn_like(out), q, k, v, out, lse, *common,
                                      wrap=compile_only)
-        if activation == "fast_gelu":  # the forward's tensor-descriptor (TMA) loads too
+        if activation == "fast_gelu":  # the tensor-descriptor (TMA) loads too
             use_tma = kernels._use_tma
-            kernels._use_tma = lambda k, v: True
-            kernels.jagged_attention_fwd(q, k, v, *common, wrap=compile_only)
+            kernels._use_tma = lambda *tensors: True
+            out, lse = kernels.jagged_attention_fwd(q, k, v, *common, wrap=compile_only)
+            kernels.jagged_attention_bwd(torch.randn_like(out), q, k, v, out, lse, *common,
+                                         wrap=compile_only)
             kernels._use_tma = use_tma
 
 

@@ -186,19 +186,19 @@ def test_kernels_compile_for_hopper_without_a_gpu():
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
-    # fast_gelu (plus its forward with TMA loads) and silu: fwd, dK/dV, dQ on the bf16x2 path;
+    # fast_gelu (twice: pointer and TMA loads) and silu: fwd, dK/dV, dQ on the bf16x2 path;
     # softmax: fwd, preprocess, dK/dV, dQ.
-    assert sum("packed=True" in line for line in lines) == 7, lines
-    assert sum("tma=True" in line for line in lines) == 1, lines
-    assert len(lines) == 11, lines
+    assert sum("packed=True" in line for line in lines) == 9, lines
+    assert sum("tma=True" in line for line in lines) == 3, lines
+    assert len(lines) == 13, lines
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("activation", ["softmax", "fast_gelu"])
 def test_tensor_descriptor_loads(activation, layout, monkeypatch):
-    """GEM_KERNELS_TMA: the forward's K/V tiles through tensor descriptors (zero fill past each
-    sequence instead of masked loads) match the reference for every mask; K/V a descriptor
-    cannot address (a base not 16-byte aligned) fall back to pointer loads."""
+    """GEM_KERNELS_TMA: the streamed tiles read through tensor descriptors (zero fill past each
+    sequence instead of masked loads) give the reference's output and gradients for every mask;
+    tensors a descriptor cannot address (a base not 16-byte aligned) fall back to pointer loads."""
     from kernels.jagged_attention import triton as triton_kernels
 
     if HAS_CUDA and torch.cuda.get_device_capability()[0] < 9:
@@ -207,7 +207,7 @@ def test_tensor_descriptor_loads(activation, layout, monkeypatch):
     torch.manual_seed(0)
     inputs = make_inputs([0, 17, 33, 1], [3, 0, 37, 1], num_heads=2, head_dim=48, layout=layout,
                          num_dense_kv=5, num_queries=6, device=DEVICE)
-    assert triton_kernels._use_tma(inputs.k, inputs.v)
+    assert triton_kernels._use_tma(inputs.q, inputs.k, inputs.v)
     for mask in MASKS.values():
         _check_against_reference(inputs, torch.float32, activation=activation, **mask)
     shifted = torch.empty(inputs.k.numel() + 1, device=DEVICE)[1:].view_as(inputs.k)
