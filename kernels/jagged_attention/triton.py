@@ -281,6 +281,19 @@ def _load_rows(ptrs, rows, num_rows, dmask, MASK_ROWS: tl.constexpr, EVEN_D: tl.
     return tl.load(ptrs, mask=dmask[None, :], other=0.0)
 
 
+@triton.jit
+def _load_tile(X, stride, start, rows, num_rows, offs_d, dmask,
+               MASKED: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr):
+    """Rows ``start + [0, BLOCK)`` of one example's ``[num_rows, D]`` operand: X is a tensor
+    descriptor (USE_TMA; zeros past num_rows) or a pointer to its first row (``rows`` =
+    ``start + arange(BLOCK)``, masked loads where MASKED)."""
+    if USE_TMA:
+        tile = X.load([start, 0])
+    else:  # (an early return would still compile the pointer code for a descriptor)
+        tile = _load_rows(X + rows[:, None] * stride + offs_d[None, :], rows, num_rows, dmask, MASKED, EVEN_D)
+    return tile
+
+
 # ---------------------------------------------------------------------------------------
 # forward
 # ---------------------------------------------------------------------------------------
@@ -295,17 +308,11 @@ def _fwd_inner(
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PACKED_ACT: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):
-    """K and V: pointers to the example's first row of this head, or with USE_TMA tensor
-    descriptors over its ``[kv_len, head_dim]`` rows (zero past the end)."""
     offs_n = tl.arange(0, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + offs_n
-        if USE_TMA:
-            k = K.load([n0, 0])
-            v = V.load([n0, 0])
-        else:
-            k = _load_rows(K + cols[:, None] * stride_kt + offs_d[None, :], cols, kv_len, dmask, MASKED, EVEN_D)
-            v = _load_rows(V + cols[:, None] * stride_vt + offs_d[None, :], cols, kv_len, dmask, MASKED, EVEN_D)
+        k = _load_tile(K, stride_kt, n0, cols, kv_len, offs_d, dmask, MASKED, EVEN_D, USE_TMA)
+        v = _load_tile(V, stride_vt, n0, cols, kv_len, offs_d, dmask, MASKED, EVEN_D, USE_TMA)
         x = _dot(q, tl.trans(k), None, DOT_PRECISION)  # [M, N] raw scores
         if ACTIVATION == 0:  # online softmax, log2 domain
             s = x * qk_scale
@@ -439,12 +446,8 @@ def _bwd_dkdv_inner(
     offs_m = tl.arange(0, BLOCK_M)
     for m0 in range(start, end, BLOCK_M):
         rows = m0 + offs_m
-        if USE_TMA:  # Q, DO: tensor descriptors over the example's rows of this head
-            q = Q.load([m0, 0])
-            do = DO.load([m0, 0])
-        else:
-            q = _load_rows(Q + rows[:, None] * stride_qt + offs_d[None, :], rows, q_len, dmask, MASKED, EVEN_D)
-            do = _load_rows(DO + rows[:, None] * stride_dot + offs_d[None, :], rows, q_len, dmask, MASKED, EVEN_D)
+        q = _load_tile(Q, stride_qt, m0, rows, q_len, offs_d, dmask, MASKED, EVEN_D, USE_TMA)
+        do = _load_tile(DO, stride_dot, m0, rows, q_len, offs_d, dmask, MASKED, EVEN_D, USE_TMA)
         x_t = _dot(k, tl.trans(q), None, DOT_PRECISION)  # [N, M] raw scores
         dp_t = _dot(v, tl.trans(do), None, DOT_PRECISION)  # [N, M]
         if ACTIVATION == 0:
@@ -559,12 +562,8 @@ def _bwd_dq_inner(
     offs_n = tl.arange(0, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + offs_n
-        if USE_TMA:  # K, V: tensor descriptors over the example's rows of this head
-            k = K.load([n0, 0])
-            v = V.load([n0, 0])
-        else:
-            k = _load_rows(K + cols[:, None] * stride_kt + offs_d[None, :], cols, kv_len, dmask, MASKED, EVEN_D)
-            v = _load_rows(V + cols[:, None] * stride_vt + offs_d[None, :], cols, kv_len, dmask, MASKED, EVEN_D)
+        k = _load_tile(K, stride_kt, n0, cols, kv_len, offs_d, dmask, MASKED, EVEN_D, USE_TMA)
+        v = _load_tile(V, stride_vt, n0, cols, kv_len, offs_d, dmask, MASKED, EVEN_D, USE_TMA)
         x = _dot(q, tl.trans(k), None, DOT_PRECISION)  # [M, N] raw scores
         dp = _dot(do, tl.trans(v), None, DOT_PRECISION)  # [M, N]
         if ACTIVATION == 0:
