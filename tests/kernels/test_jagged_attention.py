@@ -244,18 +244,24 @@ def test_gpu_real_shapes(activation, head_dim):
     _check_against_reference(inputs, torch.bfloat16, activation=activation)
 
 
+def _gpu_layout_inputs(layout, seed, empty):
+    """bf16, 4 heads of 128: six examples of up to 700 rows (example ``empty`` has none), dense
+    K/V of 256 rows, 64 broadcast queries, in ``layout``."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 700, (6,), generator=gen)
+    lengths[empty] = 0
+    return make_inputs(lengths, torch.randint(0, 700, (6,), generator=gen), num_heads=4,
+                       head_dim=128, layout=layout, num_dense_kv=256, num_queries=64,
+                       dtype=torch.bfloat16, device="cuda", generator=gen)
+
+
 @gpu
 @requires_cuda
 @pytest.mark.parametrize("mask", sorted(MASKS))
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("activation", ["softmax", "gelu"])
 def test_gpu_layouts_and_masks(activation, layout, mask):
-    gen = torch.Generator().manual_seed(7)
-    lengths = torch.randint(0, 700, (6,), generator=gen)
-    lengths[0] = 0
-    inputs = make_inputs(lengths, torch.randint(0, 700, (6,), generator=gen), num_heads=4,
-                         head_dim=128, layout=layout, num_dense_kv=256, num_queries=64,
-                         dtype=torch.bfloat16, device="cuda", generator=gen)
+    inputs = _gpu_layout_inputs(layout, seed=7, empty=0)
     masks = {"window": {"window": 100}, "block": {"block_size": 64},
              "causal_window": {"causal": True, "window": 77},
              "causal_block": {"causal": True, "block_size": 64}}
@@ -303,12 +309,7 @@ def test_gpu_packed_activation_path(activation, layout, monkeypatch):
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the bf16x2 instructions need sm_90")
-    gen = torch.Generator().manual_seed(5)
-    lengths = torch.randint(0, 700, (6,), generator=gen)
-    lengths[2] = 0
-    inputs = make_inputs(lengths, torch.randint(0, 700, (6,), generator=gen), num_heads=4,
-                         head_dim=128, layout=layout, num_dense_kv=256, num_queries=64,
-                         dtype=torch.bfloat16, device="cuda", generator=gen)
+    inputs = _gpu_layout_inputs(layout, seed=5, empty=2)
     for packed in (True, False):
         monkeypatch.setattr(triton_kernels, "PACKED_ACT", packed)
         assert triton_kernels._packed_act(inputs.q, activation) == packed
