@@ -349,6 +349,9 @@ def _fwd_kernel(
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PACKED_ACT: tl.constexpr,
     USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # Inductor passes Python floats as fp64 scalars: keep the math (and acc) in float32.
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    out_scale = tl.cast(out_scale, tl.float32)
     pid = tl.program_id(0)
     num_q_blocks = tl.cdiv(max_q_len, BLOCK_M)
     m_block = pid % num_q_blocks
@@ -490,6 +493,9 @@ def _bwd_dkdv_kernel(
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PACKED_ACT: tl.constexpr,
     USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    qk_scale = tl.cast(qk_scale, tl.float32)  # fp64 under Inductor, as in _fwd_kernel
+    dk_scale = tl.cast(dk_scale, tl.float32)
+    dv_scale = tl.cast(dv_scale, tl.float32)
     pid = tl.program_id(0)
     num_kv_blocks = tl.cdiv(max_kv_len, BLOCK_N)
     n_block = pid % num_kv_blocks
@@ -593,6 +599,8 @@ def _bwd_dq_kernel(
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PACKED_ACT: tl.constexpr,
     USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    qk_scale = tl.cast(qk_scale, tl.float32)  # fp64 under Inductor, as in _fwd_kernel
+    dq_scale = tl.cast(dq_scale, tl.float32)
     pid = tl.program_id(0)
     num_q_blocks = tl.cdiv(max_q_len, BLOCK_M)
     m_block = pid % num_q_blocks

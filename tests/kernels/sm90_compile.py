@@ -8,6 +8,7 @@ settings are fixed at import time), so the inline PTX of the GPU-only paths is c
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -26,8 +27,9 @@ TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
          torch.int64: "i64", torch.int32: "i32"}
 
 
-def _signature(fn, args, kwargs):
-    """(signature, constexprs) of a launch, in the form ASTSource takes."""
+def _signature(fn, args, kwargs, float_type):
+    """(signature, constexprs) of a launch, in the form ASTSource takes. Triton's launcher types
+    Python floats as fp32, Inductor's (torch.compile) as fp64."""
     values = dict(zip(fn.arg_names, args)) | kwargs
     constexpr_names = {fn.arg_names[i] for i in fn.constexprs}
     signature, constexprs = {}, {}
@@ -39,13 +41,13 @@ def _signature(fn, args, kwargs):
         elif isinstance(value, torch.Tensor):
             signature[name] = "*" + TYPES[value.dtype]
         elif isinstance(value, float):
-            signature[name] = "fp32"
+            signature[name] = float_type
         else:
             signature[name] = "i64" if abs(value) >= 2**31 else "i32"
     return signature, constexprs
 
 
-def compile_only(kernel):
+def compile_only(kernel, float_type="fp32"):
     """A launcher ``wrap``: compiles the kernel (first autotune config) for sm_90, launches nothing."""
     tuned = isinstance(kernel, triton.runtime.Autotuner)
     fn = kernel.fn if tuned else kernel
@@ -58,7 +60,7 @@ def compile_only(kernel):
                     kwargs = kwargs | config.kwargs | dict(num_warps=config.num_warps,
                                                              num_stages=config.num_stages)
                 options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
-                signature, constexprs = _signature(fn, args, kwargs)
+                signature, constexprs = _signature(fn, args, kwargs, float_type)
                 compiled = triton.compile(ASTSource(fn, signature, constexprs), target=TARGET,
                                           options=options)
                 assert compiled.asm["cubin"], fn.__name__
@@ -67,7 +69,8 @@ def compile_only(kernel):
                 if kwargs.get("USE_TMA"):
                     assert "cp.async.bulk.tensor" in compiled.asm["ptx"], fn.__name__
                 print(f"compiled {fn.__name__} activation={kwargs.get('ACTIVATION')} "
-                      f"packed={kwargs.get('PACKED_ACT')} tma={kwargs.get('USE_TMA')}", flush=True)
+                      f"packed={kwargs.get('PACKED_ACT')} tma={kwargs.get('USE_TMA')} floats={float_type}",
+                      flush=True)
             return compile_
 
     return Grid()
@@ -92,6 +95,10 @@ def main() -> None:
             kernels.jagged_attention_bwd(torch.randn_like(out), q, k, v, out, lse, *common,
                                          wrap=compile_only)
             kernels._use_tma = use_tma
+        if activation in ("fast_gelu", "softmax"):  # scalars typed as torch.compile passes them
+            wrap = functools.partial(compile_only, float_type="fp64")
+            out, lse = kernels.jagged_attention_fwd(q, k, v, *common, wrap=wrap)
+            kernels.jagged_attention_bwd(torch.randn_like(out), q, k, v, out, lse, *common, wrap=wrap)
 
 
 if __name__ == "__main__":

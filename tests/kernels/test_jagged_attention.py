@@ -178,7 +178,9 @@ def test_torch_compile_fullgraph():
 
 def test_kernels_compile_for_hopper_without_a_gpu():
     """Every kernel, including the bf16x2 activation path (inline PTX that the interpreter never
-    runs), compiles to an sm_90 cubin: tests/kernels/sm90_compile.py in a subprocess."""
+    runs), compiles to an sm_90 cubin: tests/kernels/sm90_compile.py in a subprocess. Also with
+    fp64 scale arguments, as torch.compile (Inductor) launches them: float32 kernels once failed
+    there (a float64 accumulator)."""
     root = pathlib.Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
@@ -186,11 +188,13 @@ def test_kernels_compile_for_hopper_without_a_gpu():
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
-    # fast_gelu (twice: pointer and TMA loads) and silu: fwd, dK/dV, dQ on the bf16x2 path;
-    # softmax: fwd, preprocess, dK/dV, dQ.
-    assert sum("packed=True" in line for line in lines) == 9, lines
+    # fast_gelu (three times: pointer loads, TMA loads, fp64 scalars as Inductor passes them)
+    # and silu: fwd, dK/dV, dQ on the bf16x2 path; softmax (twice: fp32 and fp64 scalars): fwd,
+    # preprocess, dK/dV, dQ.
+    assert sum("packed=True" in line for line in lines) == 12, lines
     assert sum("tma=True" in line for line in lines) == 3, lines
-    assert len(lines) == 13, lines
+    assert sum("floats=fp64" in line for line in lines) == 7, lines
+    assert len(lines) == 20, lines
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
