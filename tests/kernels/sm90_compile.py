@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
@@ -68,6 +69,9 @@ def compile_only(kernel, float_type="fp32"):
                     assert "tanh.approx.bf16x2" in compiled.asm["ptx"], fn.__name__
                 if kwargs.get("USE_TMA"):
                     assert "cp.async.bulk.tensor" in compiled.asm["ptx"], fn.__name__
+                # fp64 scale arguments are converted once; no float64 arithmetic per element
+                assert not re.search(r"\b(add|sub|mul|fma|div|max|min)(\.\w+)*\.f64\b",
+                                     compiled.asm["ptx"]), fn.__name__
                 print(f"compiled {fn.__name__} activation={kwargs.get('ACTIVATION')} "
                       f"packed={kwargs.get('PACKED_ACT')} tma={kwargs.get('USE_TMA')} floats={float_type}",
                       flush=True)
@@ -82,7 +86,7 @@ def main() -> None:
     inputs = make_inputs([5, 0, 9], [7, 3, 0], num_heads=2, head_dim=128, dtype=torch.bfloat16)
     q, k, v = inputs.tensors()
     order = torch.arange(3, dtype=torch.int32)
-    for activation in sys.argv[1:] or ("fast_gelu", "silu", "softmax"):
+    for activation in sys.argv[1:] or ("fast_gelu", "silu", "softmax", "gelu"):
         common = (inputs.q_offsets, inputs.kv_offsets, order, inputs.max_q_len, inputs.max_kv_len,
                   activation, 0.088, 1.0 if activation == "softmax" else 0.1, True, -1, 0, False)
         out, lse = kernels.jagged_attention_fwd(q, k, v, *common, wrap=compile_only)
@@ -95,7 +99,7 @@ def main() -> None:
             kernels.jagged_attention_bwd(torch.randn_like(out), q, k, v, out, lse, *common,
                                          wrap=compile_only)
             kernels._use_tma = use_tma
-        if activation in ("fast_gelu", "softmax"):  # scalars typed as torch.compile passes them
+        if activation != "silu":  # scalars typed as torch.compile passes them
             wrap = functools.partial(compile_only, float_type="fp64")
             out, lse = kernels.jagged_attention_fwd(q, k, v, *common, wrap=wrap)
             kernels.jagged_attention_bwd(torch.randn_like(out), q, k, v, out, lse, *common, wrap=wrap)

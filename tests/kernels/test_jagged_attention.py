@@ -180,7 +180,7 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     """Every kernel, including the bf16x2 activation path (inline PTX that the interpreter never
     runs), compiles to an sm_90 cubin: tests/kernels/sm90_compile.py in a subprocess. Also with
     fp64 scale arguments, as torch.compile (Inductor) launches them: float32 kernels once failed
-    there (a float64 accumulator)."""
+    there (a float64 accumulator) or ran their activations in float64."""
     root = pathlib.Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
@@ -189,12 +189,12 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     # fast_gelu (three times: pointer loads, TMA loads, fp64 scalars as Inductor passes them)
-    # and silu: fwd, dK/dV, dQ on the bf16x2 path; softmax (twice: fp32 and fp64 scalars): fwd,
-    # preprocess, dK/dV, dQ.
+    # and silu: fwd, dK/dV, dQ on the bf16x2 path; gelu (float32 activations; fp32 and fp64
+    # scalars): fwd, dK/dV, dQ; softmax (fp32 and fp64 scalars): fwd, preprocess, dK/dV, dQ.
     assert sum("packed=True" in line for line in lines) == 12, lines
     assert sum("tma=True" in line for line in lines) == 3, lines
-    assert sum("floats=fp64" in line for line in lines) == 7, lines
-    assert len(lines) == 20, lines
+    assert sum("floats=fp64" in line for line in lines) == 10, lines
+    assert len(lines) == 26, lines
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
