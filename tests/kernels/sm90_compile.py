@@ -4,6 +4,11 @@ Runs the real launchers on CPU tensors with a ``wrap`` that compiles each kernel
 (Triton frontend, PTX and ptxas, all CPU-side) instead of launching it, with the bf16x2
 activation path and the tensor-descriptor loads forced on. The CPU test tier runs it in a subprocess (the interpreter's
 settings are fixed at import time), so the inline PTX of the GPU-only paths is checked in CI.
+
+``python tests/kernels/sm90_compile.py --resources [activation ...]`` compiles every autotune
+config instead of the first and prints each one's registers and spill (stack) bytes per thread,
+read from the cubin with the cuobjdump that ships with Triton; set GEM_KERNELS_TUNE_SPACE=wide for
+the wide list.
 """
 
 from __future__ import annotations
@@ -11,7 +16,9 @@ from __future__ import annotations
 import functools
 import os
 import re
+import subprocess
 import sys
+import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -24,6 +31,7 @@ from kernels.jagged_attention import triton as kernels  # noqa: E402
 from kernels.jagged_attention.inputs import make_inputs  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
+RESOURCES = "--resources" in sys.argv
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
          torch.int64: "i64", torch.int32: "i32"}
 
@@ -48,36 +56,56 @@ def _signature(fn, args, kwargs, float_type):
     return signature, constexprs
 
 
+def _resources(cubin: bytes) -> str:
+    """Registers and spill (stack) bytes per thread of a cubin, from Triton's cuobjdump."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        usage = subprocess.run([tool, "--dump-resource-usage", file.name], capture_output=True,
+                               text=True, check=True).stdout
+    return " ".join(re.findall(r"(?:REG|STACK):\d+", usage)).lower().replace(":", "=")
+
+
 def compile_only(kernel, float_type="fp32"):
-    """A launcher ``wrap``: compiles the kernel (first autotune config) for sm_90, launches nothing."""
+    """A launcher ``wrap``: compiles the kernel (first autotune config; every config with
+    ``--resources``) for sm_90, launches nothing."""
     tuned = isinstance(kernel, triton.runtime.Autotuner)
     fn = kernel.fn if tuned else kernel
 
     class Grid:
         def __getitem__(self, grid):
             def compile_(*args, **kwargs):
-                if tuned:
-                    config = kernel.configs[0]
-                    kwargs = kwargs | config.kwargs | dict(num_warps=config.num_warps,
-                                                             num_stages=config.num_stages)
-                options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
-                signature, constexprs = _signature(fn, args, kwargs, float_type)
-                compiled = triton.compile(ASTSource(fn, signature, constexprs), target=TARGET,
-                                          options=options)
-                assert compiled.asm["cubin"], fn.__name__
-                if kwargs.get("PACKED_ACT"):
-                    assert "tanh.approx.bf16x2" in compiled.asm["ptx"], fn.__name__
-                if kwargs.get("USE_TMA"):
-                    assert "cp.async.bulk.tensor" in compiled.asm["ptx"], fn.__name__
-                # fp64 scale arguments are converted once; no float64 arithmetic per element
-                assert not re.search(r"\b(add|sub|mul|fma|div|max|min)(\.\w+)*\.f64\b",
-                                     compiled.asm["ptx"]), fn.__name__
-                print(f"compiled {fn.__name__} activation={kwargs.get('ACTIVATION')} "
-                      f"packed={kwargs.get('PACKED_ACT')} tma={kwargs.get('USE_TMA')} floats={float_type}",
-                      flush=True)
+                if not tuned:
+                    return _compile(fn, args, kwargs, float_type)
+                for config in kernel.configs if RESOURCES else kernel.configs[:1]:
+                    _compile(fn, args, kwargs | config.kwargs | dict(
+                        num_warps=config.num_warps, num_stages=config.num_stages), float_type)
             return compile_
 
     return Grid()
+
+
+def _compile(fn, args, kwargs, float_type):
+    """Compiles one launch for sm_90 and checks its PTX for the paths the flags select."""
+    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
+    signature, constexprs = _signature(fn, args, kwargs, float_type)
+    compiled = triton.compile(ASTSource(fn, signature, constexprs), target=TARGET,
+                              options=options)
+    assert compiled.asm["cubin"], fn.__name__
+    if kwargs.get("PACKED_ACT"):
+        assert "tanh.approx.bf16x2" in compiled.asm["ptx"], fn.__name__
+    if kwargs.get("USE_TMA"):
+        assert "cp.async.bulk.tensor" in compiled.asm["ptx"], fn.__name__
+    # fp64 scale arguments are converted once; no float64 arithmetic per element
+    assert not re.search(r"\b(add|sub|mul|fma|div|max|min)(\.\w+)*\.f64\b",
+                         compiled.asm["ptx"]), fn.__name__
+    line = (f"compiled {fn.__name__} activation={kwargs.get('ACTIVATION')} "
+            f"packed={kwargs.get('PACKED_ACT')} tma={kwargs.get('USE_TMA')} floats={float_type}")
+    if RESOURCES:
+        tiles = {key: kwargs[key] for key in ("BLOCK_M", "BLOCK_N") if key in kwargs}
+        line += f" {tiles} {options} {_resources(compiled.asm['cubin'])}"
+    print(line, flush=True)
 
 
 def main() -> None:
@@ -86,7 +114,8 @@ def main() -> None:
     inputs = make_inputs([5, 0, 9], [7, 3, 0], num_heads=2, head_dim=128, dtype=torch.bfloat16)
     q, k, v = inputs.tensors()
     order = torch.arange(3, dtype=torch.int32)
-    for activation in sys.argv[1:] or ("fast_gelu", "silu", "softmax", "gelu"):
+    chosen = [arg for arg in sys.argv[1:] if arg != "--resources"]
+    for activation in chosen or ("fast_gelu", "silu", "softmax", "gelu"):
         common = (inputs.q_offsets, inputs.kv_offsets, order, inputs.max_q_len, inputs.max_kv_len,
                   activation, 0.088, 1.0 if activation == "softmax" else 0.1, True, -1, 0, False)
         out, lse = kernels.jagged_attention_fwd(q, k, v, *common, wrap=compile_only)
