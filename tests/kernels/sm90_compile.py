@@ -118,21 +118,19 @@ def main() -> None:
     for activation in chosen or ("fast_gelu", "silu", "softmax", "gelu"):
         common = (inputs.q_offsets, inputs.kv_offsets, order, inputs.max_q_len, inputs.max_kv_len,
                   activation, 0.088, 1.0 if activation == "softmax" else 0.1, True, -1, 0, False)
-        out, lse = kernels.jagged_attention_fwd(q, k, v, *common, wrap=compile_only)
-        kernels.jagged_attention_bwd(torch.randn_like(out), q, k, v, out, lse, *common,
-                                     wrap=compile_only)
-        if activation == "fast_gelu":  # the tensor-descriptor (TMA) loads too
-            use_tma = kernels._use_tma
-            kernels._use_tma = lambda *tensors: True
-            out, lse = kernels.jagged_attention_fwd(q, k, v, *common, wrap=compile_only)
-            kernels.jagged_attention_bwd(torch.randn_like(out), q, k, v, out, lse, *common,
-                                         wrap=compile_only)
-            kernels._use_tma = use_tma
-        if activation != "silu":  # scalars typed as torch.compile passes them
-            wrap = functools.partial(compile_only, float_type="fp64")
+
+        def compile_fwd_bwd(wrap=compile_only):
             out, lse = kernels.jagged_attention_fwd(q, k, v, *common, wrap=wrap)
             kernels.jagged_attention_bwd(torch.randn_like(out), q, k, v, out, lse, *common, wrap=wrap)
 
+        compile_fwd_bwd()
+        if activation == "fast_gelu":  # the tensor-descriptor (TMA) loads too
+            use_tma = kernels._use_tma
+            kernels._use_tma = lambda *tensors: True
+            compile_fwd_bwd()
+            kernels._use_tma = use_tma
+        if activation != "silu":  # scalars typed as torch.compile passes them
+            compile_fwd_bwd(functools.partial(compile_only, float_type="fp64"))
 
 if __name__ == "__main__":
     main()
