@@ -66,6 +66,14 @@ SQRT_2_OVER_PI = 0.7978845608028654
 INV_SQRT_2 = 0.7071067811865476
 INV_SQRT_2PI = 0.3989422804014327
 
+# How the inner loops mask a stretch of tiles (their MASK constexpr). UNMASKED tiles lie inside
+# the sequence and the mask. BOUNDS tiles may run past the sequence end: masked loads fill zeros,
+# and zero rows add nothing to any output or gradient, except to the softmax forward's
+# normaliser, so only that masks (its key columns). VISIBLE tiles straddle a causal, window or
+# block boundary and mask every score. Without a causal, window or block mask the kernels stream
+# all tiles in one BOUNDS loop: one software pipeline, not a second one for the ragged tail.
+UNMASKED, BOUNDS, VISIBLE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
 
 # ---------------------------------------------------------------------------------------
 # @triton.jit helpers
@@ -303,7 +311,7 @@ def _load_tile(X, stride, start, rows, num_rows, offs_d, dmask,
 def _fwd_inner(
     acc, m_i, l_i, q, K, V, stride_kt, stride_vt, rows, offs_d, dmask,
     start, end, q_len, kv_len, qk_scale, window, block_size,
-    MASKED: tl.constexpr, ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr,
+    MASK: tl.constexpr, ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PACKED_ACT: tl.constexpr,
     USE_TMA: tl.constexpr,
@@ -311,12 +319,14 @@ def _fwd_inner(
     offs_n = tl.arange(0, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + offs_n
-        k = _load_tile(K, stride_kt, n0, cols, kv_len, offs_d, dmask, MASKED, EVEN_D, USE_TMA)
-        v = _load_tile(V, stride_vt, n0, cols, kv_len, offs_d, dmask, MASKED, EVEN_D, USE_TMA)
+        k = _load_tile(K, stride_kt, n0, cols, kv_len, offs_d, dmask, MASK != UNMASKED, EVEN_D, USE_TMA)
+        v = _load_tile(V, stride_vt, n0, cols, kv_len, offs_d, dmask, MASK != UNMASKED, EVEN_D, USE_TMA)
         x = _dot(q, tl.trans(k), None, DOT_PRECISION)  # [M, N] raw scores
         if ACTIVATION == 0:  # online softmax, log2 domain
             s = x * qk_scale
-            if MASKED:
+            if MASK == BOUNDS:
+                s = tl.where((cols < kv_len)[None, :], s, float("-inf"))
+            elif MASK == VISIBLE:
                 vis = _visible(rows, cols, q_len, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK)
                 s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -331,7 +341,7 @@ def _fwd_inner(
                 p = _gdpa_act_packed(x.to(v.dtype), qk_scale, ACTIVATION)
             else:
                 p = _gdpa_act(x, qk_scale, ACTIVATION, DOT_PRECISION != "ieee").to(v.dtype)
-            if MASKED:
+            if MASK == VISIBLE:
                 vis = _visible(rows, cols, q_len, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK)
                 p = tl.where(vis, p, 0.0)
         acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION)
@@ -385,22 +395,28 @@ def _fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    i_last = tl.minimum(m0 + BLOCK_M, q_len) - 1
-    lo_any, lo_all, hi_all, hi_any = _key_interval(
-        m0, i_last, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK)
-    first, full_start, full_end, last = _split_blocks(lo_any, lo_all, hi_all, hi_any, BLOCK_N)
-    acc, m_i, l_i = _fwd_inner(
-        acc, m_i, l_i, q, K, V, stride_kt, stride_vt, rows, offs_d, dmask, first, full_start,
-        q_len, kv_len, qk_scale, window, block_size, True, ACTIVATION, CAUSAL, HAS_WINDOW,
-        HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
-    acc, m_i, l_i = _fwd_inner(
-        acc, m_i, l_i, q, K, V, stride_kt, stride_vt, rows, offs_d, dmask, full_start, full_end,
-        q_len, kv_len, qk_scale, window, block_size, False, ACTIVATION, CAUSAL, HAS_WINDOW,
-        HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
-    acc, m_i, l_i = _fwd_inner(
-        acc, m_i, l_i, q, K, V, stride_kt, stride_vt, rows, offs_d, dmask, full_end, last,
-        q_len, kv_len, qk_scale, window, block_size, True, ACTIVATION, CAUSAL, HAS_WINDOW,
-        HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
+    if CAUSAL or HAS_WINDOW or HAS_BLOCK:
+        i_last = tl.minimum(m0 + BLOCK_M, q_len) - 1
+        lo_any, lo_all, hi_all, hi_any = _key_interval(
+            m0, i_last, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK)
+        first, full_start, full_end, last = _split_blocks(lo_any, lo_all, hi_all, hi_any, BLOCK_N)
+        acc, m_i, l_i = _fwd_inner(
+            acc, m_i, l_i, q, K, V, stride_kt, stride_vt, rows, offs_d, dmask, first, full_start,
+            q_len, kv_len, qk_scale, window, block_size, VISIBLE, ACTIVATION, CAUSAL, HAS_WINDOW,
+            HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
+        acc, m_i, l_i = _fwd_inner(
+            acc, m_i, l_i, q, K, V, stride_kt, stride_vt, rows, offs_d, dmask, full_start, full_end,
+            q_len, kv_len, qk_scale, window, block_size, UNMASKED, ACTIVATION, CAUSAL, HAS_WINDOW,
+            HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
+        acc, m_i, l_i = _fwd_inner(
+            acc, m_i, l_i, q, K, V, stride_kt, stride_vt, rows, offs_d, dmask, full_end, last,
+            q_len, kv_len, qk_scale, window, block_size, VISIBLE, ACTIVATION, CAUSAL, HAS_WINDOW,
+            HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
+    else:
+        acc, m_i, l_i = _fwd_inner(
+            acc, m_i, l_i, q, K, V, stride_kt, stride_vt, rows, offs_d, dmask, 0, kv_len,
+            q_len, kv_len, qk_scale, window, block_size, BOUNDS, ACTIVATION, CAUSAL, HAS_WINDOW,
+            HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
 
     row_mask = rows < q_len
     if ACTIVATION == 0:
@@ -441,7 +457,7 @@ def _bwd_preprocess_kernel(
 def _bwd_dkdv_inner(
     dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_dot, cols, offs_d, dmask,
     start, end, q_len, kv_len, qk_scale, window, block_size,
-    MASKED: tl.constexpr, ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr,
+    MASK: tl.constexpr, ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PACKED_ACT: tl.constexpr,
     USE_TMA: tl.constexpr,
@@ -449,20 +465,20 @@ def _bwd_dkdv_inner(
     offs_m = tl.arange(0, BLOCK_M)
     for m0 in range(start, end, BLOCK_M):
         rows = m0 + offs_m
-        q = _load_tile(Q, stride_qt, m0, rows, q_len, offs_d, dmask, MASKED, EVEN_D, USE_TMA)
-        do = _load_tile(DO, stride_dot, m0, rows, q_len, offs_d, dmask, MASKED, EVEN_D, USE_TMA)
+        q = _load_tile(Q, stride_qt, m0, rows, q_len, offs_d, dmask, MASK != UNMASKED, EVEN_D, USE_TMA)
+        do = _load_tile(DO, stride_dot, m0, rows, q_len, offs_d, dmask, MASK != UNMASKED, EVEN_D, USE_TMA)
         x_t = _dot(k, tl.trans(q), None, DOT_PRECISION)  # [N, M] raw scores
         dp_t = _dot(v, tl.trans(do), None, DOT_PRECISION)  # [N, M]
         if ACTIVATION == 0:
             s_t = x_t * qk_scale
-            if MASKED:
+            if MASK != UNMASKED:  # (rows past the end: p = 0)
                 lse = tl.load(LSE + rows, mask=rows < q_len, other=float("inf"))
                 delta = tl.load(DELTA + rows, mask=rows < q_len, other=0.0)
             else:
                 lse = tl.load(LSE + rows)
                 delta = tl.load(DELTA + rows)
             p_t = tl.math.exp2(s_t - lse[None, :])
-            if MASKED:
+            if MASK == VISIBLE:
                 vis = _visible(rows, cols, q_len, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK)
                 p_t = tl.where(tl.trans(vis), p_t, 0.0)
             ds_t = p_t * (dp_t - delta[None, :])
@@ -472,7 +488,7 @@ def _bwd_dkdv_inner(
             else:
                 p_t, g_t = _gdpa_act_and_grad(x_t, qk_scale, ACTIVATION, DOT_PRECISION != "ieee")
                 ds_t = dp_t * g_t
-            if MASKED:
+            if MASK == VISIBLE:
                 vis_t = tl.trans(_visible(rows, cols, q_len, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK))
                 p_t = tl.where(vis_t, p_t, 0.0)
                 ds_t = tl.where(vis_t, ds_t, 0.0)
@@ -532,22 +548,28 @@ def _bwd_dkdv_kernel(
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    j_last = tl.minimum(n0 + BLOCK_N, kv_len) - 1
-    lo_any, lo_all, hi_all, hi_any = _query_interval(
-        n0, j_last, q_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK)
-    first, full_start, full_end, last = _split_blocks(lo_any, lo_all, hi_all, hi_any, BLOCK_M)
-    dk, dv = _bwd_dkdv_inner(
-        dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_dot, cols, offs_d, dmask, first,
-        full_start, q_len, kv_len, qk_scale, window, block_size, True, ACTIVATION, CAUSAL,
-        HAS_WINDOW, HAS_BLOCK, BLOCK_M, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
-    dk, dv = _bwd_dkdv_inner(
-        dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_dot, cols, offs_d, dmask, full_start,
-        full_end, q_len, kv_len, qk_scale, window, block_size, False, ACTIVATION, CAUSAL,
-        HAS_WINDOW, HAS_BLOCK, BLOCK_M, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
-    dk, dv = _bwd_dkdv_inner(
-        dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_dot, cols, offs_d, dmask, full_end,
-        last, q_len, kv_len, qk_scale, window, block_size, True, ACTIVATION, CAUSAL,
-        HAS_WINDOW, HAS_BLOCK, BLOCK_M, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
+    if CAUSAL or HAS_WINDOW or HAS_BLOCK:
+        j_last = tl.minimum(n0 + BLOCK_N, kv_len) - 1
+        lo_any, lo_all, hi_all, hi_any = _query_interval(
+            n0, j_last, q_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK)
+        first, full_start, full_end, last = _split_blocks(lo_any, lo_all, hi_all, hi_any, BLOCK_M)
+        dk, dv = _bwd_dkdv_inner(
+            dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_dot, cols, offs_d, dmask, first,
+            full_start, q_len, kv_len, qk_scale, window, block_size, VISIBLE, ACTIVATION, CAUSAL,
+            HAS_WINDOW, HAS_BLOCK, BLOCK_M, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
+        dk, dv = _bwd_dkdv_inner(
+            dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_dot, cols, offs_d, dmask, full_start,
+            full_end, q_len, kv_len, qk_scale, window, block_size, UNMASKED, ACTIVATION, CAUSAL,
+            HAS_WINDOW, HAS_BLOCK, BLOCK_M, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
+        dk, dv = _bwd_dkdv_inner(
+            dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_dot, cols, offs_d, dmask, full_end,
+            last, q_len, kv_len, qk_scale, window, block_size, VISIBLE, ACTIVATION, CAUSAL,
+            HAS_WINDOW, HAS_BLOCK, BLOCK_M, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
+    else:
+        dk, dv = _bwd_dkdv_inner(
+            dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_dot, cols, offs_d, dmask, 0,
+            q_len, q_len, kv_len, qk_scale, window, block_size, BOUNDS, ACTIVATION, CAUSAL,
+            HAS_WINDOW, HAS_BLOCK, BLOCK_M, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
 
     col_mask = (cols < kv_len)[:, None] & dmask[None, :]
     DK += kv_start * stride_dkt + h * stride_dkh
@@ -560,7 +582,7 @@ def _bwd_dkdv_kernel(
 def _bwd_dq_inner(
     dq, q, do, lse, delta, K, V, stride_kt, stride_vt, rows, offs_d, dmask,
     start, end, q_len, kv_len, qk_scale, window, block_size,
-    MASKED: tl.constexpr, ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr,
+    MASK: tl.constexpr, ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PACKED_ACT: tl.constexpr,
     USE_TMA: tl.constexpr,
@@ -568,8 +590,8 @@ def _bwd_dq_inner(
     offs_n = tl.arange(0, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + offs_n
-        k = _load_tile(K, stride_kt, n0, cols, kv_len, offs_d, dmask, MASKED, EVEN_D, USE_TMA)
-        v = _load_tile(V, stride_vt, n0, cols, kv_len, offs_d, dmask, MASKED, EVEN_D, USE_TMA)
+        k = _load_tile(K, stride_kt, n0, cols, kv_len, offs_d, dmask, MASK != UNMASKED, EVEN_D, USE_TMA)
+        v = _load_tile(V, stride_vt, n0, cols, kv_len, offs_d, dmask, MASK != UNMASKED, EVEN_D, USE_TMA)
         x = _dot(q, tl.trans(k), None, DOT_PRECISION)  # [M, N] raw scores
         dp = _dot(do, tl.trans(v), None, DOT_PRECISION)  # [M, N]
         if ACTIVATION == 0:
@@ -580,7 +602,7 @@ def _bwd_dq_inner(
                 ds = _gdpa_act_and_grad_packed(x.to(k.dtype), dp.to(k.dtype), qk_scale, ACTIVATION)[1]
             else:
                 ds = dp * _gdpa_act_and_grad(x, qk_scale, ACTIVATION, DOT_PRECISION != "ieee")[1]
-        if MASKED:
+        if MASK == VISIBLE:  # (keys past the end: k = 0, so ds there adds nothing)
             vis = _visible(rows, cols, q_len, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK)
             ds = tl.where(vis, ds, 0.0)
         dq = _dot(ds.to(k.dtype), k, dq, DOT_PRECISION)
@@ -641,22 +663,28 @@ def _bwd_dq_kernel(
         delta = lse
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    i_last = tl.minimum(m0 + BLOCK_M, q_len) - 1
-    lo_any, lo_all, hi_all, hi_any = _key_interval(
-        m0, i_last, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK)
-    first, full_start, full_end, last = _split_blocks(lo_any, lo_all, hi_all, hi_any, BLOCK_N)
-    dq = _bwd_dq_inner(
-        dq, q, do, lse, delta, K, V, stride_kt, stride_vt, rows, offs_d, dmask, first, full_start,
-        q_len, kv_len, qk_scale, window, block_size, True, ACTIVATION, CAUSAL, HAS_WINDOW,
-        HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
-    dq = _bwd_dq_inner(
-        dq, q, do, lse, delta, K, V, stride_kt, stride_vt, rows, offs_d, dmask, full_start, full_end,
-        q_len, kv_len, qk_scale, window, block_size, False, ACTIVATION, CAUSAL, HAS_WINDOW,
-        HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
-    dq = _bwd_dq_inner(
-        dq, q, do, lse, delta, K, V, stride_kt, stride_vt, rows, offs_d, dmask, full_end, last,
-        q_len, kv_len, qk_scale, window, block_size, True, ACTIVATION, CAUSAL, HAS_WINDOW,
-        HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
+    if CAUSAL or HAS_WINDOW or HAS_BLOCK:
+        i_last = tl.minimum(m0 + BLOCK_M, q_len) - 1
+        lo_any, lo_all, hi_all, hi_any = _key_interval(
+            m0, i_last, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK)
+        first, full_start, full_end, last = _split_blocks(lo_any, lo_all, hi_all, hi_any, BLOCK_N)
+        dq = _bwd_dq_inner(
+            dq, q, do, lse, delta, K, V, stride_kt, stride_vt, rows, offs_d, dmask, first,
+            full_start, q_len, kv_len, qk_scale, window, block_size, VISIBLE, ACTIVATION, CAUSAL,
+            HAS_WINDOW, HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
+        dq = _bwd_dq_inner(
+            dq, q, do, lse, delta, K, V, stride_kt, stride_vt, rows, offs_d, dmask, full_start,
+            full_end, q_len, kv_len, qk_scale, window, block_size, UNMASKED, ACTIVATION, CAUSAL,
+            HAS_WINDOW, HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
+        dq = _bwd_dq_inner(
+            dq, q, do, lse, delta, K, V, stride_kt, stride_vt, rows, offs_d, dmask, full_end,
+            last, q_len, kv_len, qk_scale, window, block_size, VISIBLE, ACTIVATION, CAUSAL,
+            HAS_WINDOW, HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
+    else:
+        dq = _bwd_dq_inner(
+            dq, q, do, lse, delta, K, V, stride_kt, stride_vt, rows, offs_d, dmask, 0,
+            kv_len, q_len, kv_len, qk_scale, window, block_size, BOUNDS, ACTIVATION, CAUSAL,
+            HAS_WINDOW, HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
 
     DQ += o_start * stride_dqt + h * stride_dqh
     dq_ptrs = DQ + rows[:, None] * stride_dqt + offs_d[None, :]

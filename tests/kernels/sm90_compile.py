@@ -37,23 +37,33 @@ TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
 
 
 def _signature(fn, args, kwargs, float_type):
-    """(signature, constexprs) of a launch, in the form ASTSource takes. Triton's launcher types
-    Python floats as fp32, Inductor's (torch.compile) as fp64."""
+    """(signature, constexprs, attrs) of a launch, in the form ASTSource takes, specialized as
+    Triton's launcher does: pointers and integers divisible by 16 (but those the kernel marks
+    do_not_specialize) carry ``tt.divisibility`` 16, without which loads don't vectorize and
+    the software pipeliner leaves every loop unpipelined. Triton's launcher types Python floats
+    as fp32, Inductor's (torch.compile) as fp64."""
     values = dict(zip(fn.arg_names, args)) | kwargs
     constexpr_names = {fn.arg_names[i] for i in fn.constexprs}
-    signature, constexprs = {}, {}
+    unspecialized = {fn.arg_names[i] if isinstance(i, int) else i for i in fn.do_not_specialize}
+    signature, constexprs, attrs = {}, {}, {}
     for index, name in enumerate(fn.arg_names):
         value = values[name]
         if name in constexpr_names:
             signature[name] = "constexpr"
             constexprs[(index,)] = value
-        elif isinstance(value, torch.Tensor):
+            continue
+        if isinstance(value, torch.Tensor):
             signature[name] = "*" + TYPES[value.dtype]
+            aligned = value.data_ptr() % 16 == 0
         elif isinstance(value, float):
             signature[name] = float_type
+            aligned = False
         else:
             signature[name] = "i64" if abs(value) >= 2**31 else "i32"
-    return signature, constexprs
+            aligned = value % 16 == 0 and name not in unspecialized
+        if aligned:
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs
 
 
 def _resources(cubin: bytes) -> str:
@@ -89,8 +99,8 @@ def compile_only(kernel, float_type="fp32"):
 def _compile(fn, args, kwargs, float_type):
     """Compiles one launch for sm_90 and checks its PTX for the paths the flags select."""
     options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
-    signature, constexprs = _signature(fn, args, kwargs, float_type)
-    compiled = triton.compile(ASTSource(fn, signature, constexprs), target=TARGET,
+    signature, constexprs, attrs = _signature(fn, args, kwargs, float_type)
+    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET,
                               options=options)
     assert compiled.asm["cubin"], fn.__name__
     if kwargs.get("PACKED_ACT"):
@@ -101,7 +111,8 @@ def _compile(fn, args, kwargs, float_type):
     assert not re.search(r"\b(add|sub|mul|fma|div|max|min)(\.\w+)*\.f64\b",
                          compiled.asm["ptx"]), fn.__name__
     line = (f"compiled {fn.__name__} activation={kwargs.get('ACTIVATION')} "
-            f"packed={kwargs.get('PACKED_ACT')} tma={kwargs.get('USE_TMA')} floats={float_type}")
+            f"causal={kwargs.get('CAUSAL')} packed={kwargs.get('PACKED_ACT')} "
+            f"tma={kwargs.get('USE_TMA')} floats={float_type}")
     if RESOURCES:
         tiles = {key: kwargs[key] for key in ("BLOCK_M", "BLOCK_N") if key in kwargs}
         line += f" {tiles} {options} {_resources(compiled.asm['cubin'])}"
@@ -116,10 +127,12 @@ def main() -> None:
     order = torch.arange(3, dtype=torch.int32)
     chosen = [arg for arg in sys.argv[1:] if arg != "--resources"]
     for activation in chosen or ("fast_gelu", "silu", "softmax", "gelu"):
-        common = (inputs.q_offsets, inputs.kv_offsets, order, inputs.max_q_len, inputs.max_kv_len,
-                  activation, 0.088, 1.0 if activation == "softmax" else 0.1, True, -1, 0, False)
-
-        def compile_fwd_bwd(wrap=compile_only):
+        def compile_fwd_bwd(wrap=compile_only, causal=True):
+            """Causal runs the kernels' three-loop path (masked diagonal tiles); no mask runs
+            their one-loop path (masked loads only)."""
+            common = (inputs.q_offsets, inputs.kv_offsets, order, inputs.max_q_len,
+                      inputs.max_kv_len, activation, 0.088,
+                      1.0 if activation == "softmax" else 0.1, causal, -1, 0, False)
             out, lse = kernels.jagged_attention_fwd(q, k, v, *common, wrap=wrap)
             kernels.jagged_attention_bwd(torch.randn_like(out), q, k, v, out, lse, *common, wrap=wrap)
 
@@ -129,8 +142,8 @@ def main() -> None:
             kernels._use_tma = lambda *tensors: True
             compile_fwd_bwd()
             kernels._use_tma = use_tma
-        if activation != "silu":  # scalars typed as torch.compile passes them
-            compile_fwd_bwd(functools.partial(compile_only, float_type="fp64"))
+        if activation != "silu":  # scalars typed as torch.compile passes them, without a mask
+            compile_fwd_bwd(functools.partial(compile_only, float_type="fp64"), causal=False)
 
 if __name__ == "__main__":
     main()

@@ -191,9 +191,11 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     # fast_gelu (three times: pointer loads, TMA loads, fp64 scalars as Inductor passes them)
     # and silu: fwd, dK/dV, dQ on the bf16x2 path; gelu (float32 activations; fp32 and fp64
     # scalars): fwd, dK/dV, dQ; softmax (fp32 and fp64 scalars): fwd, preprocess, dK/dV, dQ.
+    # The fp64 passes run without a mask (the kernels' one-loop path), the others causal.
     assert sum("packed=True" in line for line in lines) == 12, lines
     assert sum("tma=True" in line for line in lines) == 3, lines
     assert sum("floats=fp64" in line for line in lines) == 10, lines
+    assert sum("causal=False" in line for line in lines) == 9, lines
     assert len(lines) == 26, lines
 
 
