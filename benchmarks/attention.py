@@ -293,6 +293,9 @@ def main() -> None:
                         help="target rows (0-based) that also time the compiled padded reference")
     parser.add_argument("--variants", action="store_true",
                         help=f"also time the kernel switches {list(KERNEL_VARIANTS)} on the target rows")
+    parser.add_argument("--keep-sweeps", action="store_true",
+                        help="run the target rows only and keep the sweep rows of the existing "
+                             "results JSON (the sweeps time the masked paths)")
     parser.add_argument("--only-sweeps", metavar="NAMES",
                         help=f"run only these sweeps (comma-separated, of {list(SWEEP_MODES)}) and "
                              "replace their rows in the existing results JSON")
@@ -317,6 +320,10 @@ def main() -> None:
         earlier = json.loads((out_dir / f"{name}.json").read_text())
         earlier["rows"] = [r for r in earlier["rows"] if r.get("sweep") not in sweeps]
         shapes = []
+    elif args.keep_sweeps:
+        sweeps = {}
+        earlier = json.loads((out_dir / f"{name}.json").read_text())
+        earlier["rows"] = [r for r in earlier["rows"] if "sweep" in r]
 
     def save():  # after every case, so that a run cut short still leaves its numbers
         all_rows = earlier["rows"] + rows
@@ -331,6 +338,9 @@ def main() -> None:
                   "tuned_configs": tuned, "rows": all_rows, "summary": summarize(all_rows)["targets"]}
         if args.only_sweeps:
             record["notes"] = f"sweeps {args.only_sweeps} re-run on {record['date']}; other rows from {earlier['date']}"
+        elif args.keep_sweeps:
+            record["notes"] = (f"target rows run on {record['date']}; sweep rows from {earlier['date']} "
+                               f"(commit {earlier.get('git_commit')})")
         (out_dir / f"{name}.json").write_text(json.dumps(record, indent=1))
 
     for shape in shapes:
@@ -361,7 +371,7 @@ def main() -> None:
     summary = summarize(earlier["rows"] + rows)
     print("\n" + "\n".join(summary["lines"]))
     save()
-    if not args.no_sweep:
+    if any("sweep" in r for r in earlier["rows"] + rows):
         _plot(earlier["rows"] + rows, out_dir / f"{name}.png", torch.cuda.get_device_name())
     print(f"wrote {out_dir / name}.json")
     for kind, chosen in _tuned_configs().items():

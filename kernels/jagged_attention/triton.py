@@ -9,7 +9,8 @@ One program handles one (example, head, row block). Every mask (jagged length, c
 sliding window, BlockAttention) keeps, for each query row, one contiguous interval of keys,
 so each program visits only the key blocks that intersect the union of its rows'
 intervals: blocks visible to every row run without any mask, the few border blocks run
-masked. BlockAttention and sliding window therefore cost O(length), not O(length^2).
+masked (without a causal, window or block mask: one loop over all blocks, see BOUNDS below).
+BlockAttention and sliding window therefore cost O(length), not O(length^2).
 Programs are ordered longest example first (``batch_order``), so the short and empty
 examples fill the tail of the grid instead of leaving long ones to run alone.
 """
@@ -41,9 +42,10 @@ ACT_UNIT = {"silu": 0.5, "gelu": 0.5, "fast_gelu": 0.5, "relu": 1.0, "identity":
 # the float64 reference 3.7e-3 (output) and 5.1e-3 (dQ, dK) instead of 2.3e-3 (docs/kernels.md).
 # Set 0 for float32 math.
 PACKED_ACT = not INTERPRET and os.environ.get("GEM_KERNELS_PACKED_ACT", "1") == "1"
-# GEM_KERNELS_TMA=1 (experimental, default 0; not yet measured on a GPU): the kernels read the
-# tiles they stream (K/V in the forward and dQ, Q/dO in dK/dV) through tensor descriptors (TMA
-# on sm_90: no address arithmetic, zero fill past the sequence end instead of masked loads).
+# GEM_KERNELS_TMA=1 (experimental, default 0; slower on an H200, see docs/kernels.md): the
+# kernels read the tiles they stream (K/V in the forward and dQ, Q/dO in dK/dV) through tensor
+# descriptors (TMA on sm_90: no address arithmetic, zero fill past the sequence end instead of
+# masked loads).
 # See _use_tma for when it applies.
 USE_TMA = os.environ.get("GEM_KERNELS_TMA", "0") == "1"
 
