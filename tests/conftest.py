@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from gem.data.schema import FeatureSchema
+# Without CUDA, Triton kernels run in its interpreter. The variable is read when triton is first
+# imported, which importing gem (and kernels) does, so it is set here, before any test module.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from gem.data.schema import FeatureSchema  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = str(ROOT / "configs")

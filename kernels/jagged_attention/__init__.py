@@ -134,8 +134,6 @@ def jagged_attention(
     if backend != "triton":
         raise ValueError(f"backend={backend!r}; expected one of {BACKENDS} or None")
 
-    from kernels.jagged_attention.op import jagged_attention_triton
-
     q_broadcast = q_offsets is None
     if kv_offsets is None:  # dense [B, N, H, D]: a view as jagged rows with equal lengths
         num_batches, num_keys = k.shape[0], k.shape[1]
@@ -149,7 +147,7 @@ def jagged_attention(
     # Longest (most work) examples first, so that short ones fill the tail of the grid.
     work = (q_offsets[1:] - q_offsets[:-1]).long() * (kv_offsets[1:] - kv_offsets[:-1]).long()
     batch_order = torch.argsort(work, descending=True, stable=True).to(torch.int32)
-    out = jagged_attention_triton(
+    out = op.jagged_attention_triton(
         q, k, v, q_offsets, kv_offsets, batch_order, int(max_q_len), int(max_kv_len),
         activation, scale, 1.0 if post_scale is None else float(post_scale), bool(causal),
         -1 if window is None else int(window), 0 if block_size is None else int(block_size),
@@ -158,3 +156,8 @@ def jagged_attention(
     if q_broadcast:
         return out.view(num_batches, q.shape[0], *q.shape[1:])
     return out
+
+
+# Registers the ops and their FLOP formulas at import: a FlopCounterMode copies the formula
+# registry when it is created, so one opened before a lazy import would count zero.
+from kernels.jagged_attention import op  # noqa: E402

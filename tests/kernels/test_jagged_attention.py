@@ -148,6 +148,27 @@ def test_backend_none_picks_triton_on_cuda_else_reference():
     assert torch.equal(chosen, expected)
 
 
+def test_flop_counter_counts_the_first_call_of_a_process():
+    """The ops and FLOP formulas register when ``kernels`` is imported: a FlopCounterMode opened
+    before the first call (it copies the formula registry when created) counted zero while they
+    registered lazily on that call."""
+    code = (
+        "import torch, kernels\n"
+        "from torch.utils.flop_counter import FlopCounterMode\n"
+        "from kernels.jagged_attention.inputs import make_inputs\n"
+        f"inputs = make_inputs([5, 7], num_heads=2, head_dim=32, device={DEVICE!r})\n"
+        "with FlopCounterMode(display=False) as counter:\n"
+        "    kernels.jagged_attention(*inputs.args(), activation='silu', backend='triton')\n"
+        "print(counter.get_total_flops())\n"
+    )
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert int(result.stdout.split()[-1]) == 4 * 2 * 32 * (5 * 5 + 7 * 7)
+
+
 def test_flop_counter_counts_true_jagged_lengths():
     inputs = make_inputs([5, 0, 12], [8, 3, 12], num_heads=2, head_dim=32, device=DEVICE)
     with FlopCounterMode(display=False) as counter:
