@@ -70,8 +70,9 @@ INV_SQRT_2PI = 0.3989422804014327
 
 # How the inner loops mask a stretch of tiles (their MASK constexpr). UNMASKED tiles lie inside
 # the sequence and the mask. BOUNDS tiles may run past the sequence end: masked loads fill zeros,
-# and zero rows add nothing to any output or gradient, except to the softmax forward's
-# normaliser, so only that masks (its key columns). VISIBLE tiles straddle a causal, window or
+# and zero rows add nothing to any output or gradient, except through softmax's exp2 (a key past
+# the end scores 0, and exp2(0 - lse) joins the forward's normaliser or overflows in dQ), so
+# only the softmax forward and dQ mask (their key columns). VISIBLE tiles straddle a causal, window or
 # block boundary and mask every score. Without a causal, window or block mask the kernels stream
 # all tiles in one BOUNDS loop: one software pipeline, not a second one for the ragged tail.
 UNMASKED, BOUNDS, VISIBLE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -598,13 +599,15 @@ def _bwd_dq_inner(
         dp = _dot(do, tl.trans(v), None, DOT_PRECISION)  # [M, N]
         if ACTIVATION == 0:
             p = tl.math.exp2(x * qk_scale - lse[:, None])
+            if MASK == BOUNDS:  # a key past the end scores 0, and exp2(-lse) overflows for lse < -128
+                p = tl.where((cols < kv_len)[None, :], p, 0.0)
             ds = p * (dp - delta[:, None])
         else:
             if PACKED_ACT:
                 ds = _gdpa_act_and_grad_packed(x.to(k.dtype), dp.to(k.dtype), qk_scale, ACTIVATION)[1]
             else:
                 ds = dp * _gdpa_act_and_grad(x, qk_scale, ACTIVATION, DOT_PRECISION != "ieee")[1]
-        if MASK == VISIBLE:  # (keys past the end: k = 0, so ds there adds nothing)
+        if MASK == VISIBLE:  # (keys past the end: k = 0, so a finite ds there adds nothing)
             vis = _visible(rows, cols, q_len, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK)
             ds = tl.where(vis, ds, 0.0)
         dq = _dot(ds.to(k.dtype), k, dq, DOT_PRECISION)

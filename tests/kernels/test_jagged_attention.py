@@ -148,6 +148,16 @@ def test_backend_none_picks_triton_on_cuda_else_reference():
     assert torch.equal(chosen, expected)
 
 
+def test_softmax_gradients_stay_finite_for_very_negative_scores():
+    """Every score about -200 in log2 units: lse < -128, so a key past an example's end (score 0)
+    would get probability exp2(-lse) = inf in the dQ kernel and turn dQ into NaN."""
+    torch.manual_seed(0)
+    inputs = make_inputs([5, 19], [7, 21], num_heads=1, head_dim=32, device=DEVICE)
+    inputs.q = (5.0 + 0.1 * torch.randn_like(inputs.q)).requires_grad_()
+    inputs.k = (-5.0 + 0.1 * torch.randn_like(inputs.k)).requires_grad_()
+    _check_against_reference(inputs, torch.float32, activation="softmax")
+
+
 def test_flop_counter_counts_the_first_call_of_a_process():
     """The ops and FLOP formulas register when ``kernels`` is imported: a FlopCounterMode opened
     before the first call (it copies the formula registry when created) counted zero while they
