@@ -150,12 +150,20 @@ def test_backend_none_picks_triton_on_cuda_else_reference():
 
 def test_softmax_gradients_stay_finite_for_very_negative_scores():
     """Every score about -200 in log2 units: lse < -128, so a key past an example's end (score 0)
-    would get probability exp2(-lse) = inf in the dQ kernel and turn dQ into NaN."""
+    would get probability exp2(-lse) = inf in the dQ kernel and turn dQ into NaN. Scores near
+    -800 carry float32 rounding of about 1e-4 into the exponent, hence the looser bound."""
     torch.manual_seed(0)
     inputs = make_inputs([5, 19], [7, 21], num_heads=1, head_dim=32, device=DEVICE)
     inputs.q = (5.0 + 0.1 * torch.randn_like(inputs.q)).requires_grad_()
     inputs.k = (-5.0 + 0.1 * torch.randn_like(inputs.k)).requires_grad_()
-    _check_against_reference(inputs, torch.float32, activation="softmax")
+    out = jagged_attention(*inputs.args(), activation="softmax", backend="triton")
+    grads = torch.autograd.grad(out.sum(), inputs.tensors())
+    ref_tensors = [t.detach().double().requires_grad_() for t in inputs.tensors()]
+    ref = jagged_attention(*ref_tensors, *inputs.args()[3:], activation="softmax", backend="reference")
+    ref_grads = torch.autograd.grad(ref.sum(), ref_tensors)
+    for name, actual, expected in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
+        assert torch.isfinite(actual).all(), f"{name} has non-finite values"
+        assert _relative_error(actual, expected) < 1e-3, name
 
 
 def test_flop_counter_counts_the_first_call_of_a_process():
