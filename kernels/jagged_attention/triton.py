@@ -72,9 +72,10 @@ INV_SQRT_2PI = 0.3989422804014327
 # the sequence and the mask. BOUNDS tiles may run past the sequence end: masked loads fill zeros,
 # and zero rows add nothing to any output or gradient, except through softmax's exp2 (a key past
 # the end scores 0, and exp2(0 - lse) joins the forward's normaliser or overflows in dQ), so
-# only the softmax forward and dQ mask (their key columns). VISIBLE tiles straddle a causal, window or
-# block boundary and mask every score. Without a causal, window or block mask the kernels stream
-# all tiles in one BOUNDS loop: one software pipeline, not a second one for the ragged tail.
+# only the softmax forward and dQ mask (their key columns). VISIBLE tiles straddle a causal,
+# window or block boundary and mask every score. Without a causal, window or block mask the
+# kernels stream all tiles in one BOUNDS loop: one software pipeline, not a second one for the
+# ragged tail.
 UNMASKED, BOUNDS, VISIBLE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
@@ -599,7 +600,7 @@ def _bwd_dq_inner(
         dp = _dot(do, tl.trans(v), None, DOT_PRECISION)  # [M, N]
         if ACTIVATION == 0:
             p = tl.math.exp2(x * qk_scale - lse[:, None])
-            if MASK == BOUNDS:  # a key past the end scores 0, and exp2(-lse) overflows for lse < -128
+            if MASK == BOUNDS:  # a key past the end scores 0: exp2(-lse) overflows for lse < -128
                 p = tl.where((cols < kv_len)[None, :], p, 0.0)
             ds = p * (dp - delta[:, None])
         else:
