@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import hydra
+import torch.distributed as dist
 from omegaconf import DictConfig
 
 from gem.train.trainer import train
@@ -12,7 +13,11 @@ CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 def main(cfg: DictConfig) -> None:
-    train(cfg)
+    try:
+        train(cfg)
+    finally:  # an orderly teardown, not the collective backend's threads torn down at interpreter exit
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
