@@ -352,6 +352,46 @@ def _fwd_inner(
     return acc, m_i, l_i
 
 
+@triton.jit
+def _fwd_gdpa_late_pv(
+    acc, q, K, V, stride_kt, stride_vt, offs_d, dmask, kv_len, qk_scale,
+    ACTIVATION: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PACKED_ACT: tl.constexpr,
+):
+    """The GDPA forward's loop over all keys (no mask but the sequence end, pointer loads) with
+    each tile's ``P V`` issued one step late, after the next tile's ``Q K^T``, so the tensor cores
+    run it while the warps compute that tile's activation.
+
+    Triton waits on a product where its result is first used, and only accumulating products
+    (``P V``) run asynchronously past the next one; in the plain loop the activation therefore
+    never overlaps a product of its own program. The price is one extra step: the first ``P V``
+    multiplies zeros, the last ``Q K^T`` reads zero keys. The autotuner chooses between this loop
+    and the plain one (``LATE_PV``): on an H200 it is faster for long sequences and slower for
+    short ones (docs/kernels.md)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    p = tl.zeros([acc.shape[0], BLOCK_N], dtype=V.dtype.element_ty)
+    for n0 in range(0, kv_len + BLOCK_N, BLOCK_N):
+        cols = n0 + offs_n
+        k = _load_rows(K + cols[:, None] * stride_kt + offs_d[None, :], cols, kv_len, dmask, True, EVEN_D)
+        prev = cols - BLOCK_N  # the rows of the tile whose P V runs now
+        v_mask = ((prev >= 0) & (prev < kv_len))[:, None]
+        if not EVEN_D:
+            v_mask = v_mask & dmask[None, :]
+        v = tl.load(V + prev[:, None] * stride_vt + offs_d[None, :], mask=v_mask, other=0.0)
+        x = _dot(q, tl.trans(k), None, DOT_PRECISION)
+        if not _UPCAST_DOTS:
+            # An opaque copy inside the loop: Triton would stage the loop-carried operand
+            # through shared memory and then wait on the product at once.
+            p = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [p], dtype=p.dtype,
+                                          is_pure=True, pack=2)
+        acc = _dot(p, v, acc, DOT_PRECISION)
+        if PACKED_ACT:
+            p = _gdpa_act_packed(x.to(v.dtype), qk_scale, ACTIVATION)
+        else:
+            p = _gdpa_act(x, qk_scale, ACTIVATION, DOT_PRECISION != "ieee").to(v.dtype)
+    return acc
+
+
 @triton.jit(do_not_specialize=["max_q_len", "window", "block_size"])
 def _fwd_kernel(
     Q, K, V, O, LSE, q_offsets, kv_offsets, batch_order,
@@ -361,7 +401,7 @@ def _fwd_kernel(
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_BLOCK: tl.constexpr, Q_BROADCAST: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PACKED_ACT: tl.constexpr,
-    USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LATE_PV: tl.constexpr,
 ):
     # Inductor passes Python floats as fp64 scalars: keep the math (and acc) in float32.
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -416,6 +456,9 @@ def _fwd_kernel(
             acc, m_i, l_i, q, K, V, stride_kt, stride_vt, rows, offs_d, dmask, full_end, last,
             q_len, kv_len, qk_scale, window, block_size, VISIBLE, ACTIVATION, CAUSAL, HAS_WINDOW,
             HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
+    elif LATE_PV and ACTIVATION != 0 and not USE_TMA:
+        acc = _fwd_gdpa_late_pv(acc, q, K, V, stride_kt, stride_vt, offs_d, dmask, kv_len, qk_scale,
+                                ACTIVATION, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT)
     else:
         acc, m_i, l_i = _fwd_inner(
             acc, m_i, l_i, q, K, V, stride_kt, stride_vt, rows, offs_d, dmask, 0, kv_len,
@@ -703,10 +746,15 @@ def _bwd_dq_kernel(
 
 
 def _default_config(kind: str, block_d: int, elem_bytes: int = 2) -> dict:
-    """Block sizes, warps and stages per kernel kind and padded head dim, used when
-    autotuning is off (GEM_KERNELS_AUTOTUNE=0) and for head dims above 128.
+    """Block sizes, warps and stages per kernel kind and padded head dim (and the forward's
+    plain loop, ``LATE_PV=0``), used when autotuning is off (GEM_KERNELS_AUTOTUNE=0) and for head
+    dims above 128."""
+    config = _default_tiles(kind, block_d, elem_bytes)
+    return config | dict(LATE_PV=0) if kind == "fwd" else config
 
-    fp32 inputs (``elem_bytes=4``) take the backward tiles of the next larger head dim: an
+
+def _default_tiles(kind: str, block_d: int, elem_bytes: int) -> dict:
+    """Block sizes, warps and stages of _default_config. fp32 inputs (``elem_bytes=4``) take the backward tiles of the next larger head dim: an
     earlier 16-bit dK/dV tile (64 x 128) needed 262,656 bytes of shared memory in fp32 at head
     dim 128, over the H200's 232,448 (measured: OutOfResources)."""
     if INTERPRET:  # small tiles keep the interpreter fast and exercise multi-block paths
@@ -729,11 +777,12 @@ def _default_config(kind: str, block_d: int, elem_bytes: int = 2) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=1)
 
 
-# Autotune candidates (BLOCK_M, BLOCK_N, num_warps, num_stages) for head dims up to 128: the
-# configs the wide search below picked on an H200 for the benchmark's shapes (bf16, D=128;
-# benchmarks/results/attention-h200.json, "tuned_configs").
+# Autotune candidates (BLOCK_M, BLOCK_N, num_warps, num_stages[, LATE_PV]) for head dims up to
+# 128: the configs the wide search below picked on an H200 for the benchmark's shapes (bf16,
+# D=128; benchmarks/results/attention-h200.json, "tuned_configs"), and the forward's late-P V
+# loop (_fwd_gdpa_late_pv), which won at 1024 and 2048 keys.
 _TUNE_SPACE = {
-    "fwd": [(128, 32, 4, 4), (128, 64, 8, 3), (64, 64, 4, 3)],
+    "fwd": [(128, 32, 4, 4), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4, 1)],
     "dkdv": [(32, 64, 4, 3), (64, 128, 8, 3), (64, 64, 4, 2)],
     "dq": [(128, 64, 8, 3), (64, 32, 4, 3), (128, 32, 4, 3)],
 }
@@ -756,13 +805,18 @@ def _tuned(kernel, kind: str):
     default config."""
     if INTERPRET:
         return kernel
-    configs = [triton.Config(dict(BLOCK_M=m, BLOCK_N=n), num_warps=w, num_stages=s)
-               for m, n, w, s in _TUNE_SPACE[kind]]
+    configs = []
+    for m, n, w, s, *late in _TUNE_SPACE[kind]:
+        tiles = dict(BLOCK_M=m, BLOCK_N=n) | (dict(LATE_PV=late[0] if late else 0) if kind == "fwd" else {})
+        configs.append(triton.Config(tiles, num_warps=w, num_stages=s))
 
     def prune(configs, named_args, **kwargs):
-        block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D", 128))
-        q = named_args.get("Q")
+        args = named_args | kwargs
+        block_d = args.get("BLOCK_D", 128)
+        q = args.get("Q")
         elem_bytes = q.element_size() if hasattr(q, "element_size") else 2
+        if kind == "fwd" and not _late_pv_applies(args):
+            configs = [config for config in configs if not config.kwargs["LATE_PV"]]
         if block_d <= 128 and (elem_bytes < 4 or kind == "fwd"):
             return configs
         # Head dims above 128, and the fp32 backward (whose 16-bit candidates overflow shared memory
@@ -773,6 +827,13 @@ def _tuned(kernel, kind: str):
 
     return triton.autotune(configs=configs, key=_TUNE_KEY,
                            prune_configs_by={"early_config_prune": prune})(kernel)
+
+
+def _late_pv_applies(meta: dict) -> bool:
+    """Whether _fwd_kernel runs its LATE_PV loop: GDPA without a causal, window or block mask,
+    pointer loads."""
+    return (meta["ACTIVATION"] != SOFTMAX and not meta["USE_TMA"]
+            and not (meta["CAUSAL"] or meta["HAS_WINDOW"] or meta["HAS_BLOCK"]))
 
 
 _KERNELS = {

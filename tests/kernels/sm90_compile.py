@@ -5,8 +5,9 @@ Runs the real launchers on CPU tensors with a ``wrap`` that compiles each kernel
 activation path and the tensor-descriptor loads forced on. The CPU test tier runs it in a subprocess (the interpreter's
 settings are fixed at import time), so the inline PTX of the GPU-only paths is checked in CI.
 
+Autotuned kernels compile their first config, and the forward's LATE_PV config where it applies.
 ``python tests/kernels/sm90_compile.py --resources [activation ...]`` compiles every autotune
-config instead of the first and prints each one's registers and spill (stack) bytes per thread,
+config instead and prints each one's registers and spill (stack) bytes per thread,
 read from the cubin with the cuobjdump that ships with Triton; set GEM_KERNELS_TUNE_SPACE=wide for
 the wide list.
 """
@@ -21,6 +22,7 @@ import sys
 import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
+os.environ["GEM_KERNELS_AUTOTUNE"] = "1"  # the launchers take the autotuned kernels (see compile_only)
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -88,7 +90,9 @@ def compile_only(kernel, float_type="fp32"):
             def compile_(*args, **kwargs):
                 if not tuned:
                     return _compile(fn, args, kwargs, float_type)
-                for config in kernel.configs if RESOURCES else kernel.configs[:1]:
+                configs = kernel.configs if RESOURCES else kernel.configs[:1] + [
+                    c for c in kernel.configs if c.kwargs.get("LATE_PV") and kernels._late_pv_applies(kwargs)]
+                for config in configs:
                     _compile(fn, args, kwargs | config.kwargs | dict(
                         num_warps=config.num_warps, num_stages=config.num_stages), float_type)
             return compile_
@@ -113,6 +117,8 @@ def _compile(fn, args, kwargs, float_type):
     line = (f"compiled {fn.__name__} activation={kwargs.get('ACTIVATION')} "
             f"causal={kwargs.get('CAUSAL')} packed={kwargs.get('PACKED_ACT')} "
             f"tma={kwargs.get('USE_TMA')} floats={float_type}")
+    if kwargs.get("LATE_PV"):
+        line += " late_pv=1"
     if RESOURCES:
         tiles = {key: kwargs[key] for key in ("BLOCK_M", "BLOCK_N") if key in kwargs}
         line += f" {tiles} {options} {_resources(compiled.asm['cubin'])}"

@@ -224,12 +224,14 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     # fast_gelu (three times: pointer loads, TMA loads, fp64 scalars as Inductor passes them)
     # and silu: fwd, dK/dV, dQ on the bf16x2 path; gelu (float32 activations; fp32 and fp64
     # scalars): fwd, dK/dV, dQ; softmax (fp32 and fp64 scalars): fwd, preprocess, dK/dV, dQ.
-    # The fp64 passes run without a mask (the kernels' one-loop path), the others causal.
-    assert sum("packed=True" in line for line in lines) == 12, lines
+    # The fp64 passes run without a mask (the kernels' one-loop path), the others causal; the
+    # fp64 fast_gelu and gelu passes compile the forward's LATE_PV loop too.
+    assert sum("packed=True" in line for line in lines) == 13, lines
     assert sum("tma=True" in line for line in lines) == 3, lines
-    assert sum("floats=fp64" in line for line in lines) == 10, lines
-    assert sum("causal=False" in line for line in lines) == 9, lines
-    assert len(lines) == 26, lines
+    assert sum("floats=fp64" in line for line in lines) == 12, lines
+    assert sum("causal=False" in line for line in lines) == 11, lines
+    assert sum("late_pv=1" in line for line in lines) == 2, lines
+    assert len(lines) == 28, lines
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -251,6 +253,26 @@ def test_tensor_descriptor_loads(activation, layout, monkeypatch):
         _check_against_reference(inputs, torch.float32, activation=activation, **mask)
     shifted = torch.empty(inputs.k.numel() + 1, device=DEVICE)[1:].view_as(inputs.k)
     assert not triton_kernels._use_tma(shifted, inputs.v)
+
+
+def _force_late_pv(monkeypatch):
+    """Launch the forward's LATE_PV loop, an autotune candidate that the default config (the
+    interpreter's, and the GPU tests' with autotuning off) never takes."""
+    from kernels.jagged_attention import triton as triton_kernels
+
+    default = triton_kernels._default_config
+    monkeypatch.setattr(triton_kernels, "_default_config", lambda kind, *args: (
+        default(kind, *args) | dict(LATE_PV=1) if kind == "fwd" else default(kind, *args)))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("activation", ["fast_gelu", "relu"])
+def test_late_pv_forward_loop(activation, layout, monkeypatch):
+    _force_late_pv(monkeypatch)
+    torch.manual_seed(0)
+    inputs = make_inputs([0, 17, 33, 1], [3, 0, 37, 16], num_heads=2, head_dim=48, layout=layout,
+                         num_dense_kv=5, num_queries=6, device=DEVICE)
+    _check_against_reference(inputs, torch.float32, activation=activation)
 
 
 def test_invalid_arguments_are_rejected():
@@ -335,6 +357,17 @@ def test_gpu_autotuned_configs(activation, dtype, monkeypatch):
     inputs = make_inputs(lengths, num_heads=4, head_dim=128, dtype=dtype, device="cuda",
                          generator=gen)
     _check_against_reference(inputs, dtype, activation=activation, causal=True)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("activation", ["fast_gelu", "gelu"])
+def test_gpu_late_pv_forward_loop(activation, layout, monkeypatch):
+    """The LATE_PV loop at real shapes: bf16x2 (fast_gelu) and float32 (gelu) activations."""
+    _force_late_pv(monkeypatch)
+    _check_against_reference(_gpu_layout_inputs(layout, seed=9, empty=4), torch.bfloat16,
+                             activation=activation)
 
 
 @gpu
