@@ -353,6 +353,16 @@ def _fwd_inner(
 
 
 @triton.jit
+def _opaque_copy(x):
+    """x, through an instruction the compiler cannot see through (16- or 32-bit elements)."""
+    if x.dtype.primitive_bitwidth == 16:
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype,
+                                         is_pure=True, pack=2)
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
 def _fwd_gdpa_late_pv(
     acc, q, K, V, stride_kt, stride_vt, offs_d, dmask, kv_len, qk_scale,
     ACTIVATION: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
@@ -382,8 +392,7 @@ def _fwd_gdpa_late_pv(
         if not _UPCAST_DOTS:
             # An opaque copy inside the loop: Triton would stage the loop-carried operand
             # through shared memory and then wait on the product at once.
-            p = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [p], dtype=p.dtype,
-                                          is_pure=True, pack=2)
+            p = _opaque_copy(p)
         acc = _dot(p, v, acc, DOT_PRECISION)
         if PACKED_ACT:
             p = _gdpa_act_packed(x.to(v.dtype), qk_scale, ACTIVATION)

@@ -150,6 +150,11 @@ def main() -> None:
             kernels._use_tma = use_tma
         if activation != "silu":  # scalars typed as torch.compile passes them, without a mask
             compile_fwd_bwd(functools.partial(compile_only, float_type="fp64"), causal=False)
+    # float32 inputs: the forward's plain and LATE_PV loops (float32 P)
+    q32, k32, v32 = (t.float() for t in (q, k, v))
+    kernels.jagged_attention_fwd(q32, k32, v32, inputs.q_offsets, inputs.kv_offsets, order,
+                                 inputs.max_q_len, inputs.max_kv_len, "gelu", 0.088, 0.1, False,
+                                 -1, 0, False, wrap=compile_only)
 
 if __name__ == "__main__":
     main()
