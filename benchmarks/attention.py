@@ -324,23 +324,29 @@ def main() -> None:
         sweeps = {}
         earlier = json.loads((out_dir / f"{name}.json").read_text())
         earlier["rows"] = [r for r in earlier["rows"] if "sweep" in r]
+    for row in earlier["rows"]:  # kept rows of files written before rows carried "measured"
+        row.setdefault("measured", {"date": earlier["date"], "git_commit": earlier.get("git_commit")})
+
+    versions = _versions()
 
     def save():  # after every case, so that a run cut short still leaves its numbers
+        for row in rows:  # where each row was measured (kept rows keep theirs)
+            row.setdefault("measured", {"date": versions["date"], "git_commit": versions["git_commit"]})
         all_rows = earlier["rows"] + rows
         tuned = {kind: {**earlier["tuned_configs"].get(kind, {}), **chosen}
                  for kind, chosen in _tuned_configs().items()}
-        record = {**_versions(), "num_heads": NUM_HEADS, "head_dim": HEAD_DIM,
+        record = {**versions, "num_heads": NUM_HEADS, "head_dim": HEAD_DIM,
                   "dtype": str(DTYPE),
                   "flops": "fwd = 4*H*D*sum(visible pairs); bwd = 2.5x fwd; fwd+bwd = 3.5x fwd",
                   "shapes": earlier.get("shapes") or [
                       dict(zip(("name", "layout", "batch", "max_len", "fill"), s)) for s in shapes],
                   "tune_space": os.environ.get("GEM_KERNELS_TUNE_SPACE", "default"),
                   "tuned_configs": tuned, "rows": all_rows, "summary": summarize(all_rows)["targets"]}
-        if args.only_sweeps:
-            record["notes"] = f"sweeps {args.only_sweeps} re-run on {record['date']}; other rows from {earlier['date']}"
-        elif args.keep_sweeps:
-            record["notes"] = (f"target rows run on {record['date']}; sweep rows from {earlier['date']} "
-                               f"(commit {earlier.get('git_commit')})")
+        kept = sorted({(r["measured"]["date"], r["measured"]["git_commit"]) for r in earlier["rows"]})
+        if args.only_sweeps or args.keep_sweeps:
+            record["notes"] = (f"{'sweeps ' + args.only_sweeps if args.only_sweeps else 'target rows'} "
+                               f"run on {record['date']}; the other rows kept from (date, commit) {kept}; "
+                               "each row's 'measured' says which")
         (out_dir / f"{name}.json").write_text(json.dumps(record, indent=1))
 
     for shape in shapes:
