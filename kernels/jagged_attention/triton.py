@@ -763,9 +763,10 @@ def _default_config(kind: str, block_d: int, elem_bytes: int = 2) -> dict:
 
 
 def _default_tiles(kind: str, block_d: int, elem_bytes: int) -> dict:
-    """Block sizes, warps and stages of _default_config. fp32 inputs (``elem_bytes=4``) take the backward tiles of the next larger head dim: an
-    earlier 16-bit dK/dV tile (64 x 128) needed 262,656 bytes of shared memory in fp32 at head
-    dim 128, over the H200's 232,448 (measured: OutOfResources)."""
+    """Block sizes, warps and stages of _default_config. fp32 inputs (``elem_bytes=4``) take
+    the backward tiles of the next larger head dim: an earlier 16-bit dK/dV tile (64 x 128)
+    needed 262,656 bytes of shared memory in fp32 at head dim 128, over the H200's 232,448
+    (measured: OutOfResources)."""
     if INTERPRET:  # small tiles keep the interpreter fast and exercise multi-block paths
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
     if elem_bytes >= 4 and kind != "fwd" and block_d > 64:
@@ -788,8 +789,10 @@ def _default_tiles(kind: str, block_d: int, elem_bytes: int) -> dict:
 
 # Autotune candidates (BLOCK_M, BLOCK_N, num_warps, num_stages[, LATE_PV]) for head dims up to
 # 128: the configs the wide search below picked on an H200 for the benchmark's shapes (bf16,
-# D=128; benchmarks/results/attention-h200.json, "tuned_configs"), and the forward's late-P V
-# loop (_fwd_gdpa_late_pv), which won at 1024 and 2048 keys.
+# D=128; benchmarks/results/attention-h200.json, "tuned_configs"), and the forward's LATE_PV
+# loop (_fwd_gdpa_late_pv): forced, it was faster than the plain loop on the benchmark's rows of
+# up to 1024 and 2048 keys, slower on those of 256 and up to 512 (docs/kernels.md); the
+# benchmark's tuning chose it at 2048.
 _TUNE_SPACE = {
     "fwd": [(128, 32, 4, 4), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4, 1)],
     "dkdv": [(32, 64, 4, 3), (64, 128, 8, 3), (64, 64, 4, 2)],
@@ -816,7 +819,9 @@ def _tuned(kernel, kind: str):
         return kernel
     configs = []
     for m, n, w, s, *late in _TUNE_SPACE[kind]:
-        tiles = dict(BLOCK_M=m, BLOCK_N=n) | (dict(LATE_PV=late[0] if late else 0) if kind == "fwd" else {})
+        tiles = dict(BLOCK_M=m, BLOCK_N=n)
+        if kind == "fwd":
+            tiles["LATE_PV"] = late[0] if late else 0
         configs.append(triton.Config(tiles, num_warps=w, num_stages=s))
 
     def prune(configs, named_args, **kwargs):
