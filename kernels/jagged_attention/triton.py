@@ -354,12 +354,11 @@ def _fwd_inner(
 
 @triton.jit
 def _opaque_copy(x):
-    """x, through an instruction the compiler cannot see through (16- or 32-bit elements)."""
-    if x.dtype.primitive_bitwidth == 16:
-        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype,
-                                         is_pure=True, pack=2)
-    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype,
-                                     is_pure=True, pack=1)
+    """x, through an instruction the compiler cannot see through (16- or 32-bit elements, packed
+    into 32-bit registers)."""
+    PACK: tl.constexpr = 32 // x.dtype.primitive_bitwidth
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=True,
+                                     pack=PACK)
 
 
 @triton.jit
