@@ -147,6 +147,16 @@ def _gdpa_act_packed(x, scale, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def _gdpa_p(x, scale, dtype: tl.constexpr, ACTIVATION: tl.constexpr, PACKED_ACT: tl.constexpr,
+            DOT_PRECISION: tl.constexpr):
+    """The forward's P = :func:`_gdpa_act` of the float32 scores x, in ``dtype`` (bf16x2 math
+    where PACKED_ACT)."""
+    if PACKED_ACT:
+        return _gdpa_act_packed(x.to(dtype), scale, ACTIVATION)
+    return _gdpa_act(x, scale, ACTIVATION, DOT_PRECISION != "ieee").to(dtype)
+
+
+@triton.jit
 def _gdpa_act_and_grad_packed(x, dp, scale, ACTIVATION: tl.constexpr):
     """(p, dp * g) of :func:`_gdpa_act_and_grad` for bf16 scores x and bf16 dP (silu,
     fast_gelu), two at a time in bf16x2 (sm_90). Returns bf16."""
@@ -341,10 +351,7 @@ def _fwd_inner(
             acc = acc * alpha[:, None]
             m_i = m_new
         else:
-            if PACKED_ACT:
-                p = _gdpa_act_packed(x.to(v.dtype), qk_scale, ACTIVATION)
-            else:
-                p = _gdpa_act(x, qk_scale, ACTIVATION, DOT_PRECISION != "ieee").to(v.dtype)
+            p = _gdpa_p(x, qk_scale, v.dtype, ACTIVATION, PACKED_ACT, DOT_PRECISION)
             if MASK == VISIBLE:
                 vis = _visible(rows, cols, q_len, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK)
                 p = tl.where(vis, p, 0.0)
@@ -381,7 +388,7 @@ def _fwd_gdpa_late_pv(
     p = tl.zeros([acc.shape[0], BLOCK_N], dtype=V.dtype.element_ty)
     for n0 in range(0, kv_len + BLOCK_N, BLOCK_N):
         cols = n0 + offs_n
-        k = _load_rows(K + cols[:, None] * stride_kt + offs_d[None, :], cols, kv_len, dmask, True, EVEN_D)
+        k = _load_tile(K, stride_kt, n0, cols, kv_len, offs_d, dmask, True, EVEN_D, False)
         prev = cols - BLOCK_N  # the rows of the tile whose P V runs now
         v_mask = ((prev >= 0) & (prev < kv_len))[:, None]
         if not EVEN_D:
@@ -393,10 +400,7 @@ def _fwd_gdpa_late_pv(
             # through shared memory and then wait on the product at once.
             p = _opaque_copy(p)
         acc = _dot(p, v, acc, DOT_PRECISION)
-        if PACKED_ACT:
-            p = _gdpa_act_packed(x.to(v.dtype), qk_scale, ACTIVATION)
-        else:
-            p = _gdpa_act(x, qk_scale, ACTIVATION, DOT_PRECISION != "ieee").to(v.dtype)
+        p = _gdpa_p(x, qk_scale, v.dtype, ACTIVATION, PACKED_ACT, DOT_PRECISION)
     return acc
 
 
