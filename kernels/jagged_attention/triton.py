@@ -48,6 +48,10 @@ PACKED_ACT = not INTERPRET and os.environ.get("GEM_KERNELS_PACKED_ACT", "1") == 
 # masked loads).
 # See _use_tma for when it applies.
 USE_TMA = os.environ.get("GEM_KERNELS_TMA", "0") == "1"
+# GEM_KERNELS_GLUON=1 (experimental, default 0): the GDPA forward without a mask runs the
+# persistent, warp-specialized Gluon kernel of gluon.py on sm_90 GPUs where it applies
+# (gluon.applies); everything else, the backward included, stays here.
+USE_GLUON = os.environ.get("GEM_KERNELS_GLUON", "0") == "1"
 
 
 def autotune_enabled() -> bool:
@@ -974,6 +978,13 @@ def jagged_attention_fwd(
 
     if num_rows == 0 or num_heads == 0 or max_q_len == 0 or num_batches == 0:
         return out.zero_(), lse.fill_(float("inf"))
+    if USE_GLUON and not INTERPRET and not softmax:
+        from kernels.jagged_attention import gluon
+
+        if gluon.applies(q, k, v, activation, causal, window, block_size, q_broadcast):
+            gluon.forward(q, k, v, out, q_offsets, kv_offsets, batch_order, max_q_len,
+                          meta["ACTIVATION"], scale, out_scale, meta["PACKED_ACT"])
+            return out, lse
 
     def grid(cfg):
         return (triton.cdiv(max_q_len, cfg["BLOCK_M"]) * num_batches * num_heads,)

@@ -6,6 +6,8 @@ activation path and the tensor-descriptor loads forced on. The CPU test tier run
 settings are fixed at import time), so the inline PTX of the GPU-only paths is checked in CI.
 
 Autotuned kernels compile their first config, and the forward's LATE_PV config where it applies.
+Last, the experimental Gluon forward (``gluon.py``: inline PTX, TMA, warp specialization) for
+every pointwise activation, whose cubins must not spill.
 ``python tests/kernels/sm90_compile.py --resources [activation ...]`` compiles every autotune
 config instead and prints each one's registers and spill (stack) bytes per thread,
 read from the cubin with the cuobjdump that ships with Triton; set GEM_KERNELS_TUNE_SPACE=wide for
@@ -28,7 +30,11 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction  # noqa: E402
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
+from triton.runtime.jit import mangle_type  # noqa: E402
 
+from kernels.jagged_attention import gluon  # noqa: E402
 from kernels.jagged_attention import triton as kernels  # noqa: E402
 from kernels.jagged_attention.inputs import make_inputs  # noqa: E402
 
@@ -53,6 +59,9 @@ def _signature(fn, args, kwargs, float_type):
         if name in constexpr_names:
             signature[name] = "constexpr"
             constexprs[(index,)] = value
+            continue
+        if isinstance(value, TensorDescriptor):
+            signature[name] = mangle_type(value)
             continue
         if isinstance(value, torch.Tensor):
             signature[name] = "*" + TYPES[value.dtype]
@@ -104,9 +113,19 @@ def _compile(fn, args, kwargs, float_type):
     """Compiles one launch for sm_90 and checks its PTX for the paths the flags select."""
     options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
     signature, constexprs, attrs = _signature(fn, args, kwargs, float_type)
-    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET,
+    source = GluonASTSource if isinstance(fn, GluonJITFunction) else ASTSource
+    compiled = triton.compile(source(fn, signature, constexprs, attrs), target=TARGET,
                               options=options)
     assert compiled.asm["cubin"], fn.__name__
+    if source is GluonASTSource:
+        ptx = compiled.asm["ptx"]
+        assert "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx and "wgmma" in ptx
+        assert ("tanh.approx.bf16x2" in ptx) == kwargs["PACKED"]
+        resources = _resources(compiled.asm["cubin"])
+        assert "stack=0" in resources, resources  # no spills
+        print(f"compiled gluon {fn.__name__} activation={kwargs['ACTIVATION']} "
+              f"head_dim={kwargs['HEAD_D']} bf16x2={kwargs['PACKED']} {resources}", flush=True)
+        return
     if kwargs.get("PACKED_ACT"):
         assert "tanh.approx.bf16x2" in compiled.asm["ptx"], fn.__name__
     if kwargs.get("USE_TMA"):
@@ -155,6 +174,16 @@ def main() -> None:
     kernels.jagged_attention_fwd(q32, k32, v32, inputs.q_offsets, inputs.kv_offsets, order,
                                  inputs.max_q_len, inputs.max_kv_len, "gelu", 0.088, 0.1, False,
                                  -1, 0, False, wrap=compile_only)
+    # the experimental Gluon forward: every pointwise activation in bf16 at head dim 128 (silu
+    # and fast_gelu on the bf16x2 path), and fp16 at head dim 64
+    cases = [(torch.bfloat16, 128, name) for name in ("silu", "gelu", "fast_gelu", "relu", "identity")]
+    for dtype, head_dim, activation in cases + [(torch.float16, 64, "fast_gelu")]:
+        inputs = make_inputs([5, 0, 130], [7, 3, 0], num_heads=2, head_dim=head_dim, dtype=dtype)
+        q, k, v = inputs.tensors()
+        packed = dtype == torch.bfloat16 and activation in ("silu", "fast_gelu")
+        gluon.forward(q, k, v, torch.empty_like(q), inputs.q_offsets, inputs.kv_offsets, order,
+                      inputs.max_q_len, kernels.ACTIVATION_CODES[activation], 0.088, 0.1, packed,
+                      wrap=compile_only, num_sms=132)
 
 if __name__ == "__main__":
     main()

@@ -226,13 +226,17 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     # scalars): fwd, dK/dV, dQ; softmax (fp32 and fp64 scalars): fwd, preprocess, dK/dV, dQ.
     # The fp64 passes run without a mask (the kernels' one-loop path), the others causal; the
     # fp64 fast_gelu and gelu passes compile the forward's LATE_PV loop too; last, the float32
-    # input forward, plain and LATE_PV.
+    # input forward, plain and LATE_PV. Then the Gluon forward (six cases, each with its work-list
+    # kernel): bf16 silu and fast_gelu on the bf16x2 path, no spills (checked in the script).
+    assert sum(line.startswith("compiled gluon") for line in lines) == 6, lines
+    assert sum("bf16x2=True" in line for line in lines) == 2, lines
+    assert sum("_work_list_kernel" in line for line in lines) == 6, lines
     assert sum("packed=True" in line for line in lines) == 13, lines
     assert sum("tma=True" in line for line in lines) == 3, lines
     assert sum("floats=fp64" in line for line in lines) == 12, lines
     assert sum("causal=False" in line for line in lines) == 13, lines
     assert sum("late_pv=1" in line for line in lines) == 3, lines
-    assert len(lines) == 30, lines
+    assert len(lines) == 42, lines
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -388,3 +392,94 @@ def test_gpu_packed_activation_path(activation, layout, monkeypatch):
         assert triton_kernels._packed_act(inputs.q, activation) == packed
         for mask in ({}, {"causal": True, "window": 77}):
             _check_against_reference(inputs, torch.bfloat16, activation=activation, **mask)
+
+
+# --------------------------------------------------------------------------------------
+# The experimental Gluon forward (GEM_KERNELS_GLUON=1)
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("offsets_dtype", [torch.int32, torch.int64])
+def test_gluon_work_list(offsets_dtype):
+    """The Gluon forward's work tiles, built on the device (the interpreter here), are those of
+    a Python loop: examples in batch_order, then query blocks of 128, then heads; an empty
+    example has none; more examples than one chunk of the builder."""
+    from kernels.jagged_attention import gluon
+
+    gen = torch.Generator().manual_seed(0)
+    q_lengths = torch.randint(0, 300, (1500,), generator=gen)
+    q_lengths[::5] = 0
+    kv_lengths = torch.randint(0, 300, (1500,), generator=gen)
+    q_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), q_lengths.cumsum(0)]).to(offsets_dtype)
+    kv_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), kv_lengths.cumsum(0)]).to(offsets_dtype)
+    order = torch.randperm(1500, generator=gen).to(torch.int32)
+    num_heads, max_q_len = 3, 310  # max_q_len may exceed the longest example
+    work, total = gluon.work_list(q_offsets.to(DEVICE), kv_offsets.to(DEVICE), order.to(DEVICE),
+                                  num_heads, max_q_len)
+    expected = [[int(q_offsets[b]) + m, int(q_lengths[b]) - m, h, int(kv_offsets[b]), int(kv_lengths[b])]
+                for b in order.tolist() for m in range(0, int(q_lengths[b]), 128)
+                for h in range(num_heads)]
+    assert work.shape[0] == 1500 * num_heads * 3
+    assert int(total) == len(expected)
+    assert work[:len(expected), :5].tolist() == expected
+
+
+def _gluon_forward_calls(monkeypatch) -> list:
+    """Enable the Gluon forward and record its launches."""
+    from kernels.jagged_attention import gluon
+    from kernels.jagged_attention import triton as triton_kernels
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon forward needs sm_90")
+    monkeypatch.setattr(triton_kernels, "USE_GLUON", True)
+    calls = []
+    launch = gluon.forward
+
+    def forward(*args, **kwargs):
+        calls.append(args[0].shape)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(gluon, "forward", forward)
+    return calls
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("activation", ["silu", "gelu", "fast_gelu", "relu", "identity"])
+def test_gpu_gluon_forward(activation, layout, monkeypatch):
+    """GEM_KERNELS_GLUON: the Gluon forward (jagged and dense K/V; broadcast queries stay on the
+    Triton kernel) and the Triton backward after it match the reference; without a mask only,
+    a causal call stays on Triton."""
+    calls = _gluon_forward_calls(monkeypatch)
+    inputs = _gpu_layout_inputs(layout, seed=11, empty=3)
+    _check_against_reference(inputs, torch.bfloat16, activation=activation)
+    assert len(calls) == (0 if layout == "broadcast_q" else 1)
+    _check_against_reference(inputs, torch.bfloat16, activation=activation, causal=True)
+    assert len(calls) == (0 if layout == "broadcast_q" else 1)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 128), (torch.float16, 64),
+                                             (torch.float16, 128), (torch.bfloat16, 64)])
+def test_gpu_gluon_forward_many_tiles(dtype, head_dim, monkeypatch):
+    """Many work tiles per program (600 examples, every 7th empty, K/V lengths cut short of a
+    whole tile): each program's loop over tiles, its Q double buffer and K/V ring phases, and the
+    masking of a tile that runs into the next example. Output within rounding of the Triton
+    forward's."""
+    calls = _gluon_forward_calls(monkeypatch)
+    gen = torch.Generator().manual_seed(head_dim)
+    lengths = torch.randint(1, 700, (600,), generator=gen)
+    lengths[::7] = 0
+    inputs = make_inputs(lengths, torch.randint(0, 700, (600,), generator=gen), num_heads=4,
+                         head_dim=head_dim, dtype=dtype, device="cuda", max_len_slack=40,
+                         generator=gen)
+    _check_against_reference(inputs, dtype, activation="fast_gelu")
+    assert len(calls) == 1
+    with torch.no_grad():
+        out = jagged_attention(*inputs.args(), activation="gelu", backend="triton")
+        monkeypatch.setattr("kernels.jagged_attention.triton.USE_GLUON", False)
+        expected = jagged_attention(*inputs.args(), activation="gelu", backend="triton")
+    assert len(calls) == 2
+    assert _relative_error(out, expected) < 1e-2

@@ -1,0 +1,362 @@
+"""Experimental Hopper (sm_90) GDPA forward in Gluon: persistent and warp-specialized.
+
+Opt-in with ``GEM_KERNELS_GLUON=1`` (``triton.USE_GLUON``); :func:`applies` says when the
+forward launcher in ``triton.py`` then takes this kernel instead of its Triton one (the backward
+is always Triton's). Imported only then.
+Same math as the Triton forward (``_gdpa_act`` / ``_gdpa_act_packed``, the output scale folded
+by the launcher), so the two agree to rounding.
+
+Structure (FlashAttention-3's forward, for a pointwise activation):
+
+* One program per SM loops over a compact list of work tiles (128 query rows of one example
+  and head), built on the GPU by :func:`_work_list_kernel` without a host sync: examples in
+  ``batch_order`` (most work first), then query blocks, then heads. Programs stride through the
+  list, so every SM gets a mix of long and short tiles.
+* Per program, one loader warp issues TMA copies (Q tiles double-buffered, K/V through a ring
+  of ``STAGES`` slots) from host-built tensor descriptors over ``[rows, H * D]``, while two
+  4-warp consumers each own 64 of the tile's 128 query rows and share the K/V ring. A consumer
+  issues ``S_j = Q K_j^T`` and ``P_{j-1} V_{j-1}`` back to back, so the tensor cores run one
+  while its warps compute the activation of the other.
+* A descriptor's rows run on into the next example: the last key tile of an example is masked
+  in registers (columns past its end give ``P = 0``), and the output is stored from registers
+  with a row mask. Rows past the tensor's end are zero-filled by the TMA unit.
+
+Measured as a standalone prototype on an H200 (docs/kernels.md, "Gluon forward"): faster than
+the Triton forward on the benchmark's jagged rows except those of up to 512 keys (level). The
+kernel in this file is that prototype generalized (activations, fp16, head dim 64, the on-GPU
+work list); see the README's kernel section for what has been run on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from torch._subclasses.fake_tensor import is_fake
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+BLOCK_M = 128  # query rows per work tile: two consumers of 64
+BLOCK_N = 64
+STAGES = 4  # K/V ring slots
+Q_BUFFERS = 2  # Q tiles in flight: the next tile's loads overlap the current one's epilogue
+CONSUMER_REGS = 232  # registers per consumer thread after setmaxnreg (the loader keeps 24)
+# int32 per work tile: first Q row, valid rows, head, K/V start, K/V length, 3 of padding
+WORK_FIELDS = gl.constexpr(8)
+HEAD_DIMS = (64, 128)
+# triton.py's ACTIVATION_CODES
+SILU, GELU, FAST_GELU, RELU = (gl.constexpr(code) for code in (1, 2, 3, 4))
+
+
+def applies(q, k, v, activation, causal, window, block_size, q_broadcast) -> bool:
+    """Whether this kernel computes the forward: real (not traced) 16-bit CUDA tensors on an sm_90
+    GPU, a pointwise activation without a causal, window or block mask, jagged queries, head dim
+    64 or 128, and non-empty ``[rows, H, D]`` tensors that a 2-D descriptor over ``[rows, H * D]``
+    can address (heads adjacent, 16-byte aligned base and row stride)."""
+    if activation == "softmax" or causal or window >= 0 or block_size > 0:
+        return False
+    if q_broadcast or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if torch.compiler.is_compiling() or any(is_fake(t) for t in (q, k, v)):
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    head_dim = q.shape[2]
+    return head_dim in HEAD_DIMS and all(
+        t.dtype == q.dtype and t.stride(2) == 1 and t.stride(1) == head_dim
+        and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+        and 0 < t.shape[0] < 2**31 for t in (q, k, v))
+
+
+@triton.jit
+def _work_list_kernel(q_offsets, kv_offsets, batch_order, WORK, TOTAL, num_batches, num_heads,
+                      BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, FIELDS: tl.constexpr):
+    """Program m writes the work tiles of query block m of every example: ``WORK[e]`` = (first Q
+    row, valid rows, head, K/V start, K/V length) for tile ``e`` = (blocks of the examples before
+    it in ``batch_order`` + m) * heads + head. Program 0 writes their number to ``TOTAL``."""
+    m = tl.program_id(0)
+    carry = 0
+    for c0 in range(0, num_batches, CHUNK):
+        rank = c0 + tl.arange(0, CHUNK)
+        valid = rank < num_batches
+        b = tl.load(batch_order + rank, mask=valid, other=0)
+        q_start = tl.load(q_offsets + b, mask=valid, other=0).to(tl.int32)
+        q_len = tl.load(q_offsets + b + 1, mask=valid, other=0).to(tl.int32) - q_start
+        kv_start = tl.load(kv_offsets + b, mask=valid, other=0).to(tl.int32)
+        kv_len = tl.load(kv_offsets + b + 1, mask=valid, other=0).to(tl.int32) - kv_start
+        blocks = tl.where(valid, tl.cdiv(q_len, BLOCK_M), 0)
+        live = m < blocks
+        tile = (carry + tl.cumsum(blocks, 0) - blocks + m) * num_heads
+        for h in range(0, num_heads):
+            row = WORK + (tile + h).to(tl.int64) * FIELDS
+            tl.store(row, q_start + m * BLOCK_M, mask=live)
+            tl.store(row + 1, q_len - m * BLOCK_M, mask=live)
+            tl.store(row + 2, tl.zeros_like(q_start) + h, mask=live)
+            tl.store(row + 3, kv_start, mask=live)
+            tl.store(row + 4, kv_len, mask=live)
+        carry += tl.sum(blocks, 0)
+    if m == 0:
+        tl.store(TOTAL, carry * num_heads)
+
+
+@gluon.jit
+def _tanh(x):
+    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _activation(s, scale, ACTIVATION: gl.constexpr, PACKED: gl.constexpr, dtype: gl.constexpr):
+    """P of the float32 scores s, in ``dtype``: triton.py's ``_gdpa_act`` (FAST) or, where
+    PACKED (bf16 silu / fast_gelu), ``_gdpa_act_packed``."""
+    if PACKED:
+        x = s.to(dtype)
+        if ACTIVATION == SILU:
+            h = gl.full(x.shape, 0.5 * scale, dtype, x.type.layout)
+            return gl.inline_asm_elementwise(
+                "{ .reg .b32 h, t; mul.rn.bf16x2 h, $1, $2; tanh.approx.bf16x2 t, h; "
+                "fma.rn.bf16x2 $0, $1, t, $1; }",
+                "=r,r,r", [x, h], dtype=x.dtype, is_pure=True, pack=2)
+        a = scale * 0.7978845608028654
+        a2 = gl.full(x.shape, a, dtype, x.type.layout)
+        b2 = gl.full(x.shape, a * 0.044715 * scale * scale, dtype, x.type.layout)
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 sq, u, t; mul.rn.bf16x2 sq, $1, $1; fma.rn.bf16x2 u, sq, $3, $2; "
+            "mul.rn.bf16x2 u, $1, u; tanh.approx.bf16x2 t, u; fma.rn.bf16x2 $0, $1, t, $1; }",
+            "=r,r,r,r", [x, a2, b2], dtype=x.dtype, is_pure=True, pack=2)
+    if ACTIVATION == SILU:
+        p = s + s * _tanh(s * (0.5 * scale))
+    elif ACTIVATION == GELU:
+        p = s + s * gl.erf(s * (scale * 0.7071067811865476))
+    elif ACTIVATION == FAST_GELU:
+        a = scale * 0.7978845608028654
+        b = a * 0.044715 * scale * scale
+        p = s + s * _tanh(s * (a + b * (s * s)))
+    elif ACTIVATION == RELU:
+        p = gl.maximum(s, 0.0)
+    else:
+        p = s
+    return p.to(dtype)
+
+
+@gluon.jit
+def _probabilities(s, j, kv_len, scale, p_layout: gl.constexpr, ACTIVATION: gl.constexpr,
+                   PACKED: gl.constexpr, dtype: gl.constexpr):
+    """P of key tile j as the A operand of P V; the example's last tile zeroes the columns past
+    its end (they hold the next example's keys)."""
+    BLOCK_N: gl.constexpr = s.shape[1]
+    p = _activation(s, scale, ACTIVATION, PACKED, dtype)
+    if (j + 1) * BLOCK_N > kv_len:
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+        p = gl.where((cols < kv_len - j * BLOCK_N)[None, :], p, gl.zeros_like(p))
+    return gl.convert_layout(p, p_layout)
+
+
+@gluon.jit
+def _tile(WORK, t, valid):
+    """Work tile t of the list (zeros where not ``valid``)."""
+    row = WORK + t.to(gl.int64) * WORK_FIELDS
+    return (gl.load(row, mask=valid, other=0), gl.load(row + 1, mask=valid, other=0),
+            gl.load(row + 2, mask=valid, other=0), gl.load(row + 3, mask=valid, other=0),
+            gl.load(row + 4, mask=valid, other=0))
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, kv_ready, kv_free,
+            WORK, TOTAL):
+    """The loader warp: for each of the program's tiles, its two Q halves (once a Q buffer is
+    free), then its K/V tiles into the ring (once both consumers released the slot)."""
+    STAGES: gl.constexpr = k_smem.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    HEAD_D: gl.constexpr = k_smem.shape[2]
+    Q_BUFFERS: gl.constexpr = q_smem.shape[0] // 2
+    total = gl.load(TOTAL)
+    it = 0  # K/V tiles loaded so far
+    done = 0  # work tiles loaded so far
+    for t in range(gl.program_id(0), total, gl.num_programs(0)):
+        row0, num_rows, h, kv_start, kv_len = _tile(WORK, t, True)
+        qb = done % Q_BUFFERS
+        mbarrier.wait(q_free.index(qb), phase=((done // Q_BUFFERS) + 1) & 1, pred=done >= Q_BUFFERS)
+        bar = q_ready.index(qb)
+        mbarrier.expect(bar, 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [row0, h * HEAD_D], bar, q_smem.index(2 * qb))
+        tma.async_copy_global_to_shared(q_desc, [row0 + 64, h * HEAD_D], bar, q_smem.index(2 * qb + 1))
+        for j in range(gl.cdiv(kv_len, BLOCK_N)):
+            slot = it % STAGES
+            mbarrier.wait(kv_free.index(slot), phase=((it // STAGES) + 1) & 1, pred=it >= STAGES)
+            bar = kv_ready.index(slot)
+            mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [kv_start + j * BLOCK_N, h * HEAD_D], bar,
+                                            k_smem.index(slot))
+            tma.async_copy_global_to_shared(v_desc, [kv_start + j * BLOCK_N, h * HEAD_D], bar,
+                                            v_smem.index(slot))
+            it += 1
+        done += 1
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_ready, q_free, kv_ready, kv_free, O, stride_ot, stride_oh,
+              WORK, TOTAL, scale, out_scale, ACTIVATION: gl.constexpr, PACKED: gl.constexpr,
+              HALF: gl.constexpr):
+    """A 4-warp consumer: rows ``HALF * 64`` to ``HALF * 64 + 63`` of each of the program's work
+    tiles. It reads the next tile's entry while it computes the current one."""
+    STAGES: gl.constexpr = k_smem.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    HEAD_D: gl.constexpr = k_smem.shape[2]
+    Q_BUFFERS: gl.constexpr = q_smem.shape[0] // 2
+    dtype: gl.constexpr = k_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_zero = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
+    rows = gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
+    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
+    total = gl.load(TOTAL)
+    step = gl.num_programs(0)
+    it = 0
+    done = 0
+    next_row0, next_rows, next_h, _, next_kv_len = _tile(WORK, gl.program_id(0),
+                                                         gl.program_id(0) < total)
+    for t in range(gl.program_id(0), total, step):
+        row0 = next_row0 + HALF * 64
+        num_rows = next_rows - HALF * 64
+        h = next_h
+        kv_len = next_kv_len
+        next_row0, next_rows, next_h, _, next_kv_len = _tile(WORK, t + step, t + step < total)
+        n_tiles = gl.cdiv(kv_len, BLOCK_N)
+        acc = gl.zeros([64, HEAD_D], gl.float32, o_layout)
+        qb = done % Q_BUFFERS
+        q = q_smem.index(2 * qb + HALF)
+        mbarrier.wait(q_ready.index(qb), phase=(done // Q_BUFFERS) & 1)
+        if n_tiles > 0:
+            slot = it % STAGES
+            mbarrier.wait(kv_ready.index(slot), phase=(it // STAGES) & 1)
+            s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s,))
+            p = _probabilities(s, 0, kv_len, scale, p_layout, ACTIVATION, PACKED, dtype)
+            for j in range(1, n_tiles):
+                c = it + j
+                slot = c % STAGES
+                prev = (c - 1) % STAGES
+                mbarrier.wait(kv_ready.index(slot), phase=(c // STAGES) & 1)
+                s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
+                                  is_async=True)
+                acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+                s = warpgroup_mma_wait(1, deps=(s,))
+                p_next = _probabilities(s, j, kv_len, scale, p_layout, ACTIVATION, PACKED, dtype)
+                acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+                mbarrier.arrive(kv_free.index(prev), count=1)
+                p = p_next
+            last = (it + n_tiles - 1) % STAGES
+            acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(kv_free.index(last), count=1)
+            it += n_tiles
+        mbarrier.arrive(q_free.index(qb), count=1)
+        offs = (row0 + rows).to(gl.int64)[:, None] * stride_ot + h * stride_oh + cols[None, :]
+        mask = (rows < num_rows)[:, None] & (cols < HEAD_D)[None, :]
+        gl.store(O + offs, (acc * out_scale).to(dtype), mask=mask)
+        done += 1
+
+
+@gluon.jit
+def _consumer0(q_smem, k_smem, v_smem, q_ready, q_free, kv_ready, kv_free, O, stride_ot, stride_oh,
+               WORK, TOTAL, scale, out_scale, ACTIVATION: gl.constexpr, PACKED: gl.constexpr):
+    _consumer(q_smem, k_smem, v_smem, q_ready, q_free, kv_ready, kv_free, O, stride_ot, stride_oh,
+              WORK, TOTAL, scale, out_scale, ACTIVATION, PACKED, 0)
+
+
+@gluon.jit
+def _consumer1(q_smem, k_smem, v_smem, q_ready, q_free, kv_ready, kv_free, O, stride_ot, stride_oh,
+               WORK, TOTAL, scale, out_scale, ACTIVATION: gl.constexpr, PACKED: gl.constexpr):
+    _consumer(q_smem, k_smem, v_smem, q_ready, q_free, kv_ready, kv_free, O, stride_ot, stride_oh,
+              WORK, TOTAL, scale, out_scale, ACTIVATION, PACKED, 1)
+
+
+@gluon.jit
+def _barriers(n: gl.constexpr, count: gl.constexpr):
+    bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(n):
+        mbarrier.init(bars.index(i), count=count)
+    return bars
+
+
+@gluon.jit
+def _gdpa_fwd_kernel(q_desc, k_desc, v_desc, O, WORK, TOTAL, stride_ot, stride_oh, scale, out_scale,
+                     ACTIVATION: gl.constexpr, PACKED: gl.constexpr, HEAD_D: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr,
+                     CONSUMER_REGS: gl.constexpr):
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFFERS, 64, HEAD_D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    q_ready = _barriers(Q_BUFFERS, 1)
+    q_free = _barriers(Q_BUFFERS, 2)
+    kv_ready = _barriers(STAGES, 1)
+    kv_free = _barriers(STAGES, 2)
+    consumer_args = (q_smem, k_smem, v_smem, q_ready, q_free, kv_ready, kv_free, O, stride_ot,
+                     stride_oh, WORK, TOTAL, scale, out_scale, ACTIVATION, PACKED)
+    gl.warp_specialize([
+        (_consumer0, consumer_args),
+        (_consumer1, consumer_args),
+        (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, kv_ready,
+                   kv_free, WORK, TOTAL)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def work_list(q_offsets, kv_offsets, batch_order, num_heads, max_q_len,
+              wrap=lambda kernel: kernel) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward's work tiles, computed on the device without a host sync: ``work[:total]``
+    (``[bound, 8]`` int32; ``bound`` counts ``max_q_len``'s blocks for every example) and
+    ``total`` (one int32), see :func:`_work_list_kernel`."""
+    num_batches = kv_offsets.numel() - 1
+    max_q_blocks = triton.cdiv(max_q_len, BLOCK_M)
+    bound = num_batches * num_heads * max_q_blocks
+    work = torch.empty(bound, WORK_FIELDS.value, dtype=torch.int32, device=q_offsets.device)
+    total = torch.zeros(1, dtype=torch.int32, device=q_offsets.device)
+    if max_q_blocks > 0:
+        wrap(_work_list_kernel)[(max_q_blocks,)](
+            q_offsets, kv_offsets, batch_order, work, total, num_batches, num_heads,
+            BLOCK_M=BLOCK_M, CHUNK=1024, FIELDS=WORK_FIELDS)
+    return work, total
+
+
+def forward(q, k, v, out, q_offsets, kv_offsets, batch_order, max_q_len, activation_code, scale,
+            out_scale, packed, wrap=lambda kernel: kernel, num_sms=None) -> None:
+    """Writes the GDPA forward of ``[rows, H, D]`` q, k, v into ``out`` (see :func:`applies`).
+
+    ``out_scale`` is the launcher's ``post_scale * ACT_UNIT * scale``; ``num_sms`` (the grid
+    size; default, the GPU's SM count) and ``wrap`` (see ``triton.py``) let tests compile
+    without launching."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    work, total = work_list(q_offsets, kv_offsets, batch_order, num_heads, max_q_len, wrap)
+
+    element = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    q_layout = gl.NVMMASharedLayout.get_default_for([64, head_dim], element)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, head_dim], element)
+
+    def descriptor(t, block_rows, layout):
+        return TensorDescriptor(t, [t.shape[0], num_heads * head_dim], [t.stride(0), 1],
+                                [block_rows, head_dim], layout)
+
+    if num_sms is None:
+        num_sms = _num_sms(torch.cuda.current_device() if q.device.index is None else q.device.index)
+    wrap(_gdpa_fwd_kernel)[(max(1, min(work.shape[0], num_sms)),)](
+        descriptor(q, 64, q_layout), descriptor(k, BLOCK_N, kv_layout),
+        descriptor(v, BLOCK_N, kv_layout), out, work, total, out.stride(0), out.stride(1),
+        scale, out_scale, ACTIVATION=activation_code, PACKED=packed, HEAD_D=head_dim,
+        BLOCK_N=BLOCK_N, STAGES=STAGES, Q_BUFFERS=Q_BUFFERS, CONSUMER_REGS=CONSUMER_REGS,
+        num_warps=4)
