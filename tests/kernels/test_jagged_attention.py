@@ -483,3 +483,25 @@ def test_gpu_gluon_forward_many_tiles(dtype, head_dim, monkeypatch):
         expected = jagged_attention(*inputs.args(), activation="gelu", backend="triton")
     assert len(calls) == 2
     assert _relative_error(out, expected) < 1e-2
+
+
+@gpu
+@requires_cuda
+def test_gpu_gluon_forward_strided_inputs(monkeypatch):
+    """q, k, v as views of one [T, 3, H, D] projection: the descriptors take the row stride
+    3 * H * D; a base that is not 16-byte aligned falls back to the Triton forward."""
+    from kernels.jagged_attention import gluon
+
+    calls = _gluon_forward_calls(monkeypatch)
+    gen = torch.Generator().manual_seed(3)
+    lengths = torch.randint(0, 400, (9,), generator=gen)
+    lengths[2] = 0
+    inputs = make_inputs(lengths, num_heads=4, head_dim=128, dtype=torch.bfloat16, device="cuda",
+                         generator=gen)
+    qkv = torch.randn(int(lengths.sum()), 3, 4, 128, device="cuda", dtype=torch.bfloat16,
+                      requires_grad=True)
+    inputs.q, inputs.k, inputs.v = qkv.unbind(1)
+    _check_against_reference(inputs, torch.bfloat16, activation="silu")
+    assert len(calls) == 1
+    shifted = torch.empty(qkv.numel() + 8, device="cuda", dtype=torch.bfloat16)[1:qkv.numel() + 1]
+    assert not gluon.applies(shifted.view_as(qkv)[:, 0], inputs.k, inputs.v, "silu", False, -1, 0, False)
