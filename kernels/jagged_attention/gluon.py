@@ -1,10 +1,9 @@
 """Experimental Hopper (sm_90) GDPA forward in Gluon: persistent and warp-specialized.
 
-Opt-in with ``GEM_KERNELS_GLUON=1`` (``triton.USE_GLUON``); :func:`applies` says when the
-forward launcher in ``triton.py`` then takes this kernel instead of its Triton one (the backward
-is always Triton's). Imported only then.
-Same math as the Triton forward (``_gdpa_act`` / ``_gdpa_act_packed``, the output scale folded
-by the launcher), so the two agree to rounding.
+Opt-in with ``GEM_KERNELS_GLUON=1`` (``triton.USE_GLUON``; this module is imported only then):
+:func:`applies` says when the forward launcher in ``triton.py`` takes this kernel instead of its
+Triton one. The backward is always Triton's. Same math as the Triton forward (``_gdpa_act`` /
+``_gdpa_act_packed``, the output scale folded by the launcher), so the two agree to rounding.
 
 Structure (FlashAttention-3's forward, for a pointwise activation):
 
@@ -21,10 +20,10 @@ Structure (FlashAttention-3's forward, for a pointwise activation):
   in registers (columns past its end give ``P = 0``), and the output is stored from registers
   with a row mask. Rows past the tensor's end are zero-filled by the TMA unit.
 
-Measured as a standalone prototype on an H200 (docs/kernels.md, "Gluon forward"): faster than
-the Triton forward on the benchmark's jagged rows except those of up to 512 keys (level). The
-kernel in this file is that prototype generalized (activations, fp16, head dim 64, the on-GPU
-work list); see the README's kernel section for what has been run on a GPU.
+Measured as a standalone prototype (fast_gelu, bf16, head dim 128) on an H200: faster than the
+Triton forward on four of the benchmark's five rows, level on the 512 row (docs/kernels.md, "The
+Gluon forward"). This kernel is that prototype generalized (every pointwise activation, fp16,
+head dim 64, the on-GPU work list); the README's kernel section says what has run on a GPU.
 """
 
 from __future__ import annotations
