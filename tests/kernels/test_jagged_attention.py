@@ -351,17 +351,19 @@ def test_gpu_dtypes(dtype, head_dim):
 
 @gpu
 @requires_cuda
+@pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("activation", ["softmax", "fast_gelu"])
-def test_gpu_autotuned_configs(activation, dtype, monkeypatch):
+def test_gpu_autotuned_configs(activation, dtype, causal, monkeypatch):
     """Every autotune candidate config runs during tuning; the chosen one must be right (float32:
-    the pruned backward launches only its shared-memory-safe default)."""
+    the pruned backward launches only its shared-memory-safe default; GDPA without a mask: the
+    forward's candidates include the LATE_PV loop)."""
     monkeypatch.setenv("GEM_KERNELS_AUTOTUNE", "1")
     gen = torch.Generator().manual_seed(11)
     lengths = torch.randint(0, 900, (10,), generator=gen)
     inputs = make_inputs(lengths, num_heads=4, head_dim=128, dtype=dtype, device="cuda",
                          generator=gen)
-    _check_against_reference(inputs, dtype, activation=activation, causal=True)
+    _check_against_reference(inputs, dtype, activation=activation, causal=causal)
 
 
 @gpu
