@@ -266,6 +266,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_free, kv_ready, kv_free, O, str
         done += 1
 
 
+# warp_specialize passes its partitions runtime values only, so each half gets its own entry.
 @gluon.jit
 def _consumer0(q_smem, k_smem, v_smem, q_ready, q_free, kv_ready, kv_free, O, stride_ot, stride_oh,
                WORK, TOTAL, scale, out_scale, ACTIVATION: gl.constexpr, PACKED: gl.constexpr):
