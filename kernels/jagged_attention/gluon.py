@@ -40,6 +40,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from kernels.jagged_attention.triton import FAST_GELU_BF16X2, SILU_BF16X2
+
 BLOCK_M = 128  # query rows per work tile: two consumers of 64
 BLOCK_N = 64
 STAGES = 4  # K/V ring slots
@@ -117,17 +119,13 @@ def _activation(s, scale, ACTIVATION: gl.constexpr, PACKED: gl.constexpr, dtype:
         x = s.to(dtype)
         if ACTIVATION == SILU:
             h = gl.full(x.shape, 0.5 * scale, dtype, x.type.layout)
-            return gl.inline_asm_elementwise(
-                "{ .reg .b32 h, t; mul.rn.bf16x2 h, $1, $2; tanh.approx.bf16x2 t, h; "
-                "fma.rn.bf16x2 $0, $1, t, $1; }",
-                "=r,r,r", [x, h], dtype=x.dtype, is_pure=True, pack=2)
+            return gl.inline_asm_elementwise(SILU_BF16X2, "=r,r,r", [x, h], dtype=x.dtype,
+                                             is_pure=True, pack=2)
         a = scale * 0.7978845608028654
         a2 = gl.full(x.shape, a, dtype, x.type.layout)
         b2 = gl.full(x.shape, a * 0.044715 * scale * scale, dtype, x.type.layout)
-        return gl.inline_asm_elementwise(
-            "{ .reg .b32 sq, u, t; mul.rn.bf16x2 sq, $1, $1; fma.rn.bf16x2 u, sq, $3, $2; "
-            "mul.rn.bf16x2 u, $1, u; tanh.approx.bf16x2 t, u; fma.rn.bf16x2 $0, $1, t, $1; }",
-            "=r,r,r,r", [x, a2, b2], dtype=x.dtype, is_pure=True, pack=2)
+        return gl.inline_asm_elementwise(FAST_GELU_BF16X2, "=r,r,r,r", [x, a2, b2],
+                                         dtype=x.dtype, is_pure=True, pack=2)
     if ACTIVATION == SILU:
         p = s + s * _tanh(s * (0.5 * scale))
     elif ACTIVATION == GELU:

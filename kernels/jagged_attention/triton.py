@@ -129,6 +129,17 @@ def _gdpa_act(x, scale, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
         return x
 
 
+# The bf16x2 PTX of _gdpa_act_packed (also used by gluon.py): two scores per 32-bit register.
+# silu: $0 = x + x tanh(h x) for x = $1, h = $2 (scale / 2).
+SILU_BF16X2 = tl.constexpr(
+    "{ .reg .b32 h, t; mul.rn.bf16x2 h, $1, $2; tanh.approx.bf16x2 t, h; "
+    "fma.rn.bf16x2 $0, $1, t, $1; }")
+# fast_gelu: $0 = x + x tanh(x (a + b x^2)) for x = $1, a = $2, b = $3.
+FAST_GELU_BF16X2 = tl.constexpr(
+    "{ .reg .b32 sq, u, t; mul.rn.bf16x2 sq, $1, $1; fma.rn.bf16x2 u, sq, $3, $2; "
+    "mul.rn.bf16x2 u, $1, u; tanh.approx.bf16x2 t, u; fma.rn.bf16x2 $0, $1, t, $1; }")
+
+
 @triton.jit
 def _gdpa_act_packed(x, scale, ACTIVATION: tl.constexpr):
     """:func:`_gdpa_act` of bf16 scores x (silu, fast_gelu), two at a time: bf16x2 multiplies
@@ -136,18 +147,14 @@ def _gdpa_act_packed(x, scale, ACTIVATION: tl.constexpr):
     ``tanh.approx.bf16x2``) needs sm_90; the launchers check (:func:`_packed_act`)."""
     if ACTIVATION == 1:
         h = tl.full(x.shape, 0.5 * scale, x.dtype)
-        return tl.inline_asm_elementwise(
-            "{ .reg .b32 h, t; mul.rn.bf16x2 h, $1, $2; tanh.approx.bf16x2 t, h; "
-            "fma.rn.bf16x2 $0, $1, t, $1; }",
-            "=r,r,r", [x, h], dtype=x.dtype, is_pure=True, pack=2)
+        return tl.inline_asm_elementwise(SILU_BF16X2, "=r,r,r", [x, h], dtype=x.dtype,
+                                         is_pure=True, pack=2)
     else:
         a = scale * 0.7978845608028654
         a2 = tl.full(x.shape, a, x.dtype)
         b2 = tl.full(x.shape, a * 0.044715 * scale * scale, x.dtype)
-        return tl.inline_asm_elementwise(
-            "{ .reg .b32 sq, u, t; mul.rn.bf16x2 sq, $1, $1; fma.rn.bf16x2 u, sq, $3, $2; "
-            "mul.rn.bf16x2 u, $1, u; tanh.approx.bf16x2 t, u; fma.rn.bf16x2 $0, $1, t, $1; }",
-            "=r,r,r,r", [x, a2, b2], dtype=x.dtype, is_pure=True, pack=2)
+        return tl.inline_asm_elementwise(FAST_GELU_BF16X2, "=r,r,r,r", [x, a2, b2],
+                                         dtype=x.dtype, is_pure=True, pack=2)
 
 
 @triton.jit
