@@ -40,6 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from kernels.jagged_attention import triton as tk
 from kernels.jagged_attention.triton import FAST_GELU_BF16X2, SILU_BF16X2
 
 BLOCK_M = 128  # query rows per work tile: two consumers of 64
@@ -50,8 +51,7 @@ CONSUMER_REGS = 232  # registers per consumer thread after setmaxnreg (the loade
 # int32 per work tile: first Q row, valid rows, head, K/V start, K/V length, 3 of padding
 WORK_FIELDS = gl.constexpr(8)
 HEAD_DIMS = (64, 128)
-# triton.py's ACTIVATION_CODES
-SILU, GELU, FAST_GELU, RELU = (gl.constexpr(code) for code in (1, 2, 3, 4))
+SILU, GELU, FAST_GELU, RELU = (gl.constexpr(code) for code in (tk.SILU, tk.GELU, tk.FAST_GELU, tk.RELU))
 
 
 def applies(q, k, v, activation, causal, window, block_size, q_broadcast) -> bool:
