@@ -15,7 +15,7 @@ a baseline that is missing or runs out of memory is recorded as such.
     python benchmarks/attention.py --quick          # two shapes, no compiled baseline
     GEM_KERNELS_AUTOTUNE=0 python benchmarks/attention.py --quick   # default configs, no tuning
     GEM_KERNELS_TUNE_SPACE=wide python benchmarks/attention.py     # a larger autotune search
-    python benchmarks/attention.py --no-sweep --variants           # + float32 activations, TMA loads, Gluon forward
+    python benchmarks/attention.py --no-sweep --variants           # + float32 activations, TMA loads, Triton forward instead of Gluon
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def _baselines(inputs, activation, mask, compiled_reference):
 KERNEL_VARIANTS = {
     "gem triton (float32 activation)": dict(PACKED_ACT=False),  # GEM_KERNELS_PACKED_ACT=0
     "gem triton (TMA loads)": dict(USE_TMA=True),  # GEM_KERNELS_TMA=1
-    "gem gluon forward": dict(USE_GLUON=True),  # GEM_KERNELS_GLUON=1 (GDPA without a mask)
+    "gem triton (no gluon forward)": dict(USE_GLUON=False),  # GEM_KERNELS_GLUON=0
 }
 _GDPA_ONLY = {"PACKED_ACT", "USE_GLUON"}  # flags that change nothing for softmax
 
@@ -252,7 +252,7 @@ def _versions() -> dict:
         "autotune": os.environ.get("GEM_KERNELS_AUTOTUNE", "1") == "1",  # the kernels' default
         "packed_act": os.environ.get("GEM_KERNELS_PACKED_ACT", "1") == "1",  # bf16x2 activations
         "tma": os.environ.get("GEM_KERNELS_TMA", "0") == "1",  # tensor-descriptor K/V loads (forward)
-        "gluon": os.environ.get("GEM_KERNELS_GLUON", "0") == "1",  # the Gluon GDPA forward
+        "gluon": os.environ.get("GEM_KERNELS_GLUON", "1") == "1",  # the Gluon GDPA forward (sm_90)
     }
 
 

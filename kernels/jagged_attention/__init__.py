@@ -145,8 +145,7 @@ def jagged_attention(
         q_offsets = torch.arange(num_batches + 1, device=q.device, dtype=torch.int32) * q.shape[0]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     # Longest (most work) examples first, so that short ones fill the tail of the grid.
-    work = (q_offsets[1:] - q_offsets[:-1]).long() * (kv_offsets[1:] - kv_offsets[:-1]).long()
-    batch_order = torch.argsort(work, descending=True, stable=True).to(torch.int32)
+    batch_order = torch.ops.gem_kernels.jagged_batch_order(q_offsets, kv_offsets)
     out = op.jagged_attention_triton(
         q, k, v, q_offsets, kv_offsets, batch_order, int(max_q_len), int(max_kv_len),
         activation, scale, 1.0 if post_scale is None else float(post_scale), bool(causal),

@@ -1,8 +1,10 @@
 """torch.library registration of the Triton jagged attention: ops, autograd, FLOP formulas.
 
-Two ops in the ``gem_kernels`` namespace, both ``triton_op`` so that ``torch.compile`` sees
-the Triton kernels inside them (no graph break) and a ``FlopCounterMode`` counts them:
+Three ops in the ``gem_kernels`` namespace, all ``triton_op`` so that ``torch.compile`` sees
+the Triton kernels inside them (no graph break) and a ``FlopCounterMode`` counts the two
+attention ones:
 
+* ``gem_kernels::jagged_batch_order(q_offsets, kv_offsets) -> batch_order``
 * ``gem_kernels::jagged_attention_fwd(...) -> (out, lse)``
 * ``gem_kernels::jagged_attention_bwd(grad_out, ...) -> (dq, dk, dv)``
 
@@ -35,6 +37,11 @@ else:
     _wrap = wrap_triton
 
 
+@_define("gem_kernels::jagged_batch_order")
+def _batch_order_op(q_offsets: torch.Tensor, kv_offsets: torch.Tensor) -> torch.Tensor:
+    return tk.batch_order(q_offsets, kv_offsets, wrap=_wrap)
+
+
 @_define("gem_kernels::jagged_attention_fwd")
 def _fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor,
@@ -63,6 +70,10 @@ def _bwd_op(
 
 
 if tk.INTERPRET:
+    @_batch_order_op.register_fake
+    def _batch_order_fake(q_offsets, kv_offsets):
+        return q_offsets.new_empty(kv_offsets.shape[0] - 1, dtype=torch.int32)
+
     @_fwd_op.register_fake
     def _fwd_fake(*args):
         return tk.jagged_attention_fwd(*args, wrap=tk.no_launch)

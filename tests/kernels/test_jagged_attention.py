@@ -250,6 +250,7 @@ def test_tensor_descriptor_loads(activation, layout, monkeypatch):
     if HAS_CUDA and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("tensor descriptors need sm_90")
     monkeypatch.setattr(triton_kernels, "USE_TMA", True)
+    monkeypatch.setattr(triton_kernels, "USE_GLUON", False)  # TMA loads are the Triton kernels'
     torch.manual_seed(0)
     inputs = make_inputs([0, 17, 33, 1], [3, 0, 37, 1], num_heads=2, head_dim=48, layout=layout,
                          num_dense_kv=5, num_queries=6, device=DEVICE)
@@ -266,6 +267,7 @@ def _force_late_pv(monkeypatch):
     from kernels.jagged_attention import triton as triton_kernels
 
     default = triton_kernels._default_config
+    monkeypatch.setattr(triton_kernels, "USE_GLUON", False)
     monkeypatch.setattr(triton_kernels, "_default_config", lambda kind, *args: (
         default(kind, *args) | dict(LATE_PV=1) if kind == "fwd" else default(kind, *args)))
 
@@ -357,7 +359,10 @@ def test_gpu_dtypes(dtype, head_dim):
 def test_gpu_autotuned_configs(activation, dtype, causal, monkeypatch):
     """Every autotune candidate config runs during tuning; the chosen one must be right (float32:
     the pruned backward launches only its shared-memory-safe default; GDPA without a mask: the
-    forward's candidates include the LATE_PV loop)."""
+    forward's candidates include the LATE_PV loop; the Gluon forward is off for that)."""
+    from kernels.jagged_attention import triton as triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "USE_GLUON", False)
     monkeypatch.setenv("GEM_KERNELS_AUTOTUNE", "1")
     gen = torch.Generator().manual_seed(11)
     lengths = torch.randint(0, 900, (10,), generator=gen)
@@ -388,12 +393,37 @@ def test_gpu_packed_activation_path(activation, layout, monkeypatch):
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the bf16x2 instructions need sm_90")
+    monkeypatch.setattr(triton_kernels, "USE_GLUON", False)  # the Triton forward's bf16x2
     inputs = _gpu_layout_inputs(layout, seed=5, empty=2)
     for packed in (True, False):
         monkeypatch.setattr(triton_kernels, "PACKED_ACT", packed)
         assert triton_kernels._packed_act(inputs.q, activation) == packed
         for mask in ({}, {"causal": True, "window": 77}):
             _check_against_reference(inputs, torch.bfloat16, activation=activation, **mask)
+
+
+@pytest.mark.parametrize("offsets_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("counting", [True, False])
+def test_batch_order(offsets_dtype, counting, monkeypatch):
+    """The order programs take examples in: the stable descending argsort of query rows x keys,
+    from the counting kernel (many ties, empty examples, more examples than its blocks) and from
+    torch.argsort above COUNTING_ORDER_MAX_BATCHES."""
+    from kernels.jagged_attention import triton as triton_kernels
+
+    if not counting:
+        monkeypatch.setattr(triton_kernels, "COUNTING_ORDER_MAX_BATCHES", 100)
+    gen = torch.Generator().manual_seed(1)
+    q_lengths = torch.randint(0, 9, (1100,), generator=gen)
+    kv_lengths = torch.randint(0, 9, (1100,), generator=gen)
+    q_lengths[3] = 70_000  # a product past int32
+    kv_lengths[3] = 40_000
+    offsets = [torch.cat([torch.zeros(1, dtype=torch.int64), n.cumsum(0)]).to(offsets_dtype)
+               for n in (q_lengths, kv_lengths)]
+    order = torch.ops.gem_kernels.jagged_batch_order(*(o.to(DEVICE) for o in offsets))
+    expected = torch.argsort(q_lengths * kv_lengths, descending=True, stable=True)
+    assert order.dtype == torch.int32
+    assert order.cpu().tolist() == expected.tolist()
+    assert torch.ops.gem_kernels.jagged_batch_order(offsets[0][:1], offsets[1][:1]).numel() == 0
 
 
 # --------------------------------------------------------------------------------------
@@ -470,6 +500,8 @@ def test_gpu_gluon_forward_many_tiles(dtype, head_dim, monkeypatch):
     whole tile): each program's loop over tiles, its Q double buffer and K/V ring phases, and the
     masking of a tile that runs into the next example. Output within rounding of the Triton
     forward's."""
+    from kernels.jagged_attention import triton as triton_kernels
+
     calls = _gluon_forward_calls(monkeypatch)
     gen = torch.Generator().manual_seed(head_dim)
     lengths = torch.randint(1, 700, (600,), generator=gen)
@@ -481,7 +513,7 @@ def test_gpu_gluon_forward_many_tiles(dtype, head_dim, monkeypatch):
     assert len(calls) == 1
     with torch.no_grad():
         out = jagged_attention(*inputs.args(), activation="gelu", backend="triton")
-        monkeypatch.setattr("kernels.jagged_attention.triton.USE_GLUON", False)
+        monkeypatch.setattr(triton_kernels, "USE_GLUON", False)
         expected = jagged_attention(*inputs.args(), activation="gelu", backend="triton")
     assert len(calls) == 2
     assert _relative_error(out, expected) < 1e-2
