@@ -1,9 +1,10 @@
-"""Experimental Hopper (sm_90) GDPA forward in Gluon: persistent and warp-specialized.
+"""Hopper (sm_90) GDPA forward in Gluon: persistent and warp-specialized.
 
-Opt-in with ``GEM_KERNELS_GLUON=1`` (``triton.USE_GLUON``; this module is imported only then):
-:func:`applies` says when the forward launcher in ``triton.py`` takes this kernel instead of its
-Triton one. The backward is always Triton's. Same math as the Triton forward (``_gdpa_act`` /
-``_gdpa_act_packed``, the output scale folded by the launcher), so the two agree to rounding.
+On by default (``GEM_KERNELS_GLUON=0`` turns it off; ``triton.USE_GLUON``; this module is
+imported at the first GDPA forward): :func:`applies` says when the forward launcher in
+``triton.py`` takes this kernel instead of its Triton one. The backward is always Triton's. Same
+math as the Triton forward (``_gdpa_act`` / ``_gdpa_act_packed``, the output scale folded by the
+launcher), so the two agree to rounding.
 
 Structure (FlashAttention-3's forward, for a pointwise activation):
 
@@ -20,10 +21,9 @@ Structure (FlashAttention-3's forward, for a pointwise activation):
   in registers (columns past its end give ``P = 0``), and the output is stored from registers
   with a row mask. Rows past the tensor's end are zero-filled by the TMA unit.
 
-Measured as a standalone prototype (fast_gelu, bf16, head dim 128) on an H200: faster than the
-Triton forward on four of the benchmark's five rows, level on the 512 row (docs/kernels.md, "The
-Gluon forward"). This kernel is that prototype generalized (every pointwise activation, fp16,
-head dim 64, the on-GPU work list); the README's kernel section says what has run on a GPU.
+Measured through the op on an H200 (fast_gelu, bf16, head dim 128): 8-14% faster than the
+Triton forward on four of the benchmark's five rows, 3% slower on the 512 row (docs/kernels.md,
+"The Gluon forward"); tested on the GPU by ``test_gpu_gluon_forward*``.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ BLOCK_N = 64
 STAGES = 4  # K/V ring slots
 Q_BUFFERS = 2  # Q tiles in flight: the next tile's loads overlap the current one's epilogue
 CONSUMER_REGS = 232  # registers per consumer thread after setmaxnreg (the loader keeps 24)
-# int32 per work tile: first Q row, valid rows, head, K/V start, K/V length, 3 of padding
+# int32 per work tile: first Q row, valid rows, head, K/V start, K/V length, 3 zeros
 WORK_FIELDS = gl.constexpr(8)
 HEAD_DIMS = (64, 128)
 SILU, GELU, FAST_GELU, RELU = (gl.constexpr(code) for code in (tk.SILU, tk.GELU, tk.FAST_GELU, tk.RELU))
@@ -80,8 +80,9 @@ def _work_list_kernel(q_offsets, kv_offsets, batch_order, WORK, TOTAL, num_batch
     """Program (m, h) writes the work tiles of query block m and head h of every example:
     ``WORK[e]`` = (first Q row, valid rows, head, K/V start, K/V length, 0, 0, 0) for tile
     ``e`` = (blocks of the examples before it in ``batch_order`` + m) * heads + h, one 32-byte
-    row store per tile (a store per field was ten times slower on an H200). Program (0, 0)
-    writes their number to ``TOTAL``."""
+    row store per tile. (One program per m storing each field apart took 31 us at 1,152
+    examples and 186 us at 8,192 on an H200, against 21 and 28 us; do_bench, launches
+    included.) Program (0, 0) writes their number to ``TOTAL``."""
     m = tl.program_id(0)
     h = tl.program_id(1)
     field = tl.arange(0, FIELDS)[None, :]
