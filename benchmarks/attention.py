@@ -15,7 +15,7 @@ a baseline that is missing or runs out of memory is recorded as such.
     python benchmarks/attention.py --quick          # two shapes, no compiled baseline
     GEM_KERNELS_AUTOTUNE=0 python benchmarks/attention.py --quick   # default configs, no tuning
     GEM_KERNELS_TUNE_SPACE=wide python benchmarks/attention.py     # a larger autotune search
-    python benchmarks/attention.py --no-sweep --variants           # + float32 activations, TMA loads, Triton forward instead of Gluon
+    python benchmarks/attention.py --no-sweep --variants           # + every switch of KERNEL_VARIANTS
 """
 
 from __future__ import annotations
@@ -173,6 +173,7 @@ KERNEL_VARIANTS = {
     "gem triton (float32 activation)": dict(PACKED_ACT=False),  # GEM_KERNELS_PACKED_ACT=0
     "gem triton (TMA loads)": dict(USE_TMA=True),  # GEM_KERNELS_TMA=1
     "gem triton (no gluon forward)": dict(USE_GLUON=False),  # GEM_KERNELS_GLUON=0
+    "gem triton (stored dS backward)": dict(STORE_DS=True),  # GEM_KERNELS_STORE_DS=1
 }
 _GDPA_ONLY = {"PACKED_ACT", "USE_GLUON"}  # flags that change nothing for softmax
 
@@ -253,6 +254,7 @@ def _versions() -> dict:
         "packed_act": os.environ.get("GEM_KERNELS_PACKED_ACT", "1") == "1",  # bf16x2 activations
         "tma": os.environ.get("GEM_KERNELS_TMA", "0") == "1",  # tensor-descriptor K/V loads (forward)
         "gluon": os.environ.get("GEM_KERNELS_GLUON", "1") == "1",  # the Gluon GDPA forward (sm_90)
+        "store_ds": os.environ.get("GEM_KERNELS_STORE_DS", "0") == "1",  # the stored-dS backward
     }
 
 

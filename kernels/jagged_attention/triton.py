@@ -52,6 +52,13 @@ USE_TMA = os.environ.get("GEM_KERNELS_TMA", "0") == "1"
 # persistent, warp-specialized Gluon kernel of gluon.py on sm_90 GPUs where it applies
 # (gluon.applies, eager calls); everything else, the backward included, stays here.
 USE_GLUON = os.environ.get("GEM_KERNELS_GLUON", "1") == "1"
+# GEM_KERNELS_STORE_DS=1 (experimental, default 0; not yet timed on a GPU): without a causal,
+# window or block mask and without a broadcast Q, the dK/dV kernel also stores dS (the score
+# gradient, in the input dtype) and dQ = dS K comes from _bwd_dq_from_ds_kernel, one product per
+# tile pair instead of the dQ kernel's three (it recomputes S and dP). It costs a buffer of
+# H x (K/V rows) x max_q_len elements, at most STORE_DS_MAX_BYTES (else the dQ kernel runs).
+STORE_DS = os.environ.get("GEM_KERNELS_STORE_DS", "0") == "1"
+STORE_DS_MAX_BYTES = 4 << 30
 
 
 def autotune_enabled() -> bool:
@@ -525,12 +532,12 @@ def _bwd_preprocess_kernel(
 
 @triton.jit
 def _bwd_dkdv_inner(
-    dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_dot, cols, offs_d, dmask,
+    dk, dv, k, v, Q, DO, LSE, DELTA, DS, stride_qt, stride_dot, stride_dst, cols, offs_d, dmask,
     start, end, q_len, kv_len, qk_scale, window, block_size,
     MASK: tl.constexpr, ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PACKED_ACT: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, STORE_DS: tl.constexpr,
 ):
     offs_m = tl.arange(0, BLOCK_M)
     for m0 in range(start, end, BLOCK_M):
@@ -562,22 +569,27 @@ def _bwd_dkdv_inner(
                 vis_t = tl.trans(_visible(rows, cols, q_len, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK))
                 p_t = tl.where(vis_t, p_t, 0.0)
                 ds_t = tl.where(vis_t, ds_t, 0.0)
+        ds_t = ds_t.to(q.dtype)
+        if STORE_DS:  # [keys, queries] of this example and head (see _bwd_dq_from_ds_kernel);
+            # rows past q_len hold zeros (no row mask, so the stores vectorize)
+            tl.store(DS + cols.to(tl.int64)[:, None] * stride_dst + rows[None, :], ds_t,
+                     mask=(cols < kv_len)[:, None])
         dv = _dot(p_t.to(do.dtype), do, dv, DOT_PRECISION)
-        dk = _dot(ds_t.to(q.dtype), q, dk, DOT_PRECISION)
+        dk = _dot(ds_t, q, dk, DOT_PRECISION)
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["max_kv_len", "window", "block_size"])
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, q_offsets, kv_offsets, batch_order,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DS, q_offsets, kv_offsets, batch_order,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lse_h,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lse_h, stride_dsh, stride_dst,
     num_heads, head_dim, max_kv_len, qk_scale, dk_scale, dv_scale, window, block_size,
     max_q_bucket, max_kv_bucket,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_BLOCK: tl.constexpr, Q_BROADCAST: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PACKED_ACT: tl.constexpr,
-    USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_TMA: tl.constexpr, STORE_DS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     qk_scale = tl.cast(qk_scale, tl.float32)  # fp64 under Inductor, as in _fwd_kernel
     dk_scale = tl.cast(dk_scale, tl.float32)
@@ -610,6 +622,7 @@ def _bwd_dkdv_kernel(
     DO += o_start * stride_dot + h * stride_doh
     LSE += h * stride_lse_h + o_start
     DELTA += h * stride_lse_h + o_start
+    DS += h.to(tl.int64) * stride_dsh + kv_start * stride_dst
     if USE_TMA:
         Q = tl.make_tensor_descriptor(Q, shape=[q_len, head_dim], strides=[stride_qt, 1],
                                       block_shape=[BLOCK_M, BLOCK_D])
@@ -624,22 +637,26 @@ def _bwd_dkdv_kernel(
             n0, j_last, q_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK)
         first, full_start, full_end, last = _split_blocks(lo_any, lo_all, hi_all, hi_any, BLOCK_M)
         dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_dot, cols, offs_d, dmask, first,
-            full_start, q_len, kv_len, qk_scale, window, block_size, VISIBLE, ACTIVATION, CAUSAL,
-            HAS_WINDOW, HAS_BLOCK, BLOCK_M, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
+            dk, dv, k, v, Q, DO, LSE, DELTA, DS, stride_qt, stride_dot, stride_dst, cols, offs_d,
+            dmask, first, full_start, q_len, kv_len, qk_scale, window, block_size, VISIBLE,
+            ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, BLOCK_M, EVEN_D, DOT_PRECISION, PACKED_ACT,
+            USE_TMA, False)
         dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_dot, cols, offs_d, dmask, full_start,
-            full_end, q_len, kv_len, qk_scale, window, block_size, UNMASKED, ACTIVATION, CAUSAL,
-            HAS_WINDOW, HAS_BLOCK, BLOCK_M, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
+            dk, dv, k, v, Q, DO, LSE, DELTA, DS, stride_qt, stride_dot, stride_dst, cols, offs_d,
+            dmask, full_start, full_end, q_len, kv_len, qk_scale, window, block_size, UNMASKED,
+            ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, BLOCK_M, EVEN_D, DOT_PRECISION, PACKED_ACT,
+            USE_TMA, False)
         dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_dot, cols, offs_d, dmask, full_end,
-            last, q_len, kv_len, qk_scale, window, block_size, VISIBLE, ACTIVATION, CAUSAL,
-            HAS_WINDOW, HAS_BLOCK, BLOCK_M, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
-    else:
+            dk, dv, k, v, Q, DO, LSE, DELTA, DS, stride_qt, stride_dot, stride_dst, cols, offs_d,
+            dmask, full_end, last, q_len, kv_len, qk_scale, window, block_size, VISIBLE,
+            ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, BLOCK_M, EVEN_D, DOT_PRECISION, PACKED_ACT,
+            USE_TMA, False)
+    else:  # dS is stored on this path only (STORE_DS)
         dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_dot, cols, offs_d, dmask, 0,
-            q_len, q_len, kv_len, qk_scale, window, block_size, BOUNDS, ACTIVATION, CAUSAL,
-            HAS_WINDOW, HAS_BLOCK, BLOCK_M, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA)
+            dk, dv, k, v, Q, DO, LSE, DELTA, DS, stride_qt, stride_dot, stride_dst, cols, offs_d,
+            dmask, 0, q_len, q_len, kv_len, qk_scale, window, block_size, BOUNDS, ACTIVATION,
+            CAUSAL, HAS_WINDOW, HAS_BLOCK, BLOCK_M, EVEN_D, DOT_PRECISION, PACKED_ACT, USE_TMA,
+            STORE_DS)
 
     col_mask = (cols < kv_len)[:, None] & dmask[None, :]
     DK += kv_start * stride_dkt + h * stride_dkh
@@ -763,6 +780,55 @@ def _bwd_dq_kernel(
     tl.store(dq_ptrs, (dq * dq_scale).to(DQ.dtype.element_ty), mask=row_mask[:, None] & dmask[None, :])
 
 
+@triton.jit(do_not_specialize=["max_q_len"])
+def _bwd_dq_from_ds_kernel(
+    DS, K, DQ, q_offsets, kv_offsets, batch_order,
+    stride_dsh, stride_dst, stride_kt, stride_kh, stride_dqt, stride_dqh,
+    num_heads, head_dim, max_q_len, dq_scale, max_q_bucket, max_kv_bucket,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dQ = dS K (STORE_DS): one program per (example, head, query block), as _bwd_dq_kernel,
+    but reading the dS that _bwd_dkdv_kernel stored (``DS[h, kv row, query]``: a key's row of
+    its example's queries) instead of recomputing S and dP. Keys past the example's end are
+    masked; queries are not (so the loads vectorize): the rows are padded to a multiple of
+    every BLOCK_M, and a query past the end only reaches its own dQ row, which is not stored."""
+    dq_scale = tl.cast(dq_scale, tl.float32)  # fp64 under Inductor, as in _fwd_kernel
+    pid = tl.program_id(0)
+    num_q_blocks = tl.cdiv(max_q_len, BLOCK_M)
+    m_block = pid % num_q_blocks
+    bh = pid // num_q_blocks
+    b = tl.load(batch_order + bh // num_heads)
+    h = bh % num_heads
+    o_start = tl.load(q_offsets + b).to(tl.int64)
+    q_len = (tl.load(q_offsets + b + 1) - o_start).to(tl.int32)
+    kv_start = tl.load(kv_offsets + b).to(tl.int64)
+    kv_len = (tl.load(kv_offsets + b + 1) - kv_start).to(tl.int32)
+    m0 = m_block * BLOCK_M
+    if m0 >= q_len:
+        return
+
+    rows = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < head_dim
+    row_mask = rows < q_len
+    DS += h.to(tl.int64) * stride_dsh + kv_start * stride_dst
+    K += kv_start * stride_kt + h * stride_kh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for n0 in range(0, kv_len, BLOCK_N):
+        cols = n0 + offs_n
+        ds_t = tl.load(DS + cols.to(tl.int64)[:, None] * stride_dst + rows[None, :],
+                       mask=(cols < kv_len)[:, None], other=0.0)
+        k = _load_rows(K + cols[:, None] * stride_kt + offs_d[None, :], cols, kv_len, dmask,
+                       True, EVEN_D)
+        dq = _dot(tl.trans(ds_t), k, dq, DOT_PRECISION)
+
+    DQ += o_start * stride_dqt + h * stride_dqh
+    dq_ptrs = DQ + rows[:, None] * stride_dqt + offs_d[None, :]
+    tl.store(dq_ptrs, (dq * dq_scale).to(DQ.dtype.element_ty), mask=row_mask[:, None] & dmask[None, :])
+
+
 # ---------------------------------------------------------------------------------------
 # launch configurations
 # ---------------------------------------------------------------------------------------
@@ -811,6 +877,7 @@ _TUNE_SPACE = {
     "fwd": [(128, 32, 4, 4), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4, 1)],
     "dkdv": [(32, 64, 4, 3), (64, 128, 8, 3), (64, 64, 4, 2)],
     "dq": [(128, 64, 8, 3), (64, 32, 4, 3), (128, 32, 4, 3)],
+    "dq_ds": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3)],  # not yet tuned on a GPU
 }
 # GEM_KERNELS_TUNE_SPACE=wide: a larger search for benchmarks and for choosing the list above
 # (about three times the tuning time at each new shape bucket).
@@ -819,11 +886,12 @@ _WIDE_EXTRA = {
             (64, 64, 4, 4)],
     "dkdv": [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 2)],
     "dq": [(128, 64, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 2), (128, 64, 4, 2)],
+    "dq_ds": [(128, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 2), (64, 32, 4, 3)],
 }
 if os.environ.get("GEM_KERNELS_TUNE_SPACE", "default") == "wide":
     _TUNE_SPACE = {kind: space + _WIDE_EXTRA[kind] for kind, space in _TUNE_SPACE.items()}
 _TUNE_KEY = ["max_q_bucket", "max_kv_bucket", "BLOCK_D", "ACTIVATION", "CAUSAL", "HAS_WINDOW",
-             "HAS_BLOCK", "Q_BROADCAST", "PACKED_ACT", "USE_TMA"]  # (keys a kernel lacks are skipped)
+             "HAS_BLOCK", "Q_BROADCAST", "PACKED_ACT", "USE_TMA", "STORE_DS"]  # (keys a kernel lacks are skipped)
 
 
 def _tuned(kernel, kind: str):
@@ -841,7 +909,7 @@ def _tuned(kernel, kind: str):
     def prune(configs, named_args, **kwargs):
         args = named_args | kwargs
         block_d = args.get("BLOCK_D", 128)
-        q = args.get("Q")
+        q = args.get("Q", args.get("K"))
         elem_bytes = q.element_size() if hasattr(q, "element_size") else 2
         if kind == "fwd" and not _late_pv_applies(args):
             configs = [config for config in configs if not config.kwargs["LATE_PV"]]
@@ -868,6 +936,7 @@ _KERNELS = {
     "fwd": (_fwd_kernel, _tuned(_fwd_kernel, "fwd")),
     "dkdv": (_bwd_dkdv_kernel, _tuned(_bwd_dkdv_kernel, "dkdv")),
     "dq": (_bwd_dq_kernel, _tuned(_bwd_dq_kernel, "dq")),
+    "dq_ds": (_bwd_dq_from_ds_kernel, _tuned(_bwd_dq_from_ds_kernel, "dq_ds")),
 }
 
 
@@ -1055,6 +1124,20 @@ def jagged_attention_fwd(
     return out, lse
 
 
+def _store_ds_row(max_q_len: int) -> int:
+    """Elements per row of the STORE_DS buffer: ``max_q_len`` rounded up to a multiple of 128,
+    which every BLOCK_M divides, so that whole query blocks fit (see _bwd_dq_from_ds_kernel)."""
+    return triton.cdiv(max(int(max_q_len), 1), 128) * 128
+
+
+def _store_ds_bytes(q, k, max_q_len, causal, window, block_size, q_broadcast) -> int:
+    """Bytes of the STORE_DS buffer, or 0 where the stored-dS backward does not apply (a causal,
+    window or block mask, whose dK/dV kernel skips tiles; a broadcast Q)."""
+    if causal or window >= 0 or block_size > 0 or q_broadcast:
+        return 0
+    return q.shape[1] * k.shape[0] * _store_ds_row(max_q_len) * q.element_size()
+
+
 def jagged_attention_bwd(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor, q_offsets: torch.Tensor, kv_offsets: torch.Tensor,
@@ -1067,8 +1150,10 @@ def jagged_attention_bwd(
     ``grad_out`` is ``[To, H, D]`` like ``out``. Returns ``dq, dk, dv`` shaped like
     ``q, k, v``. dK/dV come from one program per (example, head, key block) that streams
     the query blocks seeing it; dQ from one program per query block that streams the key
-    blocks (no atomics, so the result is deterministic). With ``q_broadcast``, dQ is
-    computed per example in float32 and summed over the batch.
+    blocks (no atomics, so the result is deterministic), recomputing S and dP, or, with
+    ``STORE_DS`` where it applies (:func:`_store_ds_bytes`), reading the dS that the dK/dV
+    kernel stored. With ``q_broadcast``, dQ is computed per example in float32 and summed over
+    the batch.
     """
     num_batches = kv_offsets.numel() - 1
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -1109,18 +1194,33 @@ def jagged_attention_bwd(
     def grid_dkdv(cfg):
         return (triton.cdiv(max_kv_len, cfg["BLOCK_N"]) * num_batches * num_heads,)
 
+    store_ds = STORE_DS and 0 < _store_ds_bytes(q, k, max_q_len, causal, window, block_size,
+                                                q_broadcast) <= STORE_DS_MAX_BYTES
+    # dS[h, kv row, query of its example], rows padded (dk stands in, unused, without STORE_DS)
+    ds = q.new_empty(num_heads, k.shape[0], _store_ds_row(max_q_len)) if store_ds else dk
     kernel, launch = _kernel_and_config("dkdv", meta["BLOCK_D"], q.element_size())
     wrap(kernel)[grid_dkdv](
-        q, k, v, grad_out, lse, delta, dk, dv, q_offsets, kv_offsets, batch_order,
+        q, k, v, grad_out, lse, delta, dk, dv, ds, q_offsets, kv_offsets, batch_order,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         grad_out.stride(0), grad_out.stride(1), dk.stride(0), dk.stride(1), dv.stride(0),
-        dv.stride(1), lse_stride, num_heads, head_dim, max_kv_len, qk_scale, grad_scale,
-        dv_scale, window, block_size, _bucket(max_q_len), _bucket(max_kv_len),
-        **meta, **launch,
+        dv.stride(1), lse_stride, ds.stride(0), ds.stride(1), num_heads, head_dim, max_kv_len,
+        qk_scale, grad_scale, dv_scale, window, block_size, _bucket(max_q_len), _bucket(max_kv_len),
+        **meta, STORE_DS=store_ds, **launch,
     )
 
     def grid_dq(cfg):
         return (triton.cdiv(max_q_len, cfg["BLOCK_M"]) * num_batches * num_heads,)
+
+    if store_ds:
+        kernel, launch = _kernel_and_config("dq_ds", meta["BLOCK_D"], q.element_size())
+        wrap(kernel)[grid_dq](
+            ds, k, dq_rows, q_offsets, kv_offsets, batch_order, ds.stride(0), ds.stride(1),
+            k.stride(0), k.stride(1), dq_rows.stride(0), dq_rows.stride(1), num_heads, head_dim,
+            max_q_len, grad_scale, _bucket(max_q_len), _bucket(max_kv_len),
+            BLOCK_D=meta["BLOCK_D"], EVEN_D=meta["EVEN_D"], DOT_PRECISION=meta["DOT_PRECISION"],
+            **launch,
+        )
+        return dq_rows, dk, dv
 
     kernel, launch = _kernel_and_config("dq", meta["BLOCK_D"], q.element_size())
     wrap(kernel)[grid_dq](

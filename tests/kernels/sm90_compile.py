@@ -5,7 +5,8 @@ Runs the real launchers on CPU tensors with a ``wrap`` that compiles each kernel
 activation path and the tensor-descriptor loads forced on. The CPU test tier runs it in a subprocess (the interpreter's
 settings are fixed at import time), so the inline PTX of the GPU-only paths is checked in CI.
 
-Autotuned kernels compile their first config, and the forward's LATE_PV config where it applies.
+Autotuned kernels compile their first config, and the forward's LATE_PV config where it applies;
+the backward also with GEM_KERNELS_STORE_DS's kernels.
 Last, the experimental Gluon forward (``gluon.py``: inline PTX, TMA, warp specialization) for
 every pointwise activation, whose cubins must not spill.
 ``python tests/kernels/sm90_compile.py --resources [activation ...]`` compiles every autotune
@@ -138,6 +139,8 @@ def _compile(fn, args, kwargs, float_type):
             f"tma={kwargs.get('USE_TMA')} floats={float_type}")
     if kwargs.get("LATE_PV"):
         line += " late_pv=1"
+    if kwargs.get("STORE_DS"):
+        line += " store_ds=1"
     if RESOURCES:
         tiles = {key: kwargs[key] for key in ("BLOCK_M", "BLOCK_N") if key in kwargs}
         line += f" {tiles} {options} {_resources(compiled.asm['cubin'])}"
@@ -169,6 +172,11 @@ def main() -> None:
             kernels._use_tma = use_tma
         if activation != "silu":  # scalars typed as torch.compile passes them, without a mask
             compile_fwd_bwd(functools.partial(compile_only, float_type="fp64"), causal=False)
+        if activation in ("fast_gelu", "softmax"):  # the stored-dS backward, without a mask
+            kernels.STORE_DS = True
+            compile_fwd_bwd(causal=False)
+            kernels.STORE_DS = False
+    kernels.batch_order(inputs.q_offsets, inputs.kv_offsets, wrap=compile_only)
     # float32 inputs: the forward's plain and LATE_PV loops (float32 P)
     q32, k32, v32 = (t.float() for t in (q, k, v))
     kernels.jagged_attention_fwd(q32, k32, v32, inputs.q_offsets, inputs.kv_offsets, order,

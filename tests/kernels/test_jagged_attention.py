@@ -226,17 +226,23 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     # scalars): fwd, dK/dV, dQ; softmax (fp32 and fp64 scalars): fwd, preprocess, dK/dV, dQ.
     # The fp64 passes run without a mask (the kernels' one-loop path), the others causal; the
     # fp64 fast_gelu and gelu passes compile the forward's LATE_PV loop too; last, the float32
-    # input forward, plain and LATE_PV. Then the Gluon forward (six cases, each with its work-list
-    # kernel): bf16 silu and fast_gelu on the bf16x2 path, no spills (checked in the script).
+    # input forward, plain and LATE_PV. fast_gelu and softmax again without a mask and with
+    # GEM_KERNELS_STORE_DS (the forward, LATE_PV for fast_gelu, the preprocess for softmax, dK/dV
+    # storing dS, dQ from dS), and the batch order kernel. Then the Gluon forward (six cases, each
+    # with its work-list kernel): bf16 silu and fast_gelu on the bf16x2 path, no spills (checked
+    # in the script).
     assert sum(line.startswith("compiled gluon") for line in lines) == 6, lines
     assert sum("bf16x2=True" in line for line in lines) == 2, lines
     assert sum("_work_list_kernel" in line for line in lines) == 6, lines
-    assert sum("packed=True" in line for line in lines) == 13, lines
+    assert sum("packed=True" in line for line in lines) == 16, lines
     assert sum("tma=True" in line for line in lines) == 3, lines
     assert sum("floats=fp64" in line for line in lines) == 12, lines
-    assert sum("causal=False" in line for line in lines) == 13, lines
-    assert sum("late_pv=1" in line for line in lines) == 3, lines
-    assert len(lines) == 42, lines
+    assert sum("causal=False" in line for line in lines) == 18, lines
+    assert sum("late_pv=1" in line for line in lines) == 4, lines
+    assert sum("store_ds=1" in line for line in lines) == 2, lines
+    assert sum("_bwd_dq_from_ds_kernel" in line for line in lines) == 2, lines
+    assert sum("_batch_order_kernel" in line for line in lines) == 1, lines
+    assert len(lines) == 51, lines
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -280,6 +286,51 @@ def test_late_pv_forward_loop(activation, layout, monkeypatch):
     inputs = make_inputs([0, 17, 33, 1], [3, 0, 37, 16], num_heads=2, head_dim=48, layout=layout,
                          num_dense_kv=5, num_queries=6, device=DEVICE)
     _check_against_reference(inputs, torch.float32, activation=activation)
+
+
+def _dq_from_ds_calls(monkeypatch) -> list:
+    """Switch on GEM_KERNELS_STORE_DS and record each backward that takes the dQ-from-dS
+    kernel."""
+    from kernels.jagged_attention import triton as triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "STORE_DS", True)
+    calls = []
+    choose = triton_kernels._kernel_and_config
+
+    def recorded(kind, *args):
+        if kind == "dq_ds":
+            calls.append(kind)
+        return choose(kind, *args)
+
+    monkeypatch.setattr(triton_kernels, "_kernel_and_config", recorded)
+    return calls
+
+
+@pytest.mark.parametrize("layout", ["jagged", "dense_kv"])
+@pytest.mark.parametrize("activation", ["softmax", "fast_gelu", "silu", "identity"])
+def test_stored_ds_backward(activation, layout, monkeypatch):
+    """GEM_KERNELS_STORE_DS: dQ from the dS that the dK/dV kernel stored matches the reference
+    (empty and odd lengths, more and fewer keys than queries, several key and query blocks);
+    with a mask, a broadcast Q or a buffer over STORE_DS_MAX_BYTES the dQ kernel recomputes."""
+    from kernels.jagged_attention import triton as triton_kernels
+
+    calls = _dq_from_ds_calls(monkeypatch)
+    torch.manual_seed(0)
+    inputs = make_inputs([0, 17, 40, 1, 33], [5, 0, 37, 16, 50], num_heads=2, head_dim=48,
+                         layout=layout, num_dense_kv=21, max_len_slack=3, device=DEVICE)
+    for dtype in (torch.float32, torch.bfloat16):
+        inputs.q, inputs.k, inputs.v = (t.detach().to(dtype).requires_grad_() for t in inputs.tensors())
+        _check_against_reference(inputs, dtype, activation=activation)
+    assert len(calls) == 2
+    _check_against_reference(inputs, torch.bfloat16, activation=activation, causal=True)
+    monkeypatch.setattr(triton_kernels, "STORE_DS_MAX_BYTES", 1)
+    _check_against_reference(inputs, torch.bfloat16, activation=activation)
+    assert len(calls) == 2
+    broadcast = make_inputs([0, 17, 40], [5, 0, 37], num_heads=2, head_dim=48,
+                            layout="broadcast_q", num_queries=6, device=DEVICE)
+    monkeypatch.setattr(triton_kernels, "STORE_DS_MAX_BYTES", 4 << 30)
+    _check_against_reference(broadcast, torch.float32, activation=activation)
+    assert len(calls) == 2
 
 
 def test_invalid_arguments_are_rejected():
@@ -400,6 +451,31 @@ def test_gpu_packed_activation_path(activation, layout, monkeypatch):
         assert triton_kernels._packed_act(inputs.q, activation) == packed
         for mask in ({}, {"causal": True, "window": 77}):
             _check_against_reference(inputs, torch.bfloat16, activation=activation, **mask)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("layout", ["jagged", "dense_kv"])
+@pytest.mark.parametrize("activation", ["fast_gelu", "softmax", "gelu"])
+def test_gpu_stored_ds_backward(activation, layout, monkeypatch):
+    """GEM_KERNELS_STORE_DS at real shapes (bf16, head dim 128, up to 700 rows, an empty
+    example): dQ from the stored dS matches the reference, and dQ, dK, dV match the recomputing
+    backward's to rounding."""
+    from kernels.jagged_attention import triton as triton_kernels
+
+    calls = _dq_from_ds_calls(monkeypatch)
+    inputs = _gpu_layout_inputs(layout, seed=13, empty=1)
+    _check_against_reference(inputs, torch.bfloat16, activation=activation)
+    assert len(calls) == 1
+    out = jagged_attention(*inputs.args(), activation=activation, backend="triton")
+    grad_out = torch.randn_like(out)
+    stored = torch.autograd.grad(out, inputs.tensors(), grad_out)
+    monkeypatch.setattr(triton_kernels, "STORE_DS", False)
+    out = jagged_attention(*inputs.args(), activation=activation, backend="triton")
+    recomputed = torch.autograd.grad(out, inputs.tensors(), grad_out)
+    assert len(calls) == 2
+    for name, a, b in zip(("dq", "dk", "dv"), stored, recomputed):
+        assert _relative_error(a, b) < 1e-2, name
 
 
 @pytest.mark.parametrize("offsets_dtype", [torch.int32, torch.int64])
