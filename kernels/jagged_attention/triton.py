@@ -311,6 +311,24 @@ def _split_blocks(lo_any, lo_all, hi_all, hi_any, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _program_example(pid, max_len, BLOCK: tl.constexpr, num_heads, batch_order, q_offsets,
+                     kv_offsets):
+    """(block, head, first output row, query rows, first K/V row, keys) of program ``pid`` of
+    a grid of one program per (example in ``batch_order``, head, block of ``BLOCK`` of the
+    ``max_len`` rows)."""
+    num_blocks = tl.cdiv(max_len, BLOCK)
+    block = pid % num_blocks
+    bh = pid // num_blocks
+    b = tl.load(batch_order + bh // num_heads)
+    h = bh % num_heads
+    o_start = tl.load(q_offsets + b).to(tl.int64)
+    q_len = (tl.load(q_offsets + b + 1) - o_start).to(tl.int32)
+    kv_start = tl.load(kv_offsets + b).to(tl.int64)
+    kv_len = (tl.load(kv_offsets + b + 1) - kv_start).to(tl.int32)
+    return block, h, o_start, q_len, kv_start, kv_len
+
+
+@triton.jit
 def _load_rows(ptrs, rows, num_rows, dmask, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
     if MASK_ROWS:
         if EVEN_D:
@@ -436,16 +454,8 @@ def _fwd_kernel(
     # Inductor passes Python floats as fp64 scalars: keep the math (and acc) in float32.
     qk_scale = tl.cast(qk_scale, tl.float32)
     out_scale = tl.cast(out_scale, tl.float32)
-    pid = tl.program_id(0)
-    num_q_blocks = tl.cdiv(max_q_len, BLOCK_M)
-    m_block = pid % num_q_blocks
-    bh = pid // num_q_blocks
-    b = tl.load(batch_order + bh // num_heads)
-    h = bh % num_heads
-    o_start = tl.load(q_offsets + b).to(tl.int64)
-    q_len = (tl.load(q_offsets + b + 1) - o_start).to(tl.int32)
-    kv_start = tl.load(kv_offsets + b).to(tl.int64)
-    kv_len = (tl.load(kv_offsets + b + 1) - kv_start).to(tl.int32)
+    m_block, h, o_start, q_len, kv_start, kv_len = _program_example(
+        tl.program_id(0), max_q_len, BLOCK_M, num_heads, batch_order, q_offsets, kv_offsets)
     m0 = m_block * BLOCK_M
     if m0 >= q_len:
         return
@@ -594,16 +604,8 @@ def _bwd_dkdv_kernel(
     qk_scale = tl.cast(qk_scale, tl.float32)  # fp64 under Inductor, as in _fwd_kernel
     dk_scale = tl.cast(dk_scale, tl.float32)
     dv_scale = tl.cast(dv_scale, tl.float32)
-    pid = tl.program_id(0)
-    num_kv_blocks = tl.cdiv(max_kv_len, BLOCK_N)
-    n_block = pid % num_kv_blocks
-    bh = pid // num_kv_blocks
-    b = tl.load(batch_order + bh // num_heads)
-    h = bh % num_heads
-    o_start = tl.load(q_offsets + b).to(tl.int64)
-    q_len = (tl.load(q_offsets + b + 1) - o_start).to(tl.int32)
-    kv_start = tl.load(kv_offsets + b).to(tl.int64)
-    kv_len = (tl.load(kv_offsets + b + 1) - kv_start).to(tl.int32)
+    n_block, h, o_start, q_len, kv_start, kv_len = _program_example(
+        tl.program_id(0), max_kv_len, BLOCK_N, num_heads, batch_order, q_offsets, kv_offsets)
     n0 = n_block * BLOCK_N
     if n0 >= kv_len:
         return
@@ -712,16 +714,8 @@ def _bwd_dq_kernel(
 ):
     qk_scale = tl.cast(qk_scale, tl.float32)  # fp64 under Inductor, as in _fwd_kernel
     dq_scale = tl.cast(dq_scale, tl.float32)
-    pid = tl.program_id(0)
-    num_q_blocks = tl.cdiv(max_q_len, BLOCK_M)
-    m_block = pid % num_q_blocks
-    bh = pid // num_q_blocks
-    b = tl.load(batch_order + bh // num_heads)
-    h = bh % num_heads
-    o_start = tl.load(q_offsets + b).to(tl.int64)
-    q_len = (tl.load(q_offsets + b + 1) - o_start).to(tl.int32)
-    kv_start = tl.load(kv_offsets + b).to(tl.int64)
-    kv_len = (tl.load(kv_offsets + b + 1) - kv_start).to(tl.int32)
+    m_block, h, o_start, q_len, kv_start, kv_len = _program_example(
+        tl.program_id(0), max_q_len, BLOCK_M, num_heads, batch_order, q_offsets, kv_offsets)
     m0 = m_block * BLOCK_M
     if m0 >= q_len:
         return
@@ -794,16 +788,8 @@ def _bwd_dq_from_ds_kernel(
     masked; queries are not (so the loads vectorize): the rows are padded to a multiple of
     every BLOCK_M, and a query past the end only reaches its own dQ row, which is not stored."""
     dq_scale = tl.cast(dq_scale, tl.float32)  # fp64 under Inductor, as in _fwd_kernel
-    pid = tl.program_id(0)
-    num_q_blocks = tl.cdiv(max_q_len, BLOCK_M)
-    m_block = pid % num_q_blocks
-    bh = pid // num_q_blocks
-    b = tl.load(batch_order + bh // num_heads)
-    h = bh % num_heads
-    o_start = tl.load(q_offsets + b).to(tl.int64)
-    q_len = (tl.load(q_offsets + b + 1) - o_start).to(tl.int32)
-    kv_start = tl.load(kv_offsets + b).to(tl.int64)
-    kv_len = (tl.load(kv_offsets + b + 1) - kv_start).to(tl.int32)
+    m_block, h, o_start, q_len, kv_start, kv_len = _program_example(
+        tl.program_id(0), max_q_len, BLOCK_M, num_heads, batch_order, q_offsets, kv_offsets)
     m0 = m_block * BLOCK_M
     if m0 >= q_len:
         return
@@ -827,6 +813,36 @@ def _bwd_dq_from_ds_kernel(
     DQ += o_start * stride_dqt + h * stride_dqh
     dq_ptrs = DQ + rows[:, None] * stride_dqt + offs_d[None, :]
     tl.store(dq_ptrs, (dq * dq_scale).to(DQ.dtype.element_ty), mask=row_mask[:, None] & dmask[None, :])
+
+
+@triton.jit
+def _example_work(q_offsets, kv_offsets, b, mask):
+    """Query rows x keys of examples ``b`` (int64; 0 where not ``mask``)."""
+    q_start = tl.load(q_offsets + b, mask=mask, other=0).to(tl.int64)
+    kv_start = tl.load(kv_offsets + b, mask=mask, other=0).to(tl.int64)
+    q_len = tl.load(q_offsets + b + 1, mask=mask, other=0) - q_start
+    kv_len = tl.load(kv_offsets + b + 1, mask=mask, other=0) - kv_start
+    return q_len * kv_len
+
+
+@triton.jit
+def _batch_order_kernel(q_offsets, kv_offsets, ORDER, num_batches,
+                        BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
+    """``ORDER[rank] = example``, most work (query rows x keys) first, ties in index order:
+    the stable descending argsort, by counting for each example the examples ranked before it
+    (quadratic, so only for batches up to ``COUNTING_ORDER_MAX_BATCHES``)."""
+    i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mine = i < num_batches
+    work_i = _example_work(q_offsets, kv_offsets, i, mine)
+    rank = tl.zeros([BLOCK_I], dtype=tl.int32)
+    for j0 in range(0, num_batches, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        theirs = j < num_batches
+        work_j = tl.where(theirs, _example_work(q_offsets, kv_offsets, j, theirs), -1)  # never first
+        before = ((work_j[None, :] > work_i[:, None])
+                  | ((work_j[None, :] == work_i[:, None]) & (j[None, :] < i[:, None])))
+        rank += tl.sum(before.to(tl.int32), 1)
+    tl.store(ORDER + rank, i, mask=mine)
 
 
 # ---------------------------------------------------------------------------------------
@@ -890,8 +906,9 @@ _WIDE_EXTRA = {
 }
 if os.environ.get("GEM_KERNELS_TUNE_SPACE", "default") == "wide":
     _TUNE_SPACE = {kind: space + _WIDE_EXTRA[kind] for kind, space in _TUNE_SPACE.items()}
+# (keys a kernel lacks are skipped)
 _TUNE_KEY = ["max_q_bucket", "max_kv_bucket", "BLOCK_D", "ACTIVATION", "CAUSAL", "HAS_WINDOW",
-             "HAS_BLOCK", "Q_BROADCAST", "PACKED_ACT", "USE_TMA", "STORE_DS"]  # (keys a kernel lacks are skipped)
+             "HAS_BLOCK", "Q_BROADCAST", "PACKED_ACT", "USE_TMA", "STORE_DS"]
 
 
 def _tuned(kernel, kind: str):
@@ -951,33 +968,6 @@ def _kernel_and_config(kind: str, block_d: int, elem_bytes: int = 2):
 def _bucket(n: int) -> int:
     """Autotune key bucket: the next power of two (a new batch never retunes)."""
     return triton.next_power_of_2(max(int(n), 16))
-
-
-@triton.jit
-def _batch_order_kernel(q_offsets, kv_offsets, ORDER, num_batches,
-                        BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
-    """``ORDER[rank] = example``, most work (query rows x keys) first, ties in index order:
-    the stable descending argsort, by counting for each example the examples ranked before it
-    (quadratic, so only for batches up to ``COUNTING_ORDER_MAX_BATCHES``)."""
-    i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
-    mine = i < num_batches
-    work_i = ((tl.load(q_offsets + i + 1, mask=mine, other=0).to(tl.int64)
-               - tl.load(q_offsets + i, mask=mine, other=0))
-              * (tl.load(kv_offsets + i + 1, mask=mine, other=0).to(tl.int64)
-                 - tl.load(kv_offsets + i, mask=mine, other=0)))
-    rank = tl.zeros([BLOCK_I], dtype=tl.int32)
-    for j0 in range(0, num_batches, BLOCK_J):
-        j = j0 + tl.arange(0, BLOCK_J)
-        theirs = j < num_batches
-        work_j = ((tl.load(q_offsets + j + 1, mask=theirs, other=0).to(tl.int64)
-                   - tl.load(q_offsets + j, mask=theirs, other=0))
-                  * (tl.load(kv_offsets + j + 1, mask=theirs, other=0).to(tl.int64)
-                     - tl.load(kv_offsets + j, mask=theirs, other=0)))
-        work_j = tl.where(theirs, work_j, -1)  # past the end: never before anyone
-        before = ((work_j[None, :] > work_i[:, None])
-                  | ((work_j[None, :] == work_i[:, None]) & (j[None, :] < i[:, None])))
-        rank += tl.sum(before.to(tl.int32), 1)
-    tl.store(ORDER + rank, i, mask=mine)
 
 
 # ---------------------------------------------------------------------------------------
