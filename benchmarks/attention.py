@@ -16,6 +16,8 @@ a baseline that is missing or runs out of memory is recorded as such.
     GEM_KERNELS_AUTOTUNE=0 python benchmarks/attention.py --quick   # default configs, no tuning
     GEM_KERNELS_TUNE_SPACE=wide python benchmarks/attention.py     # a larger autotune search
     python benchmarks/attention.py --no-sweep --variants           # + every switch of KERNEL_VARIANTS
+    python benchmarks/attention.py --lengths    # GDPA without a mask, 128..2048 at fill 0.5: which
+                                                # forward and backward win where (its own JSON)
 """
 
 from __future__ import annotations
@@ -55,6 +57,11 @@ SWEEP_LENGTHS = [256, 1024, 4096, 16384]
 SWEEP_TOKENS = 1 << 19
 SWEEP_MODES = {"block64": dict(block_size=64), "window256": dict(window=256)}
 SWEEP_ACTIVATIONS = {"block64": ("fast_gelu", "softmax"), "window256": ("softmax",)}
+# --lengths: GDPA fast_gelu without a mask at fill 0.5 and SWEEP_TOKENS true tokens, around the
+# 512 row, where the Gluon forward measured slower than the Triton one, with the switches that
+# pick between kernels.
+LENGTHS = [128, 256, 384, 512, 768, 1024, 2048]
+LENGTHS_VARIANTS = ("gem triton (no gluon forward)", "gem triton (stored dS backward)")
 
 
 def bench(fn, grad_to_none=None) -> float:
@@ -210,9 +217,9 @@ def run_case(shape_name, layout, num_batches, max_len, fill, activation, mask, *
         return lambda: jagged_attention(*inputs.args(), activation=activation, backend="triton", **mask)
 
     impls = [("gem triton", ours, {})]
-    if variants:
-        impls += [(name, ours, flags) for name, flags in KERNEL_VARIANTS.items()
-                  if activation != "softmax" or not _GDPA_ONLY & set(flags)]
+    names = KERNEL_VARIANTS if variants is True else (variants or ())
+    impls += [(name, ours, KERNEL_VARIANTS[name]) for name in names
+              if activation != "softmax" or not _GDPA_ONLY & set(KERNEL_VARIANTS[name])]
     if baselines:
         impls += [(name, make, {}) for name, make in _baselines(inputs, activation, mask, compiled_reference)]
     rows = []
@@ -301,6 +308,9 @@ def main() -> None:
     parser.add_argument("--keep-sweeps", action="store_true",
                         help="run the target rows only and keep the sweep rows of the existing "
                              "results JSON (the sweeps time the masked paths)")
+    parser.add_argument("--lengths", action="store_true",
+                        help=f"only GDPA without a mask at lengths {LENGTHS} (fill 0.5), with "
+                             f"{list(LENGTHS_VARIANTS)}; writes attention-h200-lengths.json")
     parser.add_argument("--only-sweeps", metavar="NAMES",
                         help=f"run only these sweeps (comma-separated, of {list(SWEEP_MODES)}) and "
                              "replace their rows in the existing results JSON")
@@ -311,6 +321,8 @@ def main() -> None:
         _plot(record["rows"], pathlib.Path(args.plot_only).with_suffix(".png"), record["hardware"])
         return
     torch.backends.cuda.matmul.allow_tf32 = True
+    if args.lengths:
+        return length_sweep(pathlib.Path(args.out))
 
     rows = []
     shapes = [TARGET_SHAPES[1], TARGET_SHAPES[4]] if args.quick else TARGET_SHAPES
@@ -388,6 +400,25 @@ def main() -> None:
     for kind, chosen in _tuned_configs().items():
         for key, config in chosen.items():
             print(f"autotuned {kind} {key}: {config}")
+
+
+def length_sweep(out_dir: pathlib.Path) -> None:
+    """--lengths: the default path and LENGTHS_VARIANTS at each of LENGTHS, one JSON."""
+    versions, rows = _versions(), []
+    for length in LENGTHS:
+        rows += run_case(f"lengths L={length} fill 0.5", "jagged", 2 * SWEEP_TOKENS // length,
+                         length, 0.5, "fast_gelu", {}, compiled_reference=False,
+                         baselines=False, variants=LENGTHS_VARIANTS)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "attention-h200-lengths.json").write_text(json.dumps(
+            {**versions, "num_heads": NUM_HEADS, "head_dim": HEAD_DIM, "dtype": str(DTYPE),
+             "flops": "fwd = 4*H*D*sum(visible pairs); bwd = 2.5x fwd; fwd+bwd = 3.5x fwd",
+             "tuned_configs": _tuned_configs(), "rows": rows}, indent=1))
+    for length in LENGTHS:
+        line = [r for r in rows if r["max_len"] == length and r["status"] == "ok"]
+        print(f"L={length:5d} " + " | ".join(
+            f"{r['impl'][len('gem triton'):].strip(' ()') or 'default'}: {r['fwd_tflops']:.0f} / "
+            f"{r['full_tflops']:.0f}" for r in line))
 
 
 def _tuned_configs() -> dict:
