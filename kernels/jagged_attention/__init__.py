@@ -144,10 +144,8 @@ def jagged_attention(
     if q_broadcast:
         q_offsets = torch.arange(num_batches + 1, device=q.device, dtype=torch.int32) * q.shape[0]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    # Longest (most work) examples first, so that short ones fill the tail of the grid.
-    batch_order = torch.ops.gem_kernels.jagged_batch_order(q_offsets, kv_offsets)
     out = op.jagged_attention_triton(
-        q, k, v, q_offsets, kv_offsets, batch_order, int(max_q_len), int(max_kv_len),
+        q, k, v, q_offsets, kv_offsets, int(max_q_len), int(max_kv_len),
         activation, scale, 1.0 if post_scale is None else float(post_scale), bool(causal),
         -1 if window is None else int(window), 0 if block_size is None else int(block_size),
         q_broadcast,

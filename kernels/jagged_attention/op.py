@@ -1,12 +1,13 @@
 """torch.library registration of the Triton jagged attention: ops, autograd, FLOP formulas.
 
-Three ops in the ``gem_kernels`` namespace, all ``triton_op`` so that ``torch.compile`` sees
-the Triton kernels inside them (no graph break) and a ``FlopCounterMode`` counts the two
-attention ones:
+Two ops in the ``gem_kernels`` namespace, both ``triton_op`` so that ``torch.compile`` sees
+the Triton kernels inside them (no graph break) and a ``FlopCounterMode`` counts them:
 
-* ``gem_kernels::jagged_batch_order(q_offsets, kv_offsets) -> batch_order``
-* ``gem_kernels::jagged_attention_fwd(...) -> (out, lse)``
+* ``gem_kernels::jagged_attention_fwd(...) -> (out, lse, batch_order)``
 * ``gem_kernels::jagged_attention_bwd(grad_out, ...) -> (dq, dk, dv)``
+
+The forward computes the order in which the kernels' programs take the examples
+(``triton.batch_order``) and returns it for the backward.
 
 Callers use :func:`kernels.jagged_attention`, which normalizes layouts and calls
 :func:`jagged_attention_triton` below.
@@ -37,16 +38,12 @@ else:
     _wrap = wrap_triton
 
 
-@_define("gem_kernels::jagged_batch_order")
-def _batch_order_op(q_offsets: torch.Tensor, kv_offsets: torch.Tensor) -> torch.Tensor:
-    return tk.batch_order(q_offsets, kv_offsets, wrap=_wrap)
-
-
 # The ops take their scalars packed: sizes = [max_q_len, max_kv_len, causal, window, block_size,
 # q_broadcast] and scales = [scale, post_scale]. PyTorch's autograd path for custom ops
 # (torch._library.utils.fill_defaults) costs time quadratic in the number of schema arguments:
-# 50 us per forward call with them unpacked (15 arguments), 19 with them packed (9), timed alone
-# on a CPU; the whole forward call (launches replaced by no-ops) went from 180 to 140 us.
+# 50 us per forward call with them unpacked (15 arguments), 16 packed (8), timed alone on a CPU.
+# With that and the batch order computed inside the forward op (one op call less), a whole
+# forward call (launches replaced by no-ops) went from 180 to 125 us.
 def _unpack(sizes: list[int], activation: str, scales: list[float]) -> tuple:
     """The launchers' scalar arguments (``max_q_len`` to ``q_broadcast``) from the packed ones."""
     max_q_len, max_kv_len, causal, window, block_size, q_broadcast = sizes
@@ -54,14 +51,21 @@ def _unpack(sizes: list[int], activation: str, scales: list[float]) -> tuple:
             block_size, bool(q_broadcast))
 
 
+def _forward(q, k, v, q_offsets, kv_offsets, sizes, activation, scales, wrap):
+    """(out, lse, batch_order): the forward, and the order its programs took the examples in
+    (longest first), which the backward's take too."""
+    batch_order = tk.batch_order(q_offsets, kv_offsets, wrap=wrap)
+    out, lse = tk.jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, batch_order,
+                                       *_unpack(sizes, activation, scales), wrap=wrap)
+    return out, lse, batch_order
+
+
 @_define("gem_kernels::jagged_attention_fwd")
 def _fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor,
-    kv_offsets: torch.Tensor, batch_order: torch.Tensor, sizes: list[int], activation: str,
-    scales: list[float],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return tk.jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, batch_order,
-                                   *_unpack(sizes, activation, scales), wrap=_wrap)
+    kv_offsets: torch.Tensor, sizes: list[int], activation: str, scales: list[float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, q_offsets, kv_offsets, sizes, activation, scales, _wrap)
 
 
 @_define("gem_kernels::jagged_attention_bwd")
@@ -75,15 +79,9 @@ def _bwd_op(
 
 
 if tk.INTERPRET:
-    @_batch_order_op.register_fake
-    def _batch_order_fake(q_offsets, kv_offsets):
-        return q_offsets.new_empty(kv_offsets.shape[0] - 1, dtype=torch.int32)
-
     @_fwd_op.register_fake
-    def _fwd_fake(*tensors_and_scalars):
-        *tensors, sizes, activation, scales = tensors_and_scalars
-        return tk.jagged_attention_fwd(*tensors, *_unpack(sizes, activation, scales),
-                                       wrap=tk.no_launch)
+    def _fwd_fake(*args):
+        return _forward(*args, wrap=tk.no_launch)
 
     @_bwd_op.register_fake
     def _bwd_fake(*tensors_and_scalars):
@@ -93,18 +91,18 @@ if tk.INTERPRET:
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, q_offsets, kv_offsets, batch_order, *params = inputs
-    out, lse = output
+    q, k, v, q_offsets, kv_offsets, *params = inputs
+    out, lse, batch_order = output
     ctx.save_for_backward(q, k, v, out, lse, q_offsets, kv_offsets, batch_order)
     ctx.params = params  # sizes, activation, scales
 
 
-def _backward(ctx, grad_out, grad_lse):
+def _backward(ctx, grad_out, grad_lse, grad_order):
     q, k, v, out, lse, q_offsets, kv_offsets, batch_order = ctx.saved_tensors
     dq, dk, dv = torch.ops.gem_kernels.jagged_attention_bwd(
         grad_out, q, k, v, out, lse, q_offsets, kv_offsets, batch_order, *ctx.params
     )
-    return dq, dk, dv, None, None, None, *([None] * len(ctx.params))
+    return dq, dk, dv, None, None, *([None] * len(ctx.params))
 
 
 torch.library.register_autograd(
@@ -129,7 +127,7 @@ def _forward_flops(q, kv_offsets, q_offsets, sizes) -> int:
 
 
 @register_flop_formula(torch.ops.gem_kernels.jagged_attention_fwd, get_raw=True)
-def _fwd_flop_formula(q, k, v, q_offsets, kv_offsets, batch_order, sizes, *args, out_val=None,
+def _fwd_flop_formula(q, k, v, q_offsets, kv_offsets, sizes, *args, out_val=None,
                       **kwargs) -> int:
     return _forward_flops(q, kv_offsets, q_offsets, sizes)
 
@@ -142,12 +140,12 @@ def _bwd_flop_formula(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, batch_
 
 
 def jagged_attention_triton(
-    q, k, v, q_offsets, kv_offsets, batch_order, max_q_len, max_kv_len, activation, scale,
-    post_scale, causal, window, block_size, q_broadcast,
+    q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, activation, scale, post_scale,
+    causal, window, block_size, q_broadcast,
 ) -> torch.Tensor:
     """Calls the registered forward op (differentiable); arguments as in ``triton.py``."""
-    out, _ = torch.ops.gem_kernels.jagged_attention_fwd(
-        q, k, v, q_offsets, kv_offsets, batch_order,
+    out, _, _ = torch.ops.gem_kernels.jagged_attention_fwd(
+        q, k, v, q_offsets, kv_offsets,
         [max_q_len, max_kv_len, int(causal), window, block_size, int(q_broadcast)], activation,
         [scale, post_scale],
     )

@@ -495,11 +495,11 @@ def test_batch_order(offsets_dtype, counting, monkeypatch):
     kv_lengths[3] = 40_000
     offsets = [torch.cat([torch.zeros(1, dtype=torch.int64), n.cumsum(0)]).to(offsets_dtype)
                for n in (q_lengths, kv_lengths)]
-    order = torch.ops.gem_kernels.jagged_batch_order(*(o.to(DEVICE) for o in offsets))
+    order = triton_kernels.batch_order(*(o.to(DEVICE) for o in offsets))
     expected = torch.argsort(q_lengths * kv_lengths, descending=True, stable=True)
     assert order.dtype == torch.int32
     assert order.cpu().tolist() == expected.tolist()
-    assert torch.ops.gem_kernels.jagged_batch_order(offsets[0][:1], offsets[1][:1]).numel() == 0
+    assert triton_kernels.batch_order(offsets[0][:1], offsets[1][:1]).numel() == 0
 
 
 # --------------------------------------------------------------------------------------
