@@ -333,6 +333,30 @@ def test_stored_ds_backward(activation, layout, monkeypatch):
     assert len(calls) == 2
 
 
+@pytest.mark.parametrize("offsets_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("counting", [True, False])
+def test_batch_order(offsets_dtype, counting, monkeypatch):
+    """The order programs take examples in: the stable descending argsort of query rows x keys,
+    from the counting kernel (many ties, empty examples, more examples than its blocks) and from
+    torch.argsort above COUNTING_ORDER_MAX_BATCHES."""
+    from kernels.jagged_attention import triton as triton_kernels
+
+    if not counting:
+        monkeypatch.setattr(triton_kernels, "COUNTING_ORDER_MAX_BATCHES", 100)
+    gen = torch.Generator().manual_seed(1)
+    q_lengths = torch.randint(0, 9, (1100,), generator=gen)
+    kv_lengths = torch.randint(0, 9, (1100,), generator=gen)
+    q_lengths[3] = 70_000  # a product past int32
+    kv_lengths[3] = 40_000
+    offsets = [torch.cat([torch.zeros(1, dtype=torch.int64), n.cumsum(0)]).to(offsets_dtype)
+               for n in (q_lengths, kv_lengths)]
+    order = triton_kernels.batch_order(*(o.to(DEVICE) for o in offsets))
+    expected = torch.argsort(q_lengths * kv_lengths, descending=True, stable=True)
+    assert order.dtype == torch.int32
+    assert order.cpu().tolist() == expected.tolist()
+    assert triton_kernels.batch_order(offsets[0][:1], offsets[1][:1]).numel() == 0
+
+
 def test_invalid_arguments_are_rejected():
     inputs = make_inputs([3, 2])
     with pytest.raises(ValueError, match="activation"):
@@ -478,32 +502,8 @@ def test_gpu_stored_ds_backward(activation, layout, monkeypatch):
         assert _relative_error(a, b) < 1e-2, name
 
 
-@pytest.mark.parametrize("offsets_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("counting", [True, False])
-def test_batch_order(offsets_dtype, counting, monkeypatch):
-    """The order programs take examples in: the stable descending argsort of query rows x keys,
-    from the counting kernel (many ties, empty examples, more examples than its blocks) and from
-    torch.argsort above COUNTING_ORDER_MAX_BATCHES."""
-    from kernels.jagged_attention import triton as triton_kernels
-
-    if not counting:
-        monkeypatch.setattr(triton_kernels, "COUNTING_ORDER_MAX_BATCHES", 100)
-    gen = torch.Generator().manual_seed(1)
-    q_lengths = torch.randint(0, 9, (1100,), generator=gen)
-    kv_lengths = torch.randint(0, 9, (1100,), generator=gen)
-    q_lengths[3] = 70_000  # a product past int32
-    kv_lengths[3] = 40_000
-    offsets = [torch.cat([torch.zeros(1, dtype=torch.int64), n.cumsum(0)]).to(offsets_dtype)
-               for n in (q_lengths, kv_lengths)]
-    order = triton_kernels.batch_order(*(o.to(DEVICE) for o in offsets))
-    expected = torch.argsort(q_lengths * kv_lengths, descending=True, stable=True)
-    assert order.dtype == torch.int32
-    assert order.cpu().tolist() == expected.tolist()
-    assert triton_kernels.batch_order(offsets[0][:1], offsets[1][:1]).numel() == 0
-
-
 # --------------------------------------------------------------------------------------
-# The experimental Gluon forward (GEM_KERNELS_GLUON=1)
+# The Gluon forward (sm_90; on by default, GEM_KERNELS_GLUON=0 turns it off)
 # --------------------------------------------------------------------------------------
 
 
