@@ -65,7 +65,7 @@ def applies(q, k, v, activation, causal, window, block_size, q_broadcast) -> boo
         return False
     if torch.compiler.is_compiling() or any(is_fake(t) for t in (q, k, v)):
         return False
-    if torch.cuda.get_device_capability(q.device)[0] != 9:
+    if tk._capability(q.device.index)[0] != 9:
         return False
     head_dim = q.shape[2]
     return head_dim in HEAD_DIMS and all(

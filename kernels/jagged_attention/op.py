@@ -68,14 +68,20 @@ def _fwd_op(
     return _forward(q, k, v, q_offsets, kv_offsets, sizes, activation, scales, _wrap)
 
 
+def _backward_kernels(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, batch_order, sizes,
+                      activation, scales, wrap):
+    return tk.jagged_attention_bwd(grad_out, q, k, v, out, lse, q_offsets, kv_offsets,
+                                   batch_order, *_unpack(sizes, activation, scales), wrap=wrap)
+
+
 @_define("gem_kernels::jagged_attention_bwd")
 def _bwd_op(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor, q_offsets: torch.Tensor, kv_offsets: torch.Tensor,
     batch_order: torch.Tensor, sizes: list[int], activation: str, scales: list[float],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return tk.jagged_attention_bwd(grad_out, q, k, v, out, lse, q_offsets, kv_offsets,
-                                   batch_order, *_unpack(sizes, activation, scales), wrap=_wrap)
+    return _backward_kernels(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, batch_order,
+                             sizes, activation, scales, _wrap)
 
 
 if tk.INTERPRET:
@@ -84,10 +90,8 @@ if tk.INTERPRET:
         return _forward(*args, wrap=tk.no_launch)
 
     @_bwd_op.register_fake
-    def _bwd_fake(*tensors_and_scalars):
-        *tensors, sizes, activation, scales = tensors_and_scalars
-        return tk.jagged_attention_bwd(*tensors, *_unpack(sizes, activation, scales),
-                                       wrap=tk.no_launch)
+    def _bwd_fake(*args):
+        return _backward_kernels(*args, wrap=tk.no_launch)
 
 
 def _setup_context(ctx, inputs, output) -> None:
