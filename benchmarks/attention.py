@@ -57,11 +57,12 @@ SWEEP_LENGTHS = [256, 1024, 4096, 16384]
 SWEEP_TOKENS = 1 << 19
 SWEEP_MODES = {"block64": dict(block_size=64), "window256": dict(window=256)}
 SWEEP_ACTIVATIONS = {"block64": ("fast_gelu", "softmax"), "window256": ("softmax",)}
-# --lengths: GDPA fast_gelu without a mask at fill 0.5 and SWEEP_TOKENS true tokens, around the
-# 512 row, where the Gluon forward measured slower than the Triton one, with the switches that
-# pick between kernels.
+# --lengths: GDPA fast_gelu without a mask at fill 0.5 and SWEEP_TOKENS true tokens, with the
+# switches that pick between kernels: the data behind GLUON_MIN_Q_LEN (at 512 and below the
+# default is the Triton forward, above it the Gluon one).
 LENGTHS = [128, 256, 384, 512, 768, 1024, 2048]
-LENGTHS_VARIANTS = ("gem triton (no gluon forward)", "gem triton (stored dS backward)")
+LENGTHS_VARIANTS = ("gem triton (no gluon forward)", "gem triton (gluon forward at every length)",
+                    "gem triton (recomputing dQ backward)")
 
 
 def bench(fn, grad_to_none=None) -> float:
@@ -180,9 +181,10 @@ KERNEL_VARIANTS = {
     "gem triton (float32 activation)": dict(PACKED_ACT=False),  # GEM_KERNELS_PACKED_ACT=0
     "gem triton (TMA loads)": dict(USE_TMA=True),  # GEM_KERNELS_TMA=1
     "gem triton (no gluon forward)": dict(USE_GLUON=False),  # GEM_KERNELS_GLUON=0
-    "gem triton (stored dS backward)": dict(STORE_DS=True),  # GEM_KERNELS_STORE_DS=1
+    "gem triton (gluon forward at every length)": dict(GLUON_MIN_Q_LEN=0),
+    "gem triton (recomputing dQ backward)": dict(STORE_DS=False),  # GEM_KERNELS_STORE_DS=0
 }
-_GDPA_ONLY = {"PACKED_ACT", "USE_GLUON"}  # flags that change nothing for softmax
+_GDPA_ONLY = {"PACKED_ACT", "USE_GLUON", "GLUON_MIN_Q_LEN"}  # flags that change nothing for softmax
 
 
 @contextlib.contextmanager
@@ -244,6 +246,8 @@ def _format(row) -> str:
 
 
 def _versions() -> dict:
+    from kernels.jagged_attention import triton as tk
+
     commit = os.environ.get("GIT_COMMIT")  # set it where the checkout's .git is not this tree's
     if not commit:
         try:
@@ -261,7 +265,9 @@ def _versions() -> dict:
         "packed_act": os.environ.get("GEM_KERNELS_PACKED_ACT", "1") == "1",  # bf16x2 activations
         "tma": os.environ.get("GEM_KERNELS_TMA", "0") == "1",  # tensor-descriptor K/V loads (forward)
         "gluon": os.environ.get("GEM_KERNELS_GLUON", "1") == "1",  # the Gluon GDPA forward (sm_90)
-        "store_ds": os.environ.get("GEM_KERNELS_STORE_DS", "0") == "1",  # the stored-dS backward
+        "gluon_min_q_len": tk.GLUON_MIN_Q_LEN,  # the Gluon forward above this max_q_len
+        "store_ds": tk.STORE_DS,  # the stored-dS backward (GEM_KERNELS_STORE_DS)
+        "store_ds_max_mib": tk.STORE_DS_MAX_BYTES >> 20,  # its buffer's cap
     }
 
 

@@ -2,9 +2,10 @@
 
 On by default (``GEM_KERNELS_GLUON=0`` turns it off; ``triton.USE_GLUON``; this module is
 imported at the first GDPA forward): :func:`applies` says when the forward launcher in
-``triton.py`` takes this kernel instead of its Triton one. The backward is always Triton's. Same
-math as the Triton forward (``_gdpa_act`` / ``_gdpa_act_packed``, the output scale folded by the
-launcher), so the two agree to rounding.
+``triton.py`` can take this kernel instead of its Triton one, and it does for ``max_q_len``
+above ``triton.GLUON_MIN_Q_LEN`` (512; shorter, the Triton forward measured faster). The
+backward is always Triton's. Same math as the Triton forward (``_gdpa_act`` /
+``_gdpa_act_packed``, the output scale folded by the launcher), so the two agree to rounding.
 
 Structure (FlashAttention-3's forward, for a pointwise activation):
 
@@ -21,9 +22,9 @@ Structure (FlashAttention-3's forward, for a pointwise activation):
   in registers (columns past its end give ``P = 0``), and the output is stored from registers
   with a row mask. Rows past the tensor's end are zero-filled by the TMA unit.
 
-Measured through the op on an H200 (fast_gelu, bf16, head dim 128): 8-14% faster than the
-Triton forward on four of the benchmark's five rows, 3% slower on the 512 row (docs/kernels.md,
-"The Gluon forward"); tested on the GPU by ``test_gpu_gluon_forward*``.
+Measured through the op on an H200 (fast_gelu, bf16, head dim 128, fill 0.5): 5-22% faster
+than the Triton forward from 768 to 2048 rows and on the pffn row, 1-14% slower from 128 to 512
+rows (docs/kernels.md, "The Gluon forward"); tested on the GPU by ``test_gpu_gluon_forward*``.
 """
 
 from __future__ import annotations

@@ -50,17 +50,32 @@ PACKED_ACT = not INTERPRET and os.environ.get("GEM_KERNELS_PACKED_ACT", "1") == 
 USE_TMA = os.environ.get("GEM_KERNELS_TMA", "0") == "1"
 # GEM_KERNELS_GLUON (default 1; 0 turns it off): the GDPA forward without a mask runs the
 # persistent, warp-specialized Gluon kernel of gluon.py on sm_90 GPUs where it applies
-# (gluon.applies, eager calls); everything else, the backward included, stays here.
+# (gluon.applies, eager calls) and max_q_len exceeds GLUON_MIN_Q_LEN; everything else, the
+# backward included, stays here. Below that length the Triton forward measured faster on an H200
+# (fill 0.5, fast_gelu: by 7-14% at 128-384 rows, 1-3% at 512; the Gluon one by 15-22% at 768,
+# 5% at 1024, 14% at 2048; `benchmarks/attention.py --lengths`).
 USE_GLUON = os.environ.get("GEM_KERNELS_GLUON", "1") == "1"
-# GEM_KERNELS_STORE_DS=1 (experimental, default 0; not yet timed on a GPU): without a causal,
-# window or block mask and without a broadcast Q, the dK/dV kernel also stores dS (the score
-# gradient, in the input dtype) and dQ = dS K comes from _bwd_dq_from_ds_kernel, one product per
-# tile pair instead of the dQ kernel's three (it recomputes S and dP). It costs a buffer of
-# H x (K/V rows) x max_q_len elements, at most STORE_DS_MAX_BYTES (else the dQ kernel runs): at
-# the benchmark's rows 1.2 GB (512), 2.2 GB (pffn), 5.0 GB (1024 fill 0.5), 9.7 GB (1024 fill 1.0,
+GLUON_MIN_Q_LEN = 512
+# GEM_KERNELS_STORE_DS (default 1; 0 turns it off): without a causal, window or block mask and
+# without a broadcast Q, the dK/dV kernel also stores dS (the score gradient, in the input dtype)
+# and dQ = dS K comes from _bwd_dq_from_ds_kernel, one product per tile pair instead of the dQ
+# kernel's three (it recomputes S and dP). The backward measured 3-12% faster on an H200. It
+# costs a transient buffer of H x (K/V rows) x max_q_len (rounded up to 128) elements, at most
+# GEM_KERNELS_STORE_DS_MAX_MIB (default 8192; above it the dQ kernel recomputes): at the
+# benchmark's rows 1.2 GB (512), 2.2 GB (pffn), 5.0 GB (1024 fill 0.5), 9.7 GB (1024 fill 1.0,
 # over the cap).
-STORE_DS = os.environ.get("GEM_KERNELS_STORE_DS", "0") == "1"
-STORE_DS_MAX_BYTES = 8 << 30
+STORE_DS = os.environ.get("GEM_KERNELS_STORE_DS", "1") == "1"
+
+
+def _env_mib(name: str, default: int) -> int:
+    value = os.environ.get(name, str(default))
+    try:
+        return int(value) << 20
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: expected a whole number of MiB, e.g. {default}") from None
+
+
+STORE_DS_MAX_BYTES = _env_mib("GEM_KERNELS_STORE_DS_MAX_MIB", 8192)
 
 
 def autotune_enabled() -> bool:
@@ -1098,7 +1113,8 @@ def jagged_attention_fwd(
     if USE_GLUON and not INTERPRET and not softmax:
         from kernels.jagged_attention import gluon
 
-        if gluon.applies(q, k, v, activation, causal, window, block_size, q_broadcast):
+        if (gluon.applies(q, k, v, activation, causal, window, block_size, q_broadcast)
+                and max_q_len > GLUON_MIN_Q_LEN):
             gluon.forward(q, k, v, out, q_offsets, kv_offsets, batch_order, max_q_len,
                           meta["ACTIVATION"], scale, out_scale, meta["PACKED_ACT"])
             return out, lse

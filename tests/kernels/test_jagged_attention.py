@@ -309,9 +309,10 @@ def _dq_from_ds_calls(monkeypatch) -> list:
 @pytest.mark.parametrize("layout", ["jagged", "dense_kv"])
 @pytest.mark.parametrize("activation", ["softmax", "fast_gelu", "silu", "identity"])
 def test_stored_ds_backward(activation, layout, monkeypatch):
-    """GEM_KERNELS_STORE_DS: dQ from the dS that the dK/dV kernel stored matches the reference
-    (empty and odd lengths, more and fewer keys than queries, several key and query blocks);
-    with a mask, a broadcast Q or a buffer over STORE_DS_MAX_BYTES the dQ kernel recomputes."""
+    """GEM_KERNELS_STORE_DS (the default): dQ from the dS that the dK/dV kernel stored matches
+    the reference (empty and odd lengths, more and fewer keys than queries, several key and query
+    blocks); with a mask, a broadcast Q or a buffer over STORE_DS_MAX_BYTES the dQ kernel
+    recomputes, and matches too."""
     from kernels.jagged_attention import triton as triton_kernels
 
     calls = _dq_from_ds_calls(monkeypatch)
@@ -324,7 +325,9 @@ def test_stored_ds_backward(activation, layout, monkeypatch):
     assert len(calls) == 2
     _check_against_reference(inputs, torch.bfloat16, activation=activation, causal=True)
     monkeypatch.setattr(triton_kernels, "STORE_DS_MAX_BYTES", 1)
-    _check_against_reference(inputs, torch.bfloat16, activation=activation)
+    for dtype in (torch.float32, torch.bfloat16):
+        inputs.q, inputs.k, inputs.v = (t.detach().to(dtype).requires_grad_() for t in inputs.tensors())
+        _check_against_reference(inputs, dtype, activation=activation)
     assert len(calls) == 2
     broadcast = make_inputs([0, 17, 40], [5, 0, 37], num_heads=2, head_dim=48,
                             layout="broadcast_q", num_queries=6, device=DEVICE)
@@ -533,13 +536,14 @@ def test_gluon_work_list(offsets_dtype):
 
 
 def _gluon_forward_calls(monkeypatch) -> list:
-    """Enable the Gluon forward and record its launches."""
+    """Enable the Gluon forward at every length and record its launches."""
     from kernels.jagged_attention import gluon
     from kernels.jagged_attention import triton as triton_kernels
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon forward needs sm_90")
     monkeypatch.setattr(triton_kernels, "USE_GLUON", True)
+    monkeypatch.setattr(triton_kernels, "GLUON_MIN_Q_LEN", 0)
     calls = []
     launch = gluon.forward
 
@@ -558,12 +562,16 @@ def _gluon_forward_calls(monkeypatch) -> list:
 def test_gpu_gluon_forward(activation, layout, monkeypatch):
     """GEM_KERNELS_GLUON: the Gluon forward (jagged and dense K/V; broadcast queries stay on the
     Triton kernel) and the Triton backward after it match the reference; without a mask only,
-    a causal call stays on Triton."""
+    a causal call stays on Triton, and so does a call with max_q_len up to GLUON_MIN_Q_LEN."""
+    from kernels.jagged_attention import triton as triton_kernels
+
     calls = _gluon_forward_calls(monkeypatch)
     inputs = _gpu_layout_inputs(layout, seed=11, empty=3)
     _check_against_reference(inputs, torch.bfloat16, activation=activation)
     assert len(calls) == (0 if layout == "broadcast_q" else 1)
     _check_against_reference(inputs, torch.bfloat16, activation=activation, causal=True)
+    monkeypatch.setattr(triton_kernels, "GLUON_MIN_Q_LEN", inputs.max_q_len)
+    _check_against_reference(inputs, torch.bfloat16, activation=activation)
     assert len(calls) == (0 if layout == "broadcast_q" else 1)
 
 
