@@ -31,6 +31,7 @@ import pathlib
 import platform
 import subprocess
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +66,11 @@ LENGTHS_VARIANTS = ("gem triton (no gluon forward)", "gem triton (gluon forward 
                     "gem triton (recomputing dQ backward)")
 
 
+# Seconds of idle before each implementation's measurements, so that none inherits the power
+# and clock state of a long run before it (see _gpu_state).
+SETTLE_S = 2.0
+
+
 def bench(fn, grad_to_none=None) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none,
                                    return_mode="median")
@@ -95,11 +101,24 @@ def measure(forward, tensors) -> dict:
     return result
 
 
+def _gpu_state() -> dict:
+    """SM clock (MHz) and board power (W) now, through NVML; {} where it cannot be read. Under
+    sustained load an H200 reaches its 700 W limit and lowers the SM clock from 1980 MHz to
+    1600-1800 (measured), which moves a kernel's time by up to 10%."""
+    try:
+        return {"sm_clock_mhz": torch.cuda.clock_rate(), "power_w": torch.cuda.power_draw() / 1000}
+    except Exception:
+        return {}
+
+
 def run_impl(name, make_forward, tensors, flops_fwd) -> dict:
     row = {"impl": name}
     try:
         forward = make_forward()
+        torch.cuda.synchronize()
+        time.sleep(SETTLE_S)  # every implementation starts from the same idle GPU
         row.update(measure(forward, tensors))
+        row["gpu_after"] = _gpu_state()
         row["fwd_tflops"] = flops_fwd / row["fwd_ms"] / 1e9
         row["bwd_tflops"] = 2.5 * flops_fwd / row["bwd_ms"] / 1e9
         row["full_tflops"] = 3.5 * flops_fwd / row["full_ms"] / 1e9
