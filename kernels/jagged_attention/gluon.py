@@ -22,9 +22,9 @@ Structure (FlashAttention-3's forward, for a pointwise activation):
   in registers (columns past its end give ``P = 0``), and the output is stored from registers
   with a row mask. Rows past the tensor's end are zero-filled by the TMA unit.
 
-Measured through the op on an H200 (fast_gelu, bf16, head dim 128, fill 0.5): 5-22% faster
-than the Triton forward from 768 to 2048 rows and on the pffn row, 1-14% slower from 128 to 512
-rows (docs/kernels.md, "The Gluon forward"); tested on the GPU by ``test_gpu_gluon_forward*``.
+Measured through the op on an H200 (fast_gelu, bf16, head dim 128, fill 0.5, two runs): 2-22%
+faster than the Triton forward from 768 to 2048 rows, 1-14% slower from 128 to 512 rows
+(docs/kernels.md, "The Gluon forward"); tested on the GPU by ``test_gpu_gluon_forward*``.
 """
 
 from __future__ import annotations

@@ -51,15 +51,15 @@ USE_TMA = os.environ.get("GEM_KERNELS_TMA", "0") == "1"
 # GEM_KERNELS_GLUON (default 1; 0 turns it off): the GDPA forward without a mask runs the
 # persistent, warp-specialized Gluon kernel of gluon.py on sm_90 GPUs where it applies
 # (gluon.applies, eager calls) and max_q_len exceeds GLUON_MIN_Q_LEN; everything else, the
-# backward included, stays here. Below that length the Triton forward measured faster on an H200
-# (fill 0.5, fast_gelu: by 7-14% at 128-384 rows, 1-3% at 512; the Gluon one by 15-22% at 768,
-# 5% at 1024, 14% at 2048; `benchmarks/attention.py --lengths`).
+# backward included, stays here. Up to that length the Triton forward measured faster on an H200
+# (fill 0.5, fast_gelu, two runs: by 7-14% at 128-384 rows, 1-12% at 512; the Gluon one by 3-22%
+# at 768, 2-5% at 1024, 8-14% at 2048; `benchmarks/attention.py --lengths`).
 USE_GLUON = os.environ.get("GEM_KERNELS_GLUON", "1") == "1"
 GLUON_MIN_Q_LEN = 512
 # GEM_KERNELS_STORE_DS (default 1; 0 turns it off): without a causal, window or block mask and
 # without a broadcast Q, the dK/dV kernel also stores dS (the score gradient, in the input dtype)
 # and dQ = dS K comes from _bwd_dq_from_ds_kernel, one product per tile pair instead of the dQ
-# kernel's three (it recomputes S and dP). The backward measured 3-12% faster on an H200. It
+# kernel's three (it recomputes S and dP). The backward measured 3-13% faster on an H200. It
 # costs a transient buffer of H x (K/V rows) x max_q_len (rounded up to 128) elements, at most
 # GEM_KERNELS_STORE_DS_MAX_MIB (default 8192; above it the dQ kernel recomputes): at the
 # benchmark's rows 1.2 GB (512), 2.2 GB (pffn), 5.0 GB (1024 fill 0.5), 9.7 GB (1024 fill 1.0,
