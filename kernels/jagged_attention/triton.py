@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 import triton
@@ -1146,6 +1147,21 @@ def _store_ds_bytes(q, k, max_q_len, causal, window, block_size, q_broadcast) ->
     return q.shape[1] * k.shape[0] * _store_ds_row(max_q_len) * q.element_size()
 
 
+def _store_ds_buffer(q, k, max_q_len) -> torch.Tensor | None:
+    """The STORE_DS buffer, or None (the backward then recomputes dQ) where the device has no room
+    for it even under the cap: the caching allocator has already freed what it could."""
+    shape = (q.shape[1], k.shape[0], _store_ds_row(max_q_len))
+    try:
+        return q.new_empty(shape)
+    except torch.OutOfMemoryError:
+        mib = q.shape[1] * k.shape[0] * shape[2] * q.element_size() >> 20
+        warnings.warn(
+            f"jagged attention backward: no memory for the stored-dS buffer ({mib} MiB); dQ is "
+            f"recomputed instead. Set GEM_KERNELS_STORE_DS_MAX_MIB below {mib} to skip the "
+            "attempt, or GEM_KERNELS_STORE_DS=0.", stacklevel=2)
+        return None
+
+
 def jagged_attention_bwd(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor, q_offsets: torch.Tensor, kv_offsets: torch.Tensor,
@@ -1204,8 +1220,11 @@ def jagged_attention_bwd(
 
     store_ds = STORE_DS and 0 < _store_ds_bytes(q, k, max_q_len, causal, window, block_size,
                                                 q_broadcast) <= STORE_DS_MAX_BYTES
-    # dS[h, kv row, query of its example], rows padded (dk stands in, unused, without STORE_DS)
-    ds = q.new_empty(num_heads, k.shape[0], _store_ds_row(max_q_len)) if store_ds else dk
+    # dS[h, kv row, query of its example], rows padded (dk stands in, unused, without a buffer)
+    ds = _store_ds_buffer(q, k, max_q_len) if store_ds else None
+    store_ds = ds is not None
+    if ds is None:
+        ds = dk
     kernel, launch = _kernel_and_config("dkdv", meta["BLOCK_D"], q.element_size())
     wrap(kernel)[grid_dkdv](
         q, k, v, grad_out, lse, delta, dk, dv, ds, q_offsets, kv_offsets, batch_order,

@@ -336,6 +336,30 @@ def test_stored_ds_backward(activation, layout, monkeypatch):
     assert len(calls) == 2
 
 
+def test_stored_ds_out_of_memory(monkeypatch):
+    """No room for the dS buffer: the backward warns, names the setting, recomputes dQ and
+    still matches the reference."""
+    from kernels.jagged_attention import triton as triton_kernels
+
+    calls = _dq_from_ds_calls(monkeypatch)
+    allocate = triton_kernels._store_ds_buffer
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (test)")
+
+    def no_room(*args):
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.Tensor, "new_empty", out_of_memory)
+            return allocate(*args)
+
+    monkeypatch.setattr(triton_kernels, "_store_ds_buffer", no_room)
+    torch.manual_seed(0)
+    inputs = make_inputs([0, 17, 40, 1], [5, 0, 37, 16], num_heads=2, head_dim=48, device=DEVICE)
+    with pytest.warns(UserWarning, match="GEM_KERNELS_STORE_DS_MAX_MIB"):
+        _check_against_reference(inputs, torch.float32, activation="fast_gelu")
+    assert calls == []
+
+
 @pytest.mark.parametrize("offsets_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("counting", [True, False])
 def test_batch_order(offsets_dtype, counting, monkeypatch):
