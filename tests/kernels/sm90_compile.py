@@ -173,9 +173,10 @@ def main() -> None:
             kernels._use_tma = use_tma
         if activation != "silu":  # scalars typed as torch.compile passes them, without a mask
             compile_fwd_bwd(functools.partial(compile_only, float_type="fp64"), causal=False)
-        if activation in ("fast_gelu", "softmax"):  # the stored-dS backward, without a mask
-            kernels.STORE_DS = True
+        if activation in ("fast_gelu", "softmax"):  # the stored-dS backward, without a mask,
+            kernels.STORE_DS = True  # with scalars as Triton's launcher and Inductor pass them
             compile_fwd_bwd(causal=False)
+            compile_fwd_bwd(functools.partial(compile_only, float_type="fp64"), causal=False)
             kernels.STORE_DS = False
     kernels.batch_order(inputs.q_offsets, inputs.kv_offsets, wrap=compile_only)
     # float32 inputs: the forward's plain and LATE_PV loops (float32 P)

@@ -191,13 +191,15 @@ def test_flop_counter_counts_true_jagged_lengths():
     assert counter.get_total_flops() == 4 * 2 * 32 * pairs * 7 // 2
 
 
-def test_torch_compile_fullgraph():
+@pytest.mark.parametrize("mask", [{"window": 4}, {}])  # without a mask, the stored-dS backward
+def test_torch_compile_fullgraph(mask, monkeypatch):
     """No graph break: fullgraph=True raises on one. CPU: aot_eager; CUDA: Inductor."""
+    calls = _dq_from_ds_calls(monkeypatch)
     inputs = make_inputs([6, 0, 19], [11, 2, 19], device=DEVICE)
 
     def attention(q, k, v):
-        return jagged_attention(q, k, v, *inputs.args()[3:], activation="silu", window=4,
-                                backend="triton")
+        return jagged_attention(q, k, v, *inputs.args()[3:], activation="silu", backend="triton",
+                                **mask)
 
     compiled = torch.compile(attention, fullgraph=True,
                              backend="inductor" if HAS_CUDA else "aot_eager")
@@ -207,6 +209,7 @@ def test_torch_compile_fullgraph():
     ref_grads = torch.autograd.grad(ref.sum(), inputs.tensors())
     for actual, expected in zip((out, *grads), (ref, *ref_grads)):
         assert _relative_error(actual, expected) < 1e-5
+    assert bool(calls) == (not mask)
 
 
 def test_kernels_compile_for_hopper_without_a_gpu():
@@ -228,21 +231,21 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     # fp64 fast_gelu and gelu passes compile the forward's LATE_PV loop too; last, the float32
     # input forward, plain and LATE_PV. fast_gelu and softmax again without a mask and with
     # GEM_KERNELS_STORE_DS (the forward, LATE_PV for fast_gelu, the preprocess for softmax, dK/dV
-    # storing dS, dQ from dS), and the batch order kernel. Then the Gluon forward (six cases, each
-    # with its work-list kernel): bf16 silu and fast_gelu on the bf16x2 path, no spills (checked
-    # in the script).
+    # storing dS, dQ from dS), with fp32 and with fp64 scalars, and the batch order kernel. Then
+    # the Gluon forward (six cases, each with its work-list kernel): bf16 silu and fast_gelu on
+    # the bf16x2 path, no spills (checked in the script).
     assert sum(line.startswith("compiled gluon") for line in lines) == 6, lines
     assert sum("bf16x2=True" in line for line in lines) == 2, lines
     assert sum("_work_list_kernel" in line for line in lines) == 6, lines
-    assert sum("packed=True" in line for line in lines) == 16, lines
+    assert sum("packed=True" in line for line in lines) == 19, lines
     assert sum("tma=True" in line for line in lines) == 3, lines
-    assert sum("floats=fp64" in line for line in lines) == 12, lines
-    assert sum("causal=False" in line for line in lines) == 18, lines
-    assert sum("late_pv=1" in line for line in lines) == 4, lines
-    assert sum("store_ds=1" in line for line in lines) == 2, lines
-    assert sum("_bwd_dq_from_ds_kernel" in line for line in lines) == 2, lines
+    assert sum("floats=fp64" in line for line in lines) == 20, lines
+    assert sum("causal=False" in line for line in lines) == 23, lines
+    assert sum("late_pv=1" in line for line in lines) == 5, lines
+    assert sum("store_ds=1" in line for line in lines) == 4, lines
+    assert sum("_bwd_dq_from_ds_kernel" in line for line in lines) == 4, lines
     assert sum("_batch_order_kernel" in line for line in lines) == 1, lines
-    assert len(lines) == 51, lines
+    assert len(lines) == 59, lines
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
