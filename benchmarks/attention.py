@@ -280,10 +280,12 @@ def _versions() -> dict:
         "hardware": torch.cuda.get_device_name(),
         "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
         "python": platform.python_version(),
-        "autotune": os.environ.get("GEM_KERNELS_AUTOTUNE", "1") == "1",  # the kernels' default
-        "packed_act": os.environ.get("GEM_KERNELS_PACKED_ACT", "1") == "1",  # bf16x2 activations
-        "tma": os.environ.get("GEM_KERNELS_TMA", "0") == "1",  # tensor-descriptor K/V loads (forward)
-        "gluon": os.environ.get("GEM_KERNELS_GLUON", "1") == "1",  # the Gluon GDPA forward (sm_90)
+        # the kernels' switches (docs/kernels.md, "Settings")
+        "autotune": tk.autotune_enabled(),
+        "tune_space": tk.TUNE_SPACE,  # GEM_KERNELS_TUNE_SPACE
+        "packed_act": tk.PACKED_ACT,  # bf16x2 activations
+        "tma": tk.USE_TMA,  # tensor-descriptor loads
+        "gluon": tk.USE_GLUON,  # the Gluon GDPA forward (sm_90)
         "gluon_min_q_len": tk.GLUON_MIN_Q_LEN,  # the Gluon forward above this max_q_len
         "store_ds": tk.STORE_DS,  # the stored-dS backward (GEM_KERNELS_STORE_DS)
         "store_ds_max_mib": tk.STORE_DS_MAX_BYTES >> 20,  # its buffer's cap
@@ -382,7 +384,6 @@ def main() -> None:
                   "flops": "fwd = 4*H*D*sum(visible pairs); bwd = 2.5x fwd; fwd+bwd = 3.5x fwd",
                   "shapes": earlier.get("shapes") or [
                       dict(zip(("name", "layout", "batch", "max_len", "fill"), s)) for s in shapes],
-                  "tune_space": os.environ.get("GEM_KERNELS_TUNE_SPACE", "default"),
                   "tuned_configs": tuned, "rows": all_rows, "summary": summarize(all_rows)["targets"]}
         kept = sorted({(r["measured"]["date"], r["measured"]["git_commit"]) for r in earlier["rows"]})
         if args.only_sweeps or args.keep_sweeps:

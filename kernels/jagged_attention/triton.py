@@ -33,6 +33,35 @@ SOFTMAX, SILU, GELU, FAST_GELU, RELU, IDENTITY = range(6)
 ACTIVATION_CODES = {name: code for code, name in enumerate(ACTIVATIONS)}
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    """A switch from the environment: 1 or 0 (also true / false, on / off, yes / no); unset or
+    empty, ``default``. Anything else is an error that names the variable."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in ("1", "true", "on", "yes"):
+        return True
+    if value in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"{name}={os.environ[name]!r}: expected 1 or 0")
+
+
+def _env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    value = os.environ.get(name, "").strip().lower() or default
+    if value not in choices:
+        raise ValueError(f"{name}={os.environ[name]!r}: expected one of {', '.join(choices)}")
+    return value
+
+
+def _env_mib(name: str, default: int) -> int:
+    value = os.environ.get(name, "").strip() or str(default)
+    try:
+        return int(value) << 20
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: expected a whole number of MiB, e.g. {default}") from None
+
 # act(scale * x) = ACT_UNIT * scale * _gdpa_act(x) and act'(scale * x) = ACT_UNIT * (its
 # second factor in _gdpa_act_and_grad): the launchers fold these constants into the output,
 # dV and dQ / dK scales.
@@ -42,20 +71,20 @@ ACT_UNIT = {"silu": 0.5, "gelu": 0.5, "fast_gelu": 0.5, "relu": 1.0, "identity":
 # shapes: forward 1-15% and forward+backward 6-10% faster than float32; relative error against
 # the float64 reference 3.7e-3 (output) and 5.1e-3 (dQ, dK) instead of 2.3e-3 (docs/kernels.md).
 # Set 0 for float32 math.
-PACKED_ACT = not INTERPRET and os.environ.get("GEM_KERNELS_PACKED_ACT", "1") == "1"
+PACKED_ACT = not INTERPRET and _env_flag("GEM_KERNELS_PACKED_ACT", True)
 # GEM_KERNELS_TMA=1 (experimental, default 0; slower on an H200, see docs/kernels.md): the
 # kernels read the tiles they stream (K/V in the forward and dQ, Q/dO in dK/dV) through tensor
 # descriptors (TMA on sm_90: no address arithmetic, zero fill past the sequence end instead of
 # masked loads).
 # See _use_tma for when it applies.
-USE_TMA = os.environ.get("GEM_KERNELS_TMA", "0") == "1"
+USE_TMA = _env_flag("GEM_KERNELS_TMA", False)
 # GEM_KERNELS_GLUON (default 1; 0 turns it off): the GDPA forward without a mask runs the
 # persistent, warp-specialized Gluon kernel of gluon.py on sm_90 GPUs where it applies
 # (gluon.applies, eager calls) and max_q_len exceeds GLUON_MIN_Q_LEN; everything else, the
 # backward included, stays here. Up to that length the Triton forward measured faster on an H200
 # (fill 0.5, fast_gelu, two runs: by 7-14% at 128-384 rows, 1-12% at 512; the Gluon one by 3-22%
 # at 768, 2-5% at 1024, 8-14% at 2048; `benchmarks/attention.py --lengths`).
-USE_GLUON = os.environ.get("GEM_KERNELS_GLUON", "1") == "1"
+USE_GLUON = _env_flag("GEM_KERNELS_GLUON", True)
 GLUON_MIN_Q_LEN = 512
 # GEM_KERNELS_STORE_DS (default 1; 0 turns it off): without a causal, window or block mask and
 # without a broadcast Q, the dK/dV kernel also stores dS (the score gradient, in the input dtype)
@@ -65,17 +94,7 @@ GLUON_MIN_Q_LEN = 512
 # GEM_KERNELS_STORE_DS_MAX_MIB (default 8192; above it the dQ kernel recomputes): at the
 # benchmark's rows 1.2 GB (512), 2.2 GB (pffn), 5.0 GB (1024 fill 0.5), 9.7 GB (1024 fill 1.0,
 # over the cap).
-STORE_DS = os.environ.get("GEM_KERNELS_STORE_DS", "1") == "1"
-
-
-def _env_mib(name: str, default: int) -> int:
-    value = os.environ.get(name, str(default))
-    try:
-        return int(value) << 20
-    except ValueError:
-        raise ValueError(f"{name}={value!r}: expected a whole number of MiB, e.g. {default}") from None
-
-
+STORE_DS = _env_flag("GEM_KERNELS_STORE_DS", True)
 STORE_DS_MAX_BYTES = _env_mib("GEM_KERNELS_STORE_DS_MAX_MIB", 8192)
 
 
@@ -85,7 +104,7 @@ def autotune_enabled() -> bool:
     With 0, the per-head-dim default config below is launched directly (no tuning runs);
     the interpreter always uses one small config.
     """
-    return not INTERPRET and os.environ.get("GEM_KERNELS_AUTOTUNE", "1") == "1"
+    return not INTERPRET and _env_flag("GEM_KERNELS_AUTOTUNE", True)
 
 
 # Triton 3.7's interpreter gets bf16 tl.dot wrong; there every dot runs on float32 copies of
@@ -922,7 +941,8 @@ _WIDE_EXTRA = {
     "dq": [(128, 64, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 2), (128, 64, 4, 2)],
     "dq_ds": [(128, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 2), (64, 32, 4, 3)],
 }
-if os.environ.get("GEM_KERNELS_TUNE_SPACE", "default") == "wide":
+TUNE_SPACE = _env_choice("GEM_KERNELS_TUNE_SPACE", "default", ("default", "wide"))
+if TUNE_SPACE == "wide":
     _TUNE_SPACE = {kind: space + _WIDE_EXTRA[kind] for kind, space in _TUNE_SPACE.items()}
 # (keys a kernel lacks are skipped)
 _TUNE_KEY = ["max_q_bucket", "max_kv_bucket", "BLOCK_D", "ACTIVATION", "CAUSAL", "HAS_WINDOW",

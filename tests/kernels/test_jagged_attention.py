@@ -399,6 +399,39 @@ def test_invalid_arguments_are_rejected():
         jagged_attention(*inputs.args()[:3], inputs.q_offsets.float(), *inputs.args()[4:])
 
 
+def test_environment_settings(monkeypatch):
+    """GEM_KERNELS_* values: 1 / 0 and their spellings, unset or empty for the default, and a
+    clear error that names the variable for anything else, also when importing the kernels."""
+    from kernels.jagged_attention import triton as triton_kernels
+
+    for value, expected in [("1", True), ("true", True), (" ON ", True), ("0", False),
+                            ("no", False), ("", True)]:
+        monkeypatch.setenv("GEM_KERNELS_EXAMPLE", value)
+        assert triton_kernels._env_flag("GEM_KERNELS_EXAMPLE", True) is expected
+    monkeypatch.delenv("GEM_KERNELS_EXAMPLE")
+    assert triton_kernels._env_flag("GEM_KERNELS_EXAMPLE", False) is False
+    monkeypatch.setenv("GEM_KERNELS_EXAMPLE", "2")
+    with pytest.raises(ValueError, match="GEM_KERNELS_EXAMPLE='2': expected 1 or 0"):
+        triton_kernels._env_flag("GEM_KERNELS_EXAMPLE", True)
+    monkeypatch.setenv("GEM_KERNELS_EXAMPLE", "Wide")
+    assert triton_kernels._env_choice("GEM_KERNELS_EXAMPLE", "default", ("default", "wide")) == "wide"
+    monkeypatch.setenv("GEM_KERNELS_EXAMPLE", "narrow")
+    with pytest.raises(ValueError, match="GEM_KERNELS_EXAMPLE='narrow': expected one of default, wide"):
+        triton_kernels._env_choice("GEM_KERNELS_EXAMPLE", "default", ("default", "wide"))
+    monkeypatch.setenv("GEM_KERNELS_EXAMPLE", "100")
+    assert triton_kernels._env_mib("GEM_KERNELS_EXAMPLE", 8192) == 100 << 20
+    monkeypatch.setenv("GEM_KERNELS_EXAMPLE", "8G")
+    with pytest.raises(ValueError, match="GEM_KERNELS_EXAMPLE='8G': expected a whole number of MiB"):
+        triton_kernels._env_mib("GEM_KERNELS_EXAMPLE", 8192)
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = os.environ | {"GEM_KERNELS_STORE_DS": "maybe",
+                        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", "import kernels.jagged_attention.triton"],
+                            cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "GEM_KERNELS_STORE_DS='maybe': expected 1 or 0" in result.stderr
+
+
 # --------------------------------------------------------------------------------------
 # GPU tier: real shapes
 # --------------------------------------------------------------------------------------
