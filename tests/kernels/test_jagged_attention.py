@@ -37,6 +37,18 @@ gpu = pytest.mark.gpu
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _run_python(args: list[str], timeout: int, drop=(), **env) -> subprocess.CompletedProcess:
+    """``python *args`` from the repository root with it on PYTHONPATH: this environment, less
+    the variables in ``drop``, plus ``env``."""
+    environ = {k: v for k, v in os.environ.items() if k not in drop} | env
+    environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=environ, capture_output=True,
+                          text=True, timeout=timeout)
+
+
 def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """||a - e|| / ||e||, with an absolute floor of 1e-2 per element for (near-)zero
     references, e.g. dQ of a softmax over one key, which is exactly zero."""
@@ -173,10 +185,7 @@ def test_flop_counter_counts_the_first_call_of_a_process():
         "    kernels.jagged_attention(*inputs.args(), activation='silu', backend='triton')\n"
         "print(counter.get_total_flops())\n"
     )
-    root = pathlib.Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
-                            text=True, timeout=300)
+    result = _run_python(["-c", code], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert int(result.stdout.split()[-1]) == 4 * 2 * 32 * (5 * 5 + 7 * 7)
 
@@ -217,11 +226,8 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     runs), compiles to an sm_90 cubin: tests/kernels/sm90_compile.py in a subprocess. Also with
     fp64 scale arguments, as torch.compile (Inductor) launches them: float32 kernels once failed
     there (a float64 accumulator) or ran their activations in float64."""
-    root = pathlib.Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    result = subprocess.run([sys.executable, str(root / "tests/kernels/sm90_compile.py")], cwd=root,
-                            env=env, capture_output=True, text=True, timeout=600)
+    result = _run_python([str(ROOT / "tests/kernels/sm90_compile.py")], timeout=600,
+                         drop=("TRITON_INTERPRET",))
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     # fast_gelu (three times: pointer loads, TMA loads, fp64 scalars as Inductor passes them)
@@ -423,11 +429,8 @@ def test_environment_settings(monkeypatch):
     monkeypatch.setenv("GEM_KERNELS_EXAMPLE", "8G")
     with pytest.raises(ValueError, match="GEM_KERNELS_EXAMPLE='8G': expected a whole number of MiB"):
         triton_kernels._env_mib("GEM_KERNELS_EXAMPLE", 8192)
-    root = pathlib.Path(__file__).resolve().parents[2]
-    env = os.environ | {"GEM_KERNELS_STORE_DS": "maybe",
-                        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-c", "import kernels.jagged_attention.triton"],
-                            cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    result = _run_python(["-c", "import kernels.jagged_attention.triton"], timeout=300,
+                         GEM_KERNELS_STORE_DS="maybe")
     assert result.returncode != 0
     assert "GEM_KERNELS_STORE_DS='maybe': expected 1 or 0" in result.stderr
 
