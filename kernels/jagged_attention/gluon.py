@@ -17,7 +17,9 @@ Structure (FlashAttention-3's forward, for a pointwise activation):
   of ``STAGES`` slots) from host-built tensor descriptors over ``[rows, H * D]``, while two
   4-warp consumers each own 64 of the tile's 128 query rows and share the K/V ring. A consumer
   issues ``S_j = Q K_j^T`` and ``P_{j-1} V_{j-1}`` back to back, so the tensor cores run one
-  while its warps compute the activation of the other.
+  while its warps compute the activation of the other. The pipeline runs on across tiles: a
+  tile's last ``P V`` goes out with the next tile's first ``Q K^T``, and its output is stored
+  after it.
 * A descriptor's rows run on into the next example: the last key tile of an example is masked
   in registers (columns past its end give ``P = 0``), and the output is stored from registers
   with a row mask. Rows past the tensor's end are zero-filled by the TMA unit.
@@ -202,11 +204,27 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, kv_
 
 
 @gluon.jit
+def _epilogue(acc, O, row0, num_rows, h, stride_ot, stride_oh, out_scale, dtype: gl.constexpr):
+    """Stores a consumer's 64 output rows (those below ``num_rows``) from the accumulator."""
+    layout: gl.constexpr = acc.type.layout
+    rows = gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+    offs = (row0 + rows).to(gl.int64)[:, None] * stride_ot + h * stride_oh + cols[None, :]
+    mask = (rows < num_rows)[:, None] & (cols < acc.shape[1])[None, :]
+    gl.store(O + offs, (acc * out_scale).to(dtype), mask=mask)
+
+
+@gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_ready, q_free, kv_ready, kv_free, O, stride_ot, stride_oh,
               WORK, TOTAL, scale, out_scale, ACTIVATION: gl.constexpr, PACKED: gl.constexpr,
               HALF: gl.constexpr):
     """A 4-warp consumer: rows ``HALF * 64`` to ``HALF * 64 + 63`` of each of the program's work
-    tiles. It reads the next tile's entry while it computes the current one."""
+    tiles. It reads the next tile's entry while it computes the current one.
+
+    The software pipeline runs across tiles: a tile's last ``P V`` is issued after the next
+    tile's first ``Q K^T`` (the tensor cores run it while the warps compute that tile's first
+    activation), and its output is stored then. ``pending`` (0 or 1) says whether such a
+    product is waiting; when none is, the step multiplies ``P = 0`` and stores nothing."""
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     HEAD_D: gl.constexpr = k_smem.shape[2]
@@ -218,12 +236,20 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_free, kv_ready, kv_free, O, str
                                                        instr_shape=[16, HEAD_D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     s_zero = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
-    rows = gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
-    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
+    o_zero = gl.zeros([64, HEAD_D], gl.float32, o_layout)
+    p_zero = gl.zeros([64, BLOCK_N], dtype, p_layout)
     total = gl.load(TOTAL)
     step = gl.num_programs(0)
     it = 0
     done = 0
+    # the tile whose last P V is pending: its P, K/V slot, output rows and head
+    acc = o_zero
+    p = p_zero
+    pending = 0
+    prev = 0
+    out_row0 = 0
+    out_rows = 0
+    out_h = 0
     next_row0, next_rows, next_h, _, next_kv_len = _tile(WORK, gl.program_id(0),
                                                          gl.program_id(0) < total)
     for t in range(gl.program_id(0), total, step):
@@ -233,17 +259,25 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_free, kv_ready, kv_free, O, str
         kv_len = next_kv_len
         next_row0, next_rows, next_h, _, next_kv_len = _tile(WORK, t + step, t + step < total)
         n_tiles = gl.cdiv(kv_len, BLOCK_N)
-        acc = gl.zeros([64, HEAD_D], gl.float32, o_layout)
         qb = done % Q_BUFFERS
         q = q_smem.index(2 * qb + HALF)
         mbarrier.wait(q_ready.index(qb), phase=(done // Q_BUFFERS) & 1)
         if n_tiles > 0:
             slot = it % STAGES
+            if pending == 0:
+                prev = slot  # a ready slot for the P = 0 product
             mbarrier.wait(kv_ready.index(slot), phase=(it // STAGES) & 1)
             s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
-            s = warpgroup_mma_wait(0, deps=(s,))
-            p = _probabilities(s, 0, kv_len, scale, p_layout, ACTIVATION, PACKED, dtype)
+            acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s,))
+            p_next = _probabilities(s, 0, kv_len, scale, p_layout, ACTIVATION, PACKED, dtype)
+            acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+            mbarrier.arrive(kv_free.index(prev), count=1, pred=pending != 0)
+            _epilogue(acc, O, out_row0, out_rows * pending, out_h, stride_ot, stride_oh,
+                      out_scale, dtype)
+            acc = o_zero
+            p = p_next
             for j in range(1, n_tiles):
                 c = it + j
                 slot = c % STAGES
@@ -257,16 +291,29 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_free, kv_ready, kv_free, O, str
                 acc, p = warpgroup_mma_wait(0, deps=(acc, p))
                 mbarrier.arrive(kv_free.index(prev), count=1)
                 p = p_next
-            last = (it + n_tiles - 1) % STAGES
-            acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(kv_free.index(last), count=1)
+            mbarrier.arrive(q_free.index(qb), count=1)
+            prev = (it + n_tiles - 1) % STAGES
             it += n_tiles
-        mbarrier.arrive(q_free.index(qb), count=1)
-        offs = (row0 + rows).to(gl.int64)[:, None] * stride_ot + h * stride_oh + cols[None, :]
-        mask = (rows < num_rows)[:, None] & (cols < HEAD_D)[None, :]
-        gl.store(O + offs, (acc * out_scale).to(dtype), mask=mask)
+            pending = 1
+            out_row0 = row0
+            out_rows = num_rows
+            out_h = h
+        else:  # no keys: flush the pending product, then store zeros
+            mbarrier.arrive(q_free.index(qb), count=1)
+            acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+            acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+            mbarrier.arrive(kv_free.index(prev), count=1, pred=pending != 0)
+            _epilogue(acc, O, out_row0, out_rows * pending, out_h, stride_ot, stride_oh,
+                      out_scale, dtype)
+            _epilogue(o_zero, O, row0, num_rows, h, stride_ot, stride_oh, out_scale, dtype)
+            acc = o_zero
+            p = p_zero
+            pending = 0
         done += 1
+    acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+    acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+    mbarrier.arrive(kv_free.index(prev), count=1, pred=pending != 0)
+    _epilogue(acc, O, out_row0, out_rows * pending, out_h, stride_ot, stride_oh, out_scale, dtype)
 
 
 # warp_specialize passes its partitions runtime values only, so each half gets its own entry.

@@ -125,7 +125,8 @@ def _compile(fn, args, kwargs, float_type):
         resources = _resources(compiled.asm["cubin"])
         assert "stack=0" in resources, resources  # no spills
         print(f"compiled gluon {fn.__name__} activation={kwargs['ACTIVATION']} "
-              f"head_dim={kwargs['HEAD_D']} bf16x2={kwargs['PACKED']} {resources}", flush=True)
+              f"head_dim={kwargs['HEAD_D']} bf16x2={kwargs['PACKED']} {resources} "
+              f"shared={compiled.metadata.shared}", flush=True)
         return
     if kwargs.get("PACKED_ACT"):
         assert "tanh.approx.bf16x2" in compiled.asm["ptx"], fn.__name__
