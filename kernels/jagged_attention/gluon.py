@@ -24,9 +24,10 @@ Structure (FlashAttention-3's forward, for a pointwise activation):
   in registers (columns past its end give ``P = 0``), and the output is stored from registers
   with a row mask. Rows past the tensor's end are zero-filled by the TMA unit.
 
-Measured through the op on an H200 (fast_gelu, bf16, head dim 128, fill 0.5, two runs): 2-22%
-faster than the Triton forward from 768 to 2048 rows, 1-14% slower from 128 to 512 rows
-(docs/kernels.md, "The Gluon forward"); tested on the GPU by ``test_gpu_gluon_forward*``.
+Measured on an H200 against the Triton forward (fast_gelu, bf16, head dim 128, fill 0.5, one
+session, two rounds): 6-12% faster from 768 to 2048 rows (15% at 1024 rows, fill 1.0), level at
+512, 4-5% slower at 256 and 384 (docs/kernels.md, "What moved GDPA this time"); tested on the
+GPU by ``test_gpu_gluon_forward*``.
 """
 
 from __future__ import annotations
