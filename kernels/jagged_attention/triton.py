@@ -87,7 +87,7 @@ USE_TMA = _env_flag("GEM_KERNELS_TMA", False)
 # forward pipelines across its work tiles, one session measured the two level at 512 (fill 0.5)
 # and Gluon 10% faster at 512 fill 1.0 (docs/kernels.md); the bound awaits a new --lengths run.
 USE_GLUON = _env_flag("GEM_KERNELS_GLUON", True)
-GLUON_MIN_Q_LEN = 512
+GLUON_MIN_Q_LEN = 128
 # GEM_KERNELS_STORE_DS (default 1; 0 turns it off): without a causal, window or block mask and
 # without a broadcast Q, the dK/dV kernel also stores dS (the score gradient, in the input dtype)
 # and dQ = dS K comes from _bwd_dq_from_ds_kernel, one product per tile pair instead of the dQ
