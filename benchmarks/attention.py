@@ -59,7 +59,7 @@ SWEEP_TOKENS = 1 << 19
 SWEEP_MODES = {"block64": dict(block_size=64), "window256": dict(window=256)}
 SWEEP_ACTIVATIONS = {"block64": ("fast_gelu", "softmax"), "window256": ("softmax",)}
 # --lengths: GDPA fast_gelu without a mask at fill 0.5 and SWEEP_TOKENS true tokens, with the
-# switches that pick between kernels: the data behind GLUON_MIN_Q_LEN (at 512 and below the
+# switches that pick between kernels: the data behind GLUON_MIN_Q_LEN (at 128 and below the
 # default is the Triton forward, above it the Gluon one).
 LENGTHS = [128, 256, 384, 512, 768, 1024, 2048]
 LENGTHS_VARIANTS = ("gem triton (no gluon forward)", "gem triton (gluon forward at every length)",

@@ -3,7 +3,7 @@
 On by default (``GEM_KERNELS_GLUON=0`` turns it off; ``triton.USE_GLUON``; this module is
 imported at the first GDPA forward): :func:`applies` says when the forward launcher in
 ``triton.py`` can take this kernel instead of its Triton one, and it does for ``max_q_len``
-above ``triton.GLUON_MIN_Q_LEN`` (512; shorter, the Triton forward measured faster). The
+above ``triton.GLUON_MIN_Q_LEN`` (128; there the Triton forward measured faster). The
 backward is always Triton's. Same math as the Triton forward (``_gdpa_act`` /
 ``_gdpa_act_packed``, the output scale folded by the launcher), so the two agree to rounding.
 
@@ -21,13 +21,14 @@ Structure (FlashAttention-3's forward, for a pointwise activation):
   tile's last ``P V`` goes out with the next tile's first ``Q K^T``, and its output is stored
   after it.
 * A descriptor's rows run on into the next example: the last key tile of an example is masked
-  in registers (columns past its end give ``P = 0``), and the output is stored from registers
-  with a row mask. Rows past the tensor's end are zero-filled by the TMA unit.
+  in registers (columns past its end give ``P = 0``), and a consumer's 64 output rows go through
+  shared memory, by TMA where all are the example's and by masked 16-byte stores else. Rows
+  past the tensor's end are zero-filled by the TMA unit.
 
-Measured on an H200 against the Triton forward (fast_gelu, bf16, head dim 128, fill 0.5, one
-session, two rounds): 6-12% faster from 768 to 2048 rows (15% at 1024 rows, fill 1.0), level at
-512, 4-5% slower at 256 and 384 (docs/kernels.md, "What moved GDPA this time"); tested on the
-GPU by ``test_gpu_gluon_forward*``.
+Measured on an H200 against the Triton forward (fast_gelu, bf16, head dim 128, fill 0.5):
+3-5% slower at 128 rows, 5-15% faster at 256, 14-19% at 512, 10-21% at 1024, 18-21% at 2048
+(``benchmarks/attention.py --lengths``; docs/kernels.md, "What moved GDPA this time" and "The
+Gluon forward"); tested on the GPU by ``test_gpu_gluon_forward*``.
 """
 
 from __future__ import annotations
@@ -212,9 +213,8 @@ def _epilogue(acc, O, o_desc, o_buf, row0, num_rows, h, stride_ot, stride_oh, ou
     thread (the descriptor's rows run on into the next example). The TMA store is left in
     flight; the next call, and the consumer's end, wait for it to have read the buffer.
 
-    Stores from the accumulator's registers (4-byte pieces per thread) cost 14% of the forward
-    at 512 rows (fill 0.5); through 16-byte blocked stores 3%, through this 0-3%
-    (docs/kernels.md)."""
+    Stored straight from the accumulator's registers (4-byte pieces per thread), the output took
+    about a fifth of the forward's time at 512 rows (fill 0.5) and pffn (docs/kernels.md)."""
     HEAD_D: gl.constexpr = acc.shape[1]
     tma.store_wait(0)
     o_buf.store((acc * out_scale).to(dtype))

@@ -81,11 +81,9 @@ USE_TMA = _env_flag("GEM_KERNELS_TMA", False)
 # GEM_KERNELS_GLUON (default 1; 0 turns it off): the GDPA forward without a mask runs the
 # persistent, warp-specialized Gluon kernel of gluon.py on sm_90 GPUs where it applies
 # (gluon.applies, eager calls) and max_q_len exceeds GLUON_MIN_Q_LEN; everything else, the
-# backward included, stays here. Up to that length the Triton forward measured faster on an H200
-# (fill 0.5, fast_gelu, two runs: by 7-14% at 128-384 rows, 1-12% at 512; the Gluon one by 3-22%
-# at 768, 2-5% at 1024, 8-14% at 2048; `benchmarks/attention.py --lengths`). Since the Gluon
-# forward pipelines across its work tiles, one session measured the two level at 512 (fill 0.5)
-# and Gluon 10% faster at 512 fill 1.0 (docs/kernels.md); the bound awaits a new --lengths run.
+# backward included, stays here. At 128 rows the Triton forward measured 3-5% faster on an H200;
+# from 256 rows up the Gluon one, by 5-15% at 256 and 14-19% at 512 (fill 0.5, fast_gelu;
+# `benchmarks/attention.py --lengths`, docs/kernels.md "The Gluon forward").
 USE_GLUON = _env_flag("GEM_KERNELS_GLUON", True)
 GLUON_MIN_Q_LEN = 128
 # GEM_KERNELS_STORE_DS (default 1; 0 turns it off): without a causal, window or block mask and
