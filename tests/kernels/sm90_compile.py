@@ -121,6 +121,7 @@ def _compile(fn, args, kwargs, float_type):
     if source is GluonASTSource:
         ptx = compiled.asm["ptx"]
         assert "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx and "wgmma" in ptx
+        assert "cp.async.bulk.tensor.2d.global.shared" in ptx  # the output's TMA store
         assert ("tanh.approx.bf16x2" in ptx) == kwargs["PACKED"]
         resources = _resources(compiled.asm["cubin"])
         assert int(re.search(r"stack=(\d+)", resources).group(1)) == 0, resources  # no spills
