@@ -72,11 +72,15 @@ def applies(q, k, v, activation, causal, window, block_size, q_broadcast) -> boo
         return False
     if tk._capability(q.device.index)[0] != 9:
         return False
-    head_dim = q.shape[2]
-    return head_dim in HEAD_DIMS and all(
-        t.dtype == q.dtype and t.stride(2) == 1 and t.stride(1) == head_dim
-        and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
-        and 0 < t.shape[0] < 2**31 for t in (q, k, v))
+    return q.shape[2] in HEAD_DIMS and all(
+        t.dtype == q.dtype and _addressable(t) for t in (q, k, v))
+
+
+def _addressable(t) -> bool:
+    """Whether a 2-D descriptor over ``[rows, H * D]`` can address the ``[rows, H, D]`` tensor t:
+    heads adjacent, 16-byte aligned base and row stride, 1 to 2^31 - 1 rows."""
+    return (t.stride(2) == 1 and t.stride(1) == t.shape[2] and t.data_ptr() % 16 == 0
+            and t.stride(0) * t.element_size() % 16 == 0 and 0 < t.shape[0] < 2**31)
 
 
 @triton.jit
@@ -410,11 +414,17 @@ def work_list(q_offsets, kv_offsets, batch_order, num_heads, max_q_len,
 
 def forward(q, k, v, out, q_offsets, kv_offsets, batch_order, max_q_len, activation_code, scale,
             out_scale, packed, wrap=lambda kernel: kernel, num_sms=None) -> None:
-    """Writes the GDPA forward of ``[rows, H, D]`` q, k, v into ``out`` (see :func:`applies`).
+    """Writes the GDPA forward of ``[rows, H, D]`` q, k, v into ``out`` (see :func:`applies`),
+    which must be shaped as q, with the layout :func:`applies` asks of q (the output's TMA stores
+    address it as ``[rows, H * D]``).
 
     ``out_scale`` is the launcher's ``post_scale * ACT_UNIT * scale``; ``num_sms`` (the grid
     size; default, the GPU's SM count) and ``wrap`` (see ``triton.py``) let tests compile
     without launching."""
+    if out.shape != q.shape or not _addressable(out):
+        raise ValueError(f"gluon.forward: out must have q's shape {tuple(q.shape)}, adjacent heads "
+                         f"and 16-byte aligned rows; got shape {tuple(out.shape)}, strides "
+                         f"{out.stride()}")
     num_heads, head_dim = q.shape[1], q.shape[2]
     work, total = work_list(q_offsets, kv_offsets, batch_order, num_heads, max_q_len, wrap)
 

@@ -598,6 +598,21 @@ def test_gluon_work_list(offsets_dtype):
     assert work[:len(expected), :5].tolist() == expected
 
 
+def test_gluon_forward_rejects_an_out_it_cannot_address():
+    """The Gluon forward's TMA stores address ``out`` as ``[rows, H * D]``: an ``out`` whose heads
+    are not adjacent, or of another shape, is refused before anything launches."""
+    from kernels.jagged_attention import gluon
+
+    inputs = make_inputs([70, 0, 5], num_heads=2, head_dim=64, dtype=torch.bfloat16)
+    q, k, v = inputs.tensors()
+    order = torch.arange(3, dtype=torch.int32)
+    heads_apart = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=q.dtype).transpose(1, 2)
+    for out in (heads_apart, q.new_empty(q.shape[0] + 1, *q.shape[1:])):
+        with pytest.raises(ValueError, match="adjacent heads"):
+            gluon.forward(q, k, v, out, inputs.q_offsets, inputs.kv_offsets, order,
+                          inputs.max_q_len, 3, 0.1, 0.1, True, num_sms=1)
+
+
 def _gluon_forward_calls(monkeypatch) -> list:
     """Enable the Gluon forward at every length and record its launches."""
     from kernels.jagged_attention import gluon
