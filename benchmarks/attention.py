@@ -202,8 +202,9 @@ KERNEL_VARIANTS = {
     "gem triton (no gluon forward)": dict(USE_GLUON=False),  # GEM_KERNELS_GLUON=0
     "gem triton (gluon forward at every length)": dict(GLUON_MIN_Q_LEN=0),
     "gem triton (recomputing dQ backward)": dict(STORE_DS=False),  # GEM_KERNELS_STORE_DS=0
+    "gem triton (triton dK/dV)": dict(USE_GLUON_BWD=False),  # GEM_KERNELS_GLUON_BWD=0
 }
-_GDPA_ONLY = {"PACKED_ACT", "USE_GLUON", "GLUON_MIN_Q_LEN"}  # flags that change nothing for softmax
+_GDPA_ONLY = {"PACKED_ACT", "USE_GLUON", "GLUON_MIN_Q_LEN", "USE_GLUON_BWD"}  # flags that change nothing for softmax
 
 
 @contextlib.contextmanager
@@ -288,6 +289,7 @@ def _versions() -> dict:
         "gluon": tk.USE_GLUON,  # the Gluon GDPA forward (sm_90)
         "gluon_min_q_len": tk.GLUON_MIN_Q_LEN,  # the Gluon forward above this max_q_len
         "store_ds": tk.STORE_DS,  # the stored-dS backward (GEM_KERNELS_STORE_DS)
+        "gluon_bwd": tk.USE_GLUON_BWD,  # its dK/dV in Gluon (sm_90, bf16 silu / fast_gelu)
         "store_ds_max_mib": tk.STORE_DS_MAX_BYTES >> 20,  # its buffer's cap
     }
 

@@ -7,8 +7,9 @@ settings are fixed at import time), so the inline PTX of the GPU-only paths is c
 
 Autotuned kernels compile their first config, and the forward's LATE_PV config where it applies;
 the backward also with GEM_KERNELS_STORE_DS's kernels.
-Last, the experimental Gluon forward (``gluon.py``: inline PTX, TMA, warp specialization) for
-every pointwise activation, whose cubins must not spill.
+Last, the Gluon forward (``gluon.py``: inline PTX, TMA, warp specialization) for every
+pointwise activation, whose cubins must not spill, and the Gluon dK/dV kernel (bf16 silu and
+fast_gelu), whose cubins may spill at most ``GLUON_DKDV_STACK`` bytes per thread.
 ``python tests/kernels/sm90_compile.py --resources [activation ...]`` compiles every autotune
 config instead and prints each one's registers and spill (stack) bytes per thread,
 read from the cubin with the cuobjdump that ships with Triton; set GEM_KERNELS_TUNE_SPACE=wide for
@@ -40,6 +41,7 @@ from kernels.jagged_attention import triton as kernels  # noqa: E402
 from kernels.jagged_attention.inputs import make_inputs  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
+GLUON_DKDV_STACK = 64  # spill bytes per thread allowed in the Gluon dK/dV kernel
 RESOURCES = "--resources" in sys.argv
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
          torch.int64: "i64", torch.int32: "i32"}
@@ -121,12 +123,16 @@ def _compile(fn, args, kwargs, float_type):
     if source is GluonASTSource:
         ptx = compiled.asm["ptx"]
         assert "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx and "wgmma" in ptx
-        assert "cp.async.bulk.tensor.2d.global.shared" in ptx  # the output's TMA store
-        assert ("tanh.approx.bf16x2" in ptx) == kwargs["PACKED"]
+        assert "cp.async.bulk.tensor.2d.global.shared" in ptx  # TMA stores (out; dK, dV, dS)
+        packed = kwargs.get("PACKED", True)  # the dK/dV kernel runs bf16x2 only
+        assert ("tanh.approx.bf16x2" in ptx) == packed
         resources = _resources(compiled.asm["cubin"])
-        assert int(re.search(r"stack=(\d+)", resources).group(1)) == 0, resources  # no spills
+        stack = int(re.search(r"stack=(\d+)", resources).group(1))
+        # The forward must not spill; the dK/dV kernel keeps a few registers per step in local
+        # memory (16-32 bytes with Triton 3.6, docs/kernels.md), no more.
+        assert stack <= (0 if "PACKED" in kwargs else GLUON_DKDV_STACK), resources
         print(f"compiled gluon {fn.__name__} activation={kwargs['ACTIVATION']} "
-              f"head_dim={kwargs['HEAD_D']} bf16x2={kwargs['PACKED']} {resources} "
+              f"head_dim={kwargs['HEAD_D']} bf16x2={packed} {resources} "
               f"shared={compiled.metadata.shared}", flush=True)
         return
     if kwargs.get("PACKED_ACT"):
@@ -196,6 +202,16 @@ def main() -> None:
         gluon.forward(q, k, v, torch.empty_like(q), inputs.q_offsets, inputs.kv_offsets, order,
                       inputs.max_q_len, kernels.ACTIVATION_CODES[activation], 0.088, 0.1, packed,
                       wrap=compile_only, num_sms=132)
+    # the Gluon dK/dV (bf16 silu and fast_gelu at head dim 128, fast_gelu at 64)
+    for head_dim, activation in ((128, "silu"), (128, "fast_gelu"), (64, "fast_gelu")):
+        inputs = make_inputs([5, 0, 130], [7, 3, 200], num_heads=2, head_dim=head_dim,
+                             dtype=torch.bfloat16)
+        q, k, v = inputs.tensors()
+        ds = q.new_empty(2, k.shape[0], kernels._store_ds_row(inputs.max_q_len))
+        gluon.dkdv(q, k, v, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), ds,
+                   inputs.q_offsets, inputs.kv_offsets, order, inputs.max_kv_len,
+                   kernels.ACTIVATION_CODES[activation], 0.088, 0.1, 0.1, wrap=compile_only,
+                   num_sms=132)
 
 if __name__ == "__main__":
     main()

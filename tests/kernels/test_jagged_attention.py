@@ -239,10 +239,11 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     # GEM_KERNELS_STORE_DS (the forward, LATE_PV for fast_gelu, the preprocess for softmax, dK/dV
     # storing dS, dQ from dS), with fp32 and with fp64 scalars, and the batch order kernel. Then
     # the Gluon forward (six cases, each with its work-list kernel): bf16 silu and fast_gelu on
-    # the bf16x2 path, no spills (checked in the script).
-    assert sum(line.startswith("compiled gluon") for line in lines) == 6, lines
-    assert sum("bf16x2=True" in line for line in lines) == 2, lines
-    assert sum("_work_list_kernel" in line for line in lines) == 6, lines
+    # the bf16x2 path, no spills (checked in the script); the Gluon dK/dV (three cases, bf16x2,
+    # each with its work-list kernel).
+    assert sum(line.startswith("compiled gluon") for line in lines) == 9, lines
+    assert sum("bf16x2=True" in line for line in lines) == 5, lines
+    assert sum("_work_list_kernel" in line for line in lines) == 9, lines
     assert sum("packed=True" in line for line in lines) == 19, lines
     assert sum("tma=True" in line for line in lines) == 3, lines
     assert sum("floats=fp64" in line for line in lines) == 20, lines
@@ -701,3 +702,80 @@ def test_gpu_gluon_forward_strided_inputs(monkeypatch):
     assert len(calls) == 1
     shifted = torch.empty(qkv.numel() + 8, device="cuda", dtype=torch.bfloat16)[1:qkv.numel() + 1]
     assert not gluon.applies(shifted.view_as(qkv)[:, 0], inputs.k, inputs.v, "silu", False, -1, 0, False)
+
+
+# --------------------------------------------------------------------------------------
+# The Gluon dK/dV (sm_90; on by default, GEM_KERNELS_GLUON_BWD=0 turns it off)
+# --------------------------------------------------------------------------------------
+
+
+def _gluon_dkdv_calls(monkeypatch) -> list:
+    """Enable the Gluon dK/dV kernel and record its launches."""
+    from kernels.jagged_attention import gluon
+    from kernels.jagged_attention import triton as triton_kernels
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon dK/dV needs sm_90")
+    monkeypatch.setattr(triton_kernels, "USE_GLUON_BWD", True)
+    monkeypatch.setattr(triton_kernels, "STORE_DS", True)
+    calls = []
+    launch = gluon.dkdv
+
+    def dkdv(*args, **kwargs):
+        calls.append(args[0].shape)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(gluon, "dkdv", dkdv)
+    return calls
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("activation", ["silu", "fast_gelu"])
+def test_gpu_gluon_backward(activation, layout, monkeypatch):
+    """GEM_KERNELS_GLUON_BWD: the Gluon dK/dV (and the dS it stores, which the dQ kernel reads)
+    matches the reference for bf16 silu and fast_gelu without a mask, jagged and dense K/V;
+    broadcast queries, a causal mask and fp16 (no bf16x2 path) stay on the Triton kernel."""
+    calls = _gluon_dkdv_calls(monkeypatch)
+    inputs = _gpu_layout_inputs(layout, seed=12, empty=3)
+    _check_against_reference(inputs, torch.bfloat16, activation=activation)
+    assert len(calls) == (0 if layout == "broadcast_q" else 1)
+    _check_against_reference(inputs, torch.bfloat16, activation=activation, causal=True)
+    inputs.q, inputs.k, inputs.v = (t.detach().half().requires_grad_() for t in inputs.tensors())
+    _check_against_reference(inputs, torch.float16, activation=activation)
+    assert len(calls) == (0 if layout == "broadcast_q" else 1)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_gluon_backward_many_tiles(head_dim, monkeypatch):
+    """Many key tiles per program (300 examples, every 7th without queries and every 11th without
+    keys, K/V lengths apart from the query lengths, so that tiles end inside either half):
+    each program's loop over tiles, the two K/V buffers and the Q/dO ring phases, the masked
+    stores of a tile that runs into the next example, zero dK/dV for keys that no query sees.
+    Gradients within rounding of the Triton dK/dV's and of the reference."""
+    from kernels.jagged_attention import triton as triton_kernels
+
+    calls = _gluon_dkdv_calls(monkeypatch)
+    gen = torch.Generator().manual_seed(head_dim)
+    q_lengths = torch.randint(1, 700, (300,), generator=gen)
+    q_lengths[::7] = 0
+    kv_lengths = torch.randint(1, 700, (300,), generator=gen)
+    kv_lengths[::11] = 0
+    inputs = make_inputs(q_lengths, kv_lengths, num_heads=4, head_dim=head_dim,
+                         dtype=torch.bfloat16, device="cuda", max_len_slack=40, generator=gen)
+    _check_against_reference(inputs, torch.bfloat16, activation="fast_gelu")
+    assert len(calls) == 1
+    out = jagged_attention(*inputs.args(), activation="silu", backend="triton")
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, inputs.tensors(), grad_out)
+    monkeypatch.setattr(triton_kernels, "USE_GLUON_BWD", False)
+    out = jagged_attention(*inputs.args(), activation="silu", backend="triton")
+    expected = torch.autograd.grad(out, inputs.tensors(), grad_out)
+    assert len(calls) == 2
+    for name, actual, want in zip(("dq", "dk", "dv"), grads, expected):
+        assert _relative_error(actual, want) < 1e-2, name
+    for start, end in zip(inputs.kv_offsets[:-1][::7].tolist(), inputs.kv_offsets[1:][::7].tolist()):
+        assert not grads[1][start:end].any() and not grads[2][start:end].any()
