@@ -614,24 +614,29 @@ def test_gluon_forward_rejects_an_out_it_cannot_address():
                           inputs.max_q_len, 3, 0.1, 0.1, True, num_sms=1)
 
 
-def _gluon_forward_calls(monkeypatch) -> list:
-    """Enable the Gluon forward at every length and record its launches."""
+def _gluon_calls(monkeypatch, launcher: str, **flags) -> list:
+    """Set ``flags`` in triton.py and record the launches of ``gluon.<launcher>``."""
     from kernels.jagged_attention import gluon
     from kernels.jagged_attention import triton as triton_kernels
 
     if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon forward needs sm_90")
-    monkeypatch.setattr(triton_kernels, "USE_GLUON", True)
-    monkeypatch.setattr(triton_kernels, "GLUON_MIN_Q_LEN", 0)
+        pytest.skip("the Gluon kernels need sm_90")
+    for name, value in flags.items():
+        monkeypatch.setattr(triton_kernels, name, value)
     calls = []
-    launch = gluon.forward
+    launch = getattr(gluon, launcher)
 
-    def forward(*args, **kwargs):
+    def recorded(*args, **kwargs):
         calls.append(args[0].shape)
         return launch(*args, **kwargs)
 
-    monkeypatch.setattr(gluon, "forward", forward)
+    monkeypatch.setattr(gluon, launcher, recorded)
     return calls
+
+
+def _gluon_forward_calls(monkeypatch) -> list:
+    """Enable the Gluon forward at every length and record its launches."""
+    return _gluon_calls(monkeypatch, "forward", USE_GLUON=True, GLUON_MIN_Q_LEN=0)
 
 
 @gpu
@@ -711,22 +716,7 @@ def test_gpu_gluon_forward_strided_inputs(monkeypatch):
 
 def _gluon_dkdv_calls(monkeypatch) -> list:
     """Enable the Gluon dK/dV kernel and record its launches."""
-    from kernels.jagged_attention import gluon
-    from kernels.jagged_attention import triton as triton_kernels
-
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon dK/dV needs sm_90")
-    monkeypatch.setattr(triton_kernels, "USE_GLUON_BWD", True)
-    monkeypatch.setattr(triton_kernels, "STORE_DS", True)
-    calls = []
-    launch = gluon.dkdv
-
-    def dkdv(*args, **kwargs):
-        calls.append(args[0].shape)
-        return launch(*args, **kwargs)
-
-    monkeypatch.setattr(gluon, "dkdv", dkdv)
-    return calls
+    return _gluon_calls(monkeypatch, "dkdv", USE_GLUON_BWD=True, STORE_DS=True)
 
 
 @gpu
