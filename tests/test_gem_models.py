@@ -316,3 +316,16 @@ def test_gem_tiny_trains_on_cuda(tmp_path, block, autocast):
                             "trainer.device=cuda", f"trainer.autocast={autocast}", f"trainer.run_dir={tmp_path}",
                             f"data.cache_dir={tmp_path}"]))
     assert result["steps"] == 20 and result["click/auc"] > 0.5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", BLOCKS)
+def test_gem_tiny_compiled_trains_and_evaluates_on_cuda(tmp_path, block):
+    """parallelism.compile=true with the Triton kernels through training and the final, compiled
+    evaluation, whose batches (256, and a last one of 88) are not the training batch (64): Dynamo
+    recompiles the blocks with a dynamic batch size there (gem_base's evaluation once failed in
+    Inductor at that point, tests/kernels/compile_mutations.py)."""
+    result = train(compose(["debug=tiny", "model=gem_tiny", f"model.block={block}", "sparse=native",
+                            "trainer.device=cuda", "trainer.autocast=bfloat16", "parallelism.compile=true",
+                            f"trainer.run_dir={tmp_path}", f"data.cache_dir={tmp_path}"]))
+    assert result["steps"] == 20 and result["click/count"] == 600 and 0.5 < result["click/auc"] <= 1

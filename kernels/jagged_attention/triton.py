@@ -362,21 +362,21 @@ def _split_blocks(lo_any, lo_all, hi_all, hi_any, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _program_example(pid, max_len, BLOCK: tl.constexpr, num_heads, batch_order, q_offsets,
-                     kv_offsets):
-    """(block, head, first output row, query rows, first K/V row, keys) of program ``pid`` of
-    a grid of one program per (example in ``batch_order``, head, block of ``BLOCK`` of the
-    ``max_len`` rows)."""
+def _program_block(pid, max_len, BLOCK: tl.constexpr, num_heads):
+    """(block, rank in ``batch_order``, head) of program ``pid`` of a grid of one program per
+    (example in ``batch_order``, head, block of ``BLOCK`` of the ``max_len`` rows)."""
     num_blocks = tl.cdiv(max_len, BLOCK)
-    block = pid % num_blocks
     bh = pid // num_blocks
-    b = tl.load(batch_order + bh // num_heads)
-    h = bh % num_heads
-    o_start = tl.load(q_offsets + b).to(tl.int64)
-    q_len = (tl.load(q_offsets + b + 1) - o_start).to(tl.int32)
-    kv_start = tl.load(kv_offsets + b).to(tl.int64)
-    kv_len = (tl.load(kv_offsets + b + 1) - kv_start).to(tl.int32)
-    return block, h, o_start, q_len, kv_start, kv_len
+    return pid % num_blocks, bh // num_heads, bh % num_heads
+
+
+@triton.jit
+def _example_rows(q_start, q_end, kv_start, kv_end):
+    """(first output row, query rows, first K/V row, keys) of an example from its loaded offsets.
+    The kernels load the offsets themselves: a pointer passed to a helper whose result feeds a
+    store address counts as written for Inductor, which then clones it (compile_mutations.py)."""
+    return (q_start.to(tl.int64), (q_end - q_start).to(tl.int32), kv_start.to(tl.int64),
+            (kv_end - kv_start).to(tl.int32))
 
 
 @triton.jit
@@ -505,8 +505,10 @@ def _fwd_kernel(
     # Inductor passes Python floats as fp64 scalars: keep the math (and acc) in float32.
     qk_scale = tl.cast(qk_scale, tl.float32)
     out_scale = tl.cast(out_scale, tl.float32)
-    m_block, h, o_start, q_len, kv_start, kv_len = _program_example(
-        tl.program_id(0), max_q_len, BLOCK_M, num_heads, batch_order, q_offsets, kv_offsets)
+    m_block, rank, h = _program_block(tl.program_id(0), max_q_len, BLOCK_M, num_heads)
+    b = tl.load(batch_order + rank)
+    o_start, q_len, kv_start, kv_len = _example_rows(
+        tl.load(q_offsets + b), tl.load(q_offsets + b + 1), tl.load(kv_offsets + b), tl.load(kv_offsets + b + 1))
     m0 = m_block * BLOCK_M
     if m0 >= q_len:
         return
@@ -655,8 +657,10 @@ def _bwd_dkdv_kernel(
     qk_scale = tl.cast(qk_scale, tl.float32)  # fp64 under Inductor, as in _fwd_kernel
     dk_scale = tl.cast(dk_scale, tl.float32)
     dv_scale = tl.cast(dv_scale, tl.float32)
-    n_block, h, o_start, q_len, kv_start, kv_len = _program_example(
-        tl.program_id(0), max_kv_len, BLOCK_N, num_heads, batch_order, q_offsets, kv_offsets)
+    n_block, rank, h = _program_block(tl.program_id(0), max_kv_len, BLOCK_N, num_heads)
+    b = tl.load(batch_order + rank)
+    o_start, q_len, kv_start, kv_len = _example_rows(
+        tl.load(q_offsets + b), tl.load(q_offsets + b + 1), tl.load(kv_offsets + b), tl.load(kv_offsets + b + 1))
     n0 = n_block * BLOCK_N
     if n0 >= kv_len:
         return
@@ -765,8 +769,10 @@ def _bwd_dq_kernel(
 ):
     qk_scale = tl.cast(qk_scale, tl.float32)  # fp64 under Inductor, as in _fwd_kernel
     dq_scale = tl.cast(dq_scale, tl.float32)
-    m_block, h, o_start, q_len, kv_start, kv_len = _program_example(
-        tl.program_id(0), max_q_len, BLOCK_M, num_heads, batch_order, q_offsets, kv_offsets)
+    m_block, rank, h = _program_block(tl.program_id(0), max_q_len, BLOCK_M, num_heads)
+    b = tl.load(batch_order + rank)
+    o_start, q_len, kv_start, kv_len = _example_rows(
+        tl.load(q_offsets + b), tl.load(q_offsets + b + 1), tl.load(kv_offsets + b), tl.load(kv_offsets + b + 1))
     m0 = m_block * BLOCK_M
     if m0 >= q_len:
         return
@@ -839,8 +845,10 @@ def _bwd_dq_from_ds_kernel(
     masked; queries are not (so the loads vectorize): the rows are padded to a multiple of
     every BLOCK_M, and a query past the end only reaches its own dQ row, which is not stored."""
     dq_scale = tl.cast(dq_scale, tl.float32)  # fp64 under Inductor, as in _fwd_kernel
-    m_block, h, o_start, q_len, kv_start, kv_len = _program_example(
-        tl.program_id(0), max_q_len, BLOCK_M, num_heads, batch_order, q_offsets, kv_offsets)
+    m_block, rank, h = _program_block(tl.program_id(0), max_q_len, BLOCK_M, num_heads)
+    b = tl.load(batch_order + rank)
+    o_start, q_len, kv_start, kv_len = _example_rows(
+        tl.load(q_offsets + b), tl.load(q_offsets + b + 1), tl.load(kv_offsets + b), tl.load(kv_offsets + b + 1))
     m0 = m_block * BLOCK_M
     if m0 >= q_len:
         return
@@ -867,13 +875,11 @@ def _bwd_dq_from_ds_kernel(
 
 
 @triton.jit
-def _example_work(q_offsets, kv_offsets, b, mask):
-    """Query rows x keys of examples ``b`` (int64; 0 where not ``mask``)."""
-    q_start = tl.load(q_offsets + b, mask=mask, other=0).to(tl.int64)
-    kv_start = tl.load(kv_offsets + b, mask=mask, other=0).to(tl.int64)
-    q_len = tl.load(q_offsets + b + 1, mask=mask, other=0) - q_start
-    kv_len = tl.load(kv_offsets + b + 1, mask=mask, other=0) - kv_start
-    return q_len * kv_len
+def _work(q_start, q_end, kv_start, kv_end):
+    """Query rows x keys of an example (int64), from its offsets. It takes loaded values, not
+    pointers: Inductor counts a pointer passed to a helper whose result feeds a store address as
+    written, and clones it (tests/kernels/compile_mutations.py)."""
+    return (q_end - q_start).to(tl.int64) * (kv_end - kv_start).to(tl.int64)
 
 
 @triton.jit
@@ -884,12 +890,15 @@ def _batch_order_kernel(q_offsets, kv_offsets, ORDER, num_batches,
     (quadratic, so only for batches up to ``COUNTING_ORDER_MAX_BATCHES``)."""
     i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
     mine = i < num_batches
-    work_i = _example_work(q_offsets, kv_offsets, i, mine)
+    work_i = _work(tl.load(q_offsets + i, mask=mine, other=0), tl.load(q_offsets + i + 1, mask=mine, other=0),
+                   tl.load(kv_offsets + i, mask=mine, other=0), tl.load(kv_offsets + i + 1, mask=mine, other=0))
     rank = tl.zeros([BLOCK_I], dtype=tl.int32)
     for j0 in range(0, num_batches, BLOCK_J):
         j = j0 + tl.arange(0, BLOCK_J)
         theirs = j < num_batches
-        work_j = tl.where(theirs, _example_work(q_offsets, kv_offsets, j, theirs), -1)  # never first
+        work_j = _work(tl.load(q_offsets + j, mask=theirs, other=0), tl.load(q_offsets + j + 1, mask=theirs, other=0),
+                       tl.load(kv_offsets + j, mask=theirs, other=0), tl.load(kv_offsets + j + 1, mask=theirs, other=0))
+        work_j = tl.where(theirs, work_j, -1)  # never first
         before = ((work_j[None, :] > work_i[:, None])
                   | ((work_j[None, :] == work_i[:, None]) & (j[None, :] < i[:, None])))
         rank += tl.sum(before.to(tl.int32), 1)

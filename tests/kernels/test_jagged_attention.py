@@ -221,6 +221,18 @@ def test_torch_compile_fullgraph(mask, monkeypatch):
     assert bool(calls) == (not mask)
 
 
+def test_inductor_counts_only_the_kernels_outputs_as_written():
+    """torch.compile clones every kernel argument it counts as written and may not write in
+    place; a pointer passed to a @triton.jit helper whose result fed a store address counted as
+    written, so every compiled attention call cloned its offsets, and torch 2.11 failed to
+    compile that clone under dynamic shapes (gem_base's compiled evaluation). Every kernel, every
+    layout: tests/kernels/compile_mutations.py in a subprocess."""
+    result = _run_python([str(ROOT / "tests/kernels/compile_mutations.py")], timeout=300,
+                         drop=("TRITON_INTERPRET",))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "every kernel writes only its outputs" in result.stdout, result.stdout[-2000:]
+
+
 def test_kernels_compile_for_hopper_without_a_gpu():
     """Every kernel, including the bf16x2 activation path (inline PTX that the interpreter never
     runs), compiles to an sm_90 cubin: tests/kernels/sm90_compile.py in a subprocess. Also with

@@ -1,0 +1,104 @@
+"""Which tensors does torch.compile think each Triton kernel writes? ``python tests/kernels/compile_mutations.py``
+
+Inductor decides from the kernel's Triton IR which of a user kernel's tensor arguments it mutates
+(``identify_mutated_tensors``) and clones every such argument that it may not write in place, e.g.
+a graph input such as a block's ``offsets``. A pointer passed to a ``@triton.jit`` helper whose
+result feeds a store address counts as written, so such a helper once made Inductor clone the
+offsets of every attention call; under dynamic shapes (evaluation, with a batch size unlike
+training's) torch 2.11 then failed to compile the clone (``decompose_triton_kernel_wrapper_functional``).
+
+This runs the real launchers on CPU tensors (no GPU: Triton's frontend runs on the CPU) for every
+kernel and mode and checks that only each kernel's outputs count as written. The CPU test tier runs
+it in a subprocess, since Triton's interpreter setting is fixed at import.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ["GEM_KERNELS_AUTOTUNE"] = "1"  # the launchers take the autotuned kernels, as on a GPU
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from kernels.jagged_attention import triton as kernels  # noqa: E402
+from kernels.jagged_attention.inputs import make_inputs  # noqa: E402
+
+OUTPUTS = {
+    "_batch_order_kernel": {"ORDER"},
+    "_fwd_kernel": {"O", "LSE"},
+    "_bwd_preprocess_kernel": {"DELTA"},
+    "_bwd_dkdv_kernel": {"DK", "DV", "DS"},
+    "_bwd_dq_kernel": {"DQ"},
+    "_bwd_dq_from_ds_kernel": {"DQ"},
+}
+
+
+def written_tensors(kernel, named: dict) -> set[str]:
+    """The tensor arguments Inductor's Triton IR analysis counts as written (a private API, which
+    torch 2.11 calls identify_mutated_tensors and torch 2.13 identify_accessed_tensors)."""
+    from torch._higher_order_ops import triton_kernel_wrap as wrap
+
+    if hasattr(wrap, "identify_mutated_tensors"):
+        return set(wrap.identify_mutated_tensors(kernel, named, {}))
+    accesses = wrap.identify_accessed_tensors(kernel, named, {})
+    return {dep.name for dep in accesses.read_writes.writes if isinstance(named.get(dep.name), torch.Tensor)}
+
+
+class _Target:
+    """The part of Triton's active driver that Inductor's IR analysis asks for: an sm_90 target."""
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+
+def checked(kernel):
+    """A launcher ``wrap`` that launches nothing and checks the kernel's analysed writes."""
+    fn = kernel.fn if isinstance(kernel, triton.runtime.Autotuner) else kernel
+
+    class Grid:
+        def __getitem__(self, grid):
+            def check(*args, **kwargs):
+                named = dict(zip(fn.arg_names, args)) | kwargs
+                written = written_tensors(kernel, named)
+                extra = written - OUTPUTS[fn.__name__]
+                assert not extra, f"{fn.__name__}: Inductor would treat inputs {sorted(extra)} as written"
+                print(f"{fn.__name__}: writes {sorted(written)}", flush=True)
+            return check
+
+    return Grid()
+
+
+def main() -> None:
+    triton.runtime.driver.set_active(_Target())
+    order = torch.arange(3, dtype=torch.int32)
+    for layout in ("jagged", "dense_kv", "broadcast_q"):
+        inputs = make_inputs([5, 0, 9], [7, 3, 0], num_heads=2, head_dim=64, layout=layout,
+                             num_dense_kv=4, num_queries=3, dtype=torch.bfloat16)
+        q, k, v = inputs.tensors()
+        q_offsets, kv_offsets = inputs.q_offsets, inputs.kv_offsets
+        if kv_offsets is None:  # as the dispatcher views them
+            k, v = k.flatten(0, 1), v.flatten(0, 1)
+            kv_offsets = torch.arange(4, dtype=torch.int32) * 4
+        if q_offsets is None:
+            q_offsets = torch.arange(4, dtype=torch.int32) * q.shape[0]
+        max_q_len = q.shape[0] if layout == "broadcast_q" else inputs.max_q_len
+        max_kv_len = 4 if layout == "dense_kv" else inputs.max_kv_len
+        kernels.batch_order(q_offsets, kv_offsets, wrap=checked)
+        for activation, causal, window, store_ds in (("softmax", False, -1, True), ("softmax", True, 2, False),
+                                                     ("silu", False, -1, True), ("fast_gelu", False, -1, False)):
+            if layout != "jagged" and (causal or window >= 0):
+                continue
+            kernels.STORE_DS = store_ds
+            common = (q_offsets, kv_offsets, order, max_q_len, max_kv_len, activation, 0.125,
+                      1.0 if activation == "softmax" else 0.25, causal, window, 0, layout == "broadcast_q")
+            out, lse = kernels.jagged_attention_fwd(q, k, v, *common, wrap=checked)
+            kernels.jagged_attention_bwd(torch.randn_like(out), q, k, v, out, lse, *common, wrap=checked)
+    print("every kernel writes only its outputs")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
