@@ -123,3 +123,38 @@ def test_bf16_autocast_tracks_float32(cache_dir, tmp_path, model):
     assert runs["bfloat16"] == pytest.approx(runs["null"], rel=1e-2), runs
     with pytest.raises(ConfigError, match="trainer.autocast='float16' is not one of"):
         train(_cfg(cache_dir, tmp_path / "f16", "trainer.autocast=float16"))
+
+
+def test_profile_writes_a_trace_and_a_breakdown(cache_dir, tmp_path):
+    """trainer.profile records the chosen steps: a gzipped Chrome trace and the time by kind."""
+    import gzip
+
+    train(_cfg(cache_dir, tmp_path, "model=gem_tiny", "sparse=native", "trainer.max_steps=6",
+               "trainer.profile.start=3", "trainer.profile.steps=2"))
+    trace = json.loads(gzip.open(tmp_path / "profile" / "trace_rank0.json.gz").read())
+    assert sum(e.get("name", "").startswith("ProfilerStep#") for e in trace["traceEvents"]) == 2
+    result = json.loads((tmp_path / "profile" / "breakdown_rank0.json").read_text())
+    assert result["device"] == "cpu" and result["steps"] == 2 and result["recorded_steps"] == [3, 4]
+    assert result["ms_per_step_by_kind"]["gemm"] > 0 and result["ms_per_step"] > 0
+    assert sum(result["frac_of_busy_by_kind"].values()) == pytest.approx(1, abs=1e-3)
+    assert result["top"][0]["ms_per_step"] >= result["top"][-1]["ms_per_step"]
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
+    ("nvjet_tst_192x128_64x4_2x1_v_bz_coopA_TNN", "gemm"),
+    ("triton_tem_fused_addmm_3", "gemm"),
+    ("_fwd_kernel", "attention"), ("_bwd_dkdv_kernel", "attention"), ("_gdpa_fwd_kernel", "attention"),
+    ("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128>>", "attention"),
+    ("triton_poi_fused__to_copy_add_cat_mul_7", "elementwise"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "elementwise"),
+    ("void at::native::(anonymous namespace)::indexSelectLargeIndex<float, long, unsigned int>", "embedding"),
+    ("triton_red_fused_embedding_dense_backward_2", "embedding"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
+    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "communication"),
+    ("Memcpy HtoD (Pinned -> Device)", "memcpy"),
+])
+def test_profile_kinds(name, kind):
+    from gem.train.profile import kind_of
+
+    assert kind_of(name) == kind

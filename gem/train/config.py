@@ -76,6 +76,15 @@ class OptimConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """``trainer.profile`` (gem/train/profile.py): torch.profiler over chosen training steps."""
+
+    start: int = 0  # first recorded training step (1-based); 0: off
+    steps: int = 5  # how many steps to record
+    top: int = 30  # largest kernels listed in the breakdown
+
+
+@dataclass
 class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda
     epochs: int = 1
@@ -90,6 +99,7 @@ class TrainerConfig:
     task_weights: dict[str, float] = field(default_factory=dict)
     peak_tflops: Optional[float] = None  # per device, for MFU; None: by detected GPU (gem/train/flops.py), else no MFU
     autocast: Optional[str] = None  # bfloat16: forward under torch.autocast (loss in float32); None: off
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 @dataclass
@@ -187,6 +197,8 @@ def validate(cfg: DictConfig | dict) -> Config:
     _positive("trainer.epochs", t.epochs)
     _positive("trainer.log_every", t.log_every)
     _positive("trainer.eval_every", t.eval_every, allow_zero=True)
+    _positive("trainer.profile.start", t.profile.start, allow_zero=True)
+    _positive("trainer.profile.steps", t.profile.steps)
     if t.peak_tflops is not None:
         _positive("trainer.peak_tflops", t.peak_tflops)
     if not t.run_dir:

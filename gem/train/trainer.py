@@ -34,6 +34,7 @@ from gem.train.logging import MetricsWriter, format_metrics, logger, setup_loggi
 from gem.train.losses import multitask_bce
 from gem.train.metrics import RankingEvaluator, TaskEvaluator
 from gem.train.optim import build_optimizers
+from gem.train.profile import StepProfiler
 from gem.train.startup import StartupTimer
 from gem.train.step import OptimizerSet, TimedIterator, TrainStep, autocast
 
@@ -273,6 +274,7 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
     peak_tflops = t.peak_tflops if t.peak_tflops is not None else default_peak_tflops(env.device)
     count_flops = lambda b: step_flops(model.dense_arch, b, schema)  # noqa: E731 (host lengths: no device sync)
     step, window = progress.step, _Window(peak_tflops)
+    profiler = StepProfiler(t.profile, run_dir / "profile", env.rank, progress.step, env.device.type == "cuda")
     bar = tqdm(total=total_steps, initial=step, disable=not (t.progress_bar and env.is_main), desc="train",
                dynamic_ncols=True)
     for epoch in range(progress.epoch, t.epochs if t.max_steps <= 0 else 1 << 30):
@@ -290,6 +292,7 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
                 timer.phases["first batch"] = batches.waited - waited
                 _log_startup(timer, time.perf_counter() - tick - (batches.waited - waited), metrics, run_dir, env)
             fault_injection.after_step(step, env.rank, train_step.last_batch)
+            profiler.step()
             if ckpt is not None:
                 seen = progress.examples + (step - progress.step) * d.batch_size * env.world_size
                 in_epoch = sum(train_loader.consumed) * d.batch_size * env.world_size
@@ -316,6 +319,12 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
             break
     train_step.detach()
     bar.close()
+    profiler.close()
+    if profiler.result is not None:
+        kinds = profiler.result["frac_of_busy_by_kind"]
+        logger.info("profile of steps %s: %.1f ms per step, idle %.0f%%; busy time %s (%s)",
+                    profiler.result["recorded_steps"], profiler.result["ms_per_step"], 100 * profiler.result["idle_frac"],
+                    ", ".join(f"{k} {100 * v:.0f}%" for k, v in kinds.items() if v >= 0.005), run_dir / "profile")
     if ckpt is not None:
         ckpt.wait()
     result = evaluate(model, loader("test", d.eval_batch_size, False), env, schema.tasks, t.eval_max_batches,
