@@ -30,7 +30,7 @@ from gem.models.heads import MultiDomainHeads
 from gem.models.interformer import InterFormerLayer, NonSequenceSummary, SequenceSummary
 from gem.models.kunlun import KunlunLayer, SeedPooling
 from gem.models.layers import MLP
-from gem.models.sequence import jagged_prepend, linear_flops
+from gem.models.sequence import jagged_prepend, linear_flops, rotary_tables
 from gem.sparse.arch import JaggedEmbeddings, SparseOutput
 
 BLOCKS = ("interformer", "kunlun")
@@ -145,12 +145,16 @@ class GEMDenseArch(nn.Module):
             for name, s in seqs.items():
                 values, offsets = jagged_prepend(self.cls_proj[name](cls), s.values, s.offsets)
                 seqs[name] = JaggedEmbeddings(values, offsets, s.max_len + self.num_summary)
+        # rotary tables once per stream, for every layer (positions do not change between layers)
+        rope = {name: rotary_tables(seqs[name].offsets, seqs[name].values.shape[0], width // heads)
+                for name, width, heads, _ in self.specs}
+        if self.block == "interformer":
             for layer in self.layers:
-                x, seqs = layer(x, seqs)
+                x, seqs = layer(x, seqs, rope)
         else:
             pooled = None
             for layer in self.layers:
-                x, seqs, pooled = layer(x, seqs, pooled)
+                x, seqs, pooled = layer(x, seqs, pooled, rope)
         rep = [x.flatten(1)] + [self.final[name](s).flatten(1) for name, s in seqs.items()]
         return self.heads(self.top(torch.cat(rep, dim=1)), domain)
 

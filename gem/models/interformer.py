@@ -111,14 +111,18 @@ class InterFormerLayer(nn.Module):
             name: JaggedSelfAttention(width, heads, window, backend) for name, width, heads, window in streams
         })
 
-    def forward(self, x: torch.Tensor, seqs: dict[str, JaggedEmbeddings]) -> tuple[torch.Tensor, dict[str, JaggedEmbeddings]]:
+    def forward(self, x: torch.Tensor, seqs: dict[str, JaggedEmbeddings], rope: dict[str, tuple] | None = None
+                ) -> tuple[torch.Tensor, dict[str, JaggedEmbeddings]]:
+        """``rope``: per stream, its rotary tables (gem.models.sequence.rotary_tables); None: computed here."""
+        rope = rope or {}
         x_sum = self.x_summary(x)  # Cross Arch, both ways
         s_sums = [self.s_summary[name](s) for name, s in seqs.items()]
         x_next = self.interaction(torch.cat([x, *s_sums], dim=1))  # Interaction Arch
         out = {}
         for name, s in seqs.items():  # Sequence Arch
             values = self.pffn[name](s.values, s.offsets, s.max_len, x_sum)
-            out[name] = JaggedEmbeddings(self.attention[name](values, s.offsets, s.max_len), s.offsets, s.max_len)
+            values = self.attention[name](values, s.offsets, s.max_len, rope.get(name))
+            out[name] = JaggedEmbeddings(values, s.offsets, s.max_len)
         return x_next, out
 
     def flops(self, batch_size: int, lengths: dict[str, torch.Tensor], max_lens: dict[str, int], padded: bool) -> int:

@@ -83,16 +83,19 @@ class KunlunLayer(nn.Module):
         })
         self.interaction = WukongLayer(num_tokens + num_pooled * len(streams), num_tokens, dim, **wukong)
 
-    def forward(self, x: torch.Tensor, seqs: dict[str, JaggedEmbeddings], cached: list[torch.Tensor] | None
-                ) -> tuple[torch.Tensor, dict[str, JaggedEmbeddings], list[torch.Tensor]]:
-        """Returns the new tokens, the new streams and the pooled summaries (to be reused by a skip layer)."""
+    def forward(self, x: torch.Tensor, seqs: dict[str, JaggedEmbeddings], cached: list[torch.Tensor] | None,
+                rope: dict[str, tuple] | None = None) -> tuple[torch.Tensor, dict[str, JaggedEmbeddings], list[torch.Tensor]]:
+        """Returns the new tokens, the new streams and the pooled summaries (to be reused by a skip
+        layer). ``rope``: per stream, its rotary tables (gem.models.sequence.rotary_tables); None:
+        computed here."""
+        rope = rope or {}
         if self.skip and cached is None:
             raise ValueError("model.compskip: the first Kunlun layer cannot be a skip layer")
         x_sum = None if self.skip else self.x_summary(x)
         out, pooled = {}, []
         for name, s in seqs.items():
             values = s.values if self.skip else self.pffn[name](s.values, s.offsets, s.max_len, x_sum)
-            s = JaggedEmbeddings(self.attention[name](values, s.offsets, s.max_len), s.offsets, s.max_len)
+            s = JaggedEmbeddings(self.attention[name](values, s.offsets, s.max_len, rope.get(name)), s.offsets, s.max_len)
             out[name] = s
             if not self.skip:
                 pooled.append(self.pool[name](s))

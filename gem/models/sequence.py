@@ -76,12 +76,22 @@ def jagged_first(values: torch.Tensor, offsets: torch.Tensor, n: int) -> torch.T
     return values[offsets[:-1, None] + torch.arange(n, device=offsets.device)]
 
 
-def rotary(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
-    """Rotary position embedding of ``x [T, H, D]`` (D even) at ``positions [T]``."""
+def rotary_tables(offsets: torch.Tensor, total: int, head_dim: int, base: float = 10000.0
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` float32 ``[T, 1, D/2]`` of the rotary embedding at every row's position in
+    its own sequence (0 = oldest). The tables depend only on the offsets: computed once per event
+    stream and batch, every layer reuses them (a compiled layer that builds its own evaluates sin
+    and cos per element of Q and K, in forward and again in backward)."""
+    half = head_dim // 2
+    inv_freq = base ** (-torch.arange(half, device=offsets.device, dtype=torch.float32) / half)
+    angles = jagged_positions(offsets, total).to(torch.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+    return angles.cos()[:, None, :], angles.sin()[:, None, :]
+
+
+def rotary(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotary position embedding of ``x [T, H, D]`` with :func:`rotary_tables` ``(cos, sin)``."""
     half = x.shape[-1] // 2
-    inv_freq = base ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    cos, sin = angles.cos()[:, None, :].to(x.dtype), angles.sin()[:, None, :].to(x.dtype)
+    cos, sin = (t.to(x.dtype) for t in tables)
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
@@ -119,10 +129,13 @@ class JaggedSelfAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``rope``: the stream's :func:`rotary_tables` (computed here when None)."""
+        if rope is None:
+            rope = rotary_tables(offsets, x.shape[0], self.head_dim)
         q, k, v = self.qkv(self.norm(x)).view(-1, 3, self.num_heads, self.head_dim).unbind(1)  # [T, H, D] each
-        pos = jagged_positions(offsets, x.shape[0])
-        q, k, v = attention_inputs(rotary(q, pos), rotary(k, pos), v)
+        q, k, v = attention_inputs(rotary(q, rope), rotary(k, rope), v)
         o = jagged_attention(q, k, v, offsets, offsets, max_len, max_len,
                              window=self.window, backend=self.backend)
         return x + self.out(o.reshape(x.shape))
@@ -170,9 +183,13 @@ class PersonalizedFFN(nn.Module):
         nn.init.normal_(self.shared, std=self.head_dim ** -0.5)
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int, summary: torch.Tensor) -> torch.Tensor:
-        num_seqs = summary.shape[0]
-        kv = self.shared + self.mix(self.proj(summary).transpose(1, 2)).transpose(1, 2)  # [B, N, 2*H*D]
-        k, v = kv.view(num_seqs, self.num_kv, 2, self.num_heads, self.head_dim).unbind(2)  # [B, N, H, D] each
+        num_seqs, width = summary.shape[0], self.num_heads * self.head_dim
+        generated = self.proj(summary)  # [B, N_s, 2*H*D]
+        mix = self.mix.weight.expand(num_seqs, -1, -1)  # [B, N, N_s], no copy
+        # K_b = W_0 + M (xs_b W) per example, K and V apart, each written once in its final layout
+        k, v = (torch.baddbmm(self.shared[:, part], mix, generated[..., part]).view(num_seqs, self.num_kv, self.num_heads,
+                                                                                      self.head_dim)
+                for part in (slice(0, width), slice(width, 2 * width)))  # [B, N, H, D] each
         h, k, v = attention_inputs(self.norm(x).view(-1, self.num_heads, self.head_dim), k, v)
         o = jagged_attention(h, k, v, offsets, None, max_len, None, activation=self.activation,
                              post_scale=1.0 / self.num_kv, backend=self.backend)
