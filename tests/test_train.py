@@ -153,6 +153,8 @@ def test_profile_writes_a_trace_and_a_breakdown(cache_dir, tmp_path):
     ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
     ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "communication"),
     ("Memcpy HtoD (Pinned -> Device)", "memcpy"),
+    ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)"
+     "::{lambda()#3}::operator()() const::{lambda()#7}::operator()() const::{lambda(float)#1}>", "elementwise"),
 ])
 def test_profile_kinds(name, kind):
     from gem.train.profile import kind_of

@@ -43,8 +43,8 @@ _PATTERNS = {
     "gemm": ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "aten::mm", "aten::addmm", "aten::bmm",
              "aten::baddbmm", "triton_tem_fused", "_scaled_mm", "splitk"),
     "embedding": ("embedding", "index_select", "indexselect", "index_add", "indexing_backward", "index_put",
-                  "gather", "scatter", "aten::index", "embedding_bag", "segment_reduce", "fbgemm"),
-    "optimizer": ("adam", "adagrad", "multi_tensor_apply", "optimizer", "_foreach_", "lamb", "sgd"),
+                  "gather", "scatter", "aten::index", "segment_reduce", "compute_grad_weight", "fbgemm"),
+    "optimizer": ("adam", "adagrad", "multi_tensor_apply", "optimizer", "_foreach_"),
 }
 
 
@@ -75,7 +75,9 @@ def breakdown(events, num_steps: int, wall_us: float | None = None, top: int = 3
         wall_us: the recorded steps' wall time (CPU runs; a GPU run takes the kernels' span).
         top: how many of the largest kernels (or operators) to list.
     """
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA and e.time_range.elapsed_us() > 0]
+    # (user annotations, e.g. ProfilerStep# or Optimizer.step, also appear on the GPU's timeline)
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and e.time_range.elapsed_us() > 0
+               and not e.is_user_annotation]
     on_gpu = bool(kernels)
     if on_gpu:
         timed = [(e.name, e.time_range.elapsed_us()) for e in kernels]
