@@ -278,3 +278,15 @@ def test_validator_reports_every_violation_with_row_and_column(tmp_path, tiny_sc
     (tmp_path / "bad.parquet").unlink()
     _write(tmp_path, tiny_schema, name="good.parquet")
     assert validate_file(tmp_path / "good.parquet") == [] and main([str(tmp_path)]) == 0
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_batches_carry_their_ids_per_key_so_the_device_needs_no_sync(tiny_dataset, tiny_schema, num_workers):
+    """The KJTs count their ids per key on the host: on a GPU, TorchRec would count them with a
+    device-to-host copy at every batch's first to_dict()."""
+    loader = build_loader(split_files(tiny_dataset, "train"), tiny_schema, 64, num_workers=num_workers)
+    batch = next(iter(loader))
+    for kjt in (batch.sparse, batch.sequences):
+        expected = kjt.lengths().view(len(kjt.keys()), -1).sum(1).tolist()
+        assert kjt._length_per_key == expected
+        assert kjt.to("cpu")._length_per_key == expected

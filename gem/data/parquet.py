@@ -301,8 +301,11 @@ def _keep_most_recent(lengths: np.ndarray, values: np.ndarray, max_len: int) -> 
 
 
 def _kjt(keys: list[str], lengths: list[np.ndarray], values: list[np.ndarray]) -> KeyedJaggedTensor:
-    """A KJT from per-key lengths and values (key-major), ids as int64, lengths as int32."""
+    """A KJT from per-key lengths and values (key-major), ids as int64, lengths as int32. The ids
+    per key are counted here, on the host: a KJT on the GPU without them counts them with a
+    device-to-host copy (a sync) at its first ``to_dict()``, every step."""
     if not keys:
         return KeyedJaggedTensor.empty()
     return KeyedJaggedTensor(keys=keys, values=torch.from_numpy(np.concatenate(values).astype(np.int64, copy=False)),
-                             lengths=torch.from_numpy(np.concatenate(lengths).astype(np.int32)))
+                             lengths=torch.from_numpy(np.concatenate(lengths).astype(np.int32)),
+                             length_per_key=[int(n.sum()) for n in lengths])
