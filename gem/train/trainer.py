@@ -273,8 +273,9 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
 
     peak_tflops = t.peak_tflops if t.peak_tflops is not None else default_peak_tflops(env.device)
     count_flops = lambda b: step_flops(model.dense_arch, b, schema)  # noqa: E731 (host lengths: no device sync)
-    step, window = progress.step, _Window(peak_tflops)
-    profiler = StepProfiler(t.profile, run_dir / "profile", env.rank, progress.step, env.device.type == "cuda")
+    on_cuda = env.device.type == "cuda"
+    step, window = progress.step, _Window(peak_tflops, on_cuda)
+    profiler = StepProfiler(t.profile, run_dir / "profile", env.rank, progress.step, on_cuda)
     bar = tqdm(total=total_steps, initial=step, disable=not (t.progress_bar and env.is_main), desc="train",
                dynamic_ncols=True)
     for epoch in range(progress.epoch, t.epochs if t.max_steps <= 0 else 1 << 30):
@@ -306,7 +307,7 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
                 bar.set_postfix(loss=f"{values['loss']:.4f}")
                 logger.info("step %d %s", step, format_metrics(values))
                 metrics.write("train", step, values)
-                window = _Window(peak_tflops)
+                window = _Window(peak_tflops, on_cuda)
             if t.eval_every and step % t.eval_every == 0:
                 eval_start = time.perf_counter()
                 train_step.detach()
@@ -353,8 +354,9 @@ class _Window:
     """Sums between two log lines, kept on the device so that a step never waits for the GPU;
     ``summary()`` synchronizes once and measures wall time since the window opened."""
 
-    def __init__(self, peak_tflops: float | None = None) -> None:
+    def __init__(self, peak_tflops: float | None = None, cuda: bool = False) -> None:
         self.start = time.perf_counter()
+        self.cuda = cuda  # also log the peak device memory
         self.steps, self.examples, self.waited = 0, 0, 0.0
         self.flops: int | None = 0  # this rank's analytic FLOPs (None: the dense arch cannot count them)
         self.peak_tflops = peak_tflops
@@ -381,4 +383,6 @@ class _Window:
                 "data_wait_frac": min(1.0, self.waited / seconds)}
         if self.flops is not None:  # per rank: TFLOP/s on the true jagged lengths, MFU against the peak
             out |= {"tflops": self.flops / seconds / 1e12, "mfu": mfu(self.flops, seconds, self.peak_tflops)}
+        if self.cuda:  # this rank's, since the start
+            out["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
         return out

@@ -1,0 +1,170 @@
+"""End to end: the flagship run (``experiment=gem_base_h200``) for both blocks, against a padded baseline.
+
+    python benchmarks/e2e.py [--runs interformer kunlun padded-interformer padded-kunlun] [--steps 160]
+                             [--warmup 40] [-- hydra overrides for every run]
+
+Each run is ``python -m gem.train experiment=gem_base_h200 model.block=<block>`` in a fresh process
+(so the time to first step includes the imports; the Inductor and Triton caches on disk are
+shared, as between a user's runs). From its ``metrics.jsonl`` the benchmark takes the median of
+the logged windows after ``--warmup`` steps: examples/s, step time, TFLOP/s and MFU (FLOPs on the
+true jagged lengths, also for the padded runs: no credit for padding), and the peak device memory;
+``startup.json`` gives the time to first step by phase; ``trainer.profile`` records six steps after
+the warm-up and gives the device time by kind. ``warm-<block>`` reruns a block for a few steps to
+measure the time to first step with warm caches.
+
+**The padded baseline** (``padded-<block>``) is the model a user would write without gem's jagged
+kernels: :class:`PaddedGEMDenseArch` pads every history to the batch's ``max_len`` (right-padded),
+so every dense layer runs on ``B x max_len`` rows, and attention runs on ``[B, H, L, D]`` through
+PyTorch's ``scaled_dot_product_attention`` with a key-padding mask (softmax) or plain PyTorch
+matmuls (GDPA), compiled like the jagged runs. It measures throughput only: its padded rows feed
+the "most recent events" summary, so its losses are not comparable.
+
+Writes ``benchmarks/results/e2e-<hardware>.json`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.scaling import environment  # noqa: E402
+from gem.data.jagged import jagged_to_padded, offsets_to_lengths  # noqa: E402
+from gem.models import sequence  # noqa: E402
+from gem.models.gem_arch import GEMDenseArch  # noqa: E402
+from gem.sparse.arch import JaggedEmbeddings, SparseOutput  # noqa: E402
+from kernels.jagged_attention.reference import pointwise_activation  # noqa: E402
+
+_jagged_attention = sequence.jagged_attention
+_valid_rows: dict[str, torch.Tensor] = {}  # the padded batch's true rows per example [B] (one event stream)
+
+
+def padded_attention(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, *, activation="softmax", scale=None,
+                     post_scale=None, causal=False, window=None, block_size=None, backend=None):
+    """``kernels.jagged_attention``'s arguments on padded rows (every example ``max_len`` rows),
+    computed as a padded model does: SDPA with a key-padding mask, or GDPA as two matmuls."""
+    if backend != "padded":
+        return _jagged_attention(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, activation=activation,
+                                 scale=scale, post_scale=post_scale, causal=causal, window=window,
+                                 block_size=block_size, backend=backend)
+    if causal or window is not None or block_size is not None:
+        raise NotImplementedError("the padded baseline covers gem_base's attention: no causal, window or block mask")
+    valid = _valid_rows["rows"]
+    num_batches, (num_heads, head_dim) = valid.numel(), q.shape[-2:]
+    if kv_offsets is None:  # GDPA-PFFN: padded queries [B*L, H, D] against dense K/V [B, N, H, D]
+        qp = q.view(num_batches, -1, num_heads, head_dim)
+        s = torch.einsum("blhd,bnhd->bhln", qp, k) * (scale or head_dim ** -0.5)
+        o = torch.einsum("bhln,bnhd->blhd", pointwise_activation(s, activation) * post_scale, v)
+        return o.reshape(q.shape)
+    length = max_kv_len
+    keys = torch.arange(length, device=q.device)[None, :] < valid[:, None]  # [B, L]
+    keys[:, 0] = True  # an empty history still has a (padding) key, so that no row is all -inf
+    mask = keys[:, None, None, :]
+    kp, vp = (t.view(num_batches, length, num_heads, head_dim).transpose(1, 2) for t in (k, v))
+    if q_offsets is None:  # pooling queries [N, H, D] shared by the batch -> [B, N, H, D]
+        qp = q.transpose(0, 1)[None].expand(num_batches, -1, -1, -1)
+        return F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale).transpose(1, 2)
+    qp = q.view(num_batches, length, num_heads, head_dim).transpose(1, 2)
+    o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale)
+    return o.transpose(1, 2).reshape(q.shape)
+
+
+class PaddedGEMDenseArch(GEMDenseArch):
+    """GEMDenseArch on padded histories (see the module docstring); FLOPs counted on true lengths."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        if len(kwargs["schema"].sequence_groups) != 1:
+            raise ValueError("the padded baseline pads one event stream")
+        super().__init__(*args, **(kwargs | {"attention_backend": "padded"}))
+        sequence.jagged_attention = padded_attention  # the blocks' attention calls, in this process
+
+    def forward(self, sparse: SparseOutput, dense: torch.Tensor, domain: torch.Tensor) -> torch.Tensor:
+        (name, s), = sparse.sequences.items()
+        num_batches, length = s.offsets.numel() - 1, s.max_len
+        padded = jagged_to_padded(s.values, s.offsets, length)  # [B, L, D]
+        extra = self.num_summary if self.block == "interformer" else 0  # CLS rows, prepended
+        _valid_rows["rows"] = offsets_to_lengths(s.offsets) + extra
+        uniform = torch.arange(num_batches + 1, device=s.offsets.device) * length
+        rows = JaggedEmbeddings(padded.reshape(num_batches * length, -1), uniform, length)
+        return super().forward(SparseOutput(sparse.pooled, {name: rows}), dense, domain)
+
+
+def run(name: str, overrides: list[str], run_dir: Path, steps: int, warmup: int) -> dict:
+    """One training run in its own process; its figures from the files it wrote."""
+    block = name.split("-")[-1]
+    profile = [] if name.startswith("warm") else [f"trainer.profile.start={warmup + 1}", "trainer.profile.steps=6"]
+    model = ["model._target_=benchmarks.e2e.PaddedGEMDenseArch"] if name.startswith("padded") else []
+    cmd = [sys.executable, "-m", "gem.train", "experiment=gem_base_h200", f"model.block={block}", *model,
+           f"trainer.max_steps={steps}", "trainer.log_every=10", "trainer.progress_bar=false",
+           f"trainer.run_dir={run_dir}", *profile, *overrides]
+    print("$", " ".join(cmd), flush=True)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    tick = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, env=os.environ | {"PYTHONPATH": path})
+    result = {"name": name, "returncode": done.returncode, "wall_s": round(time.perf_counter() - tick, 1)}
+    metrics = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    windows = [r for r in rows if r["kind"] == "train" and r["step"] > warmup]
+    if windows:
+        median = lambda key: statistics.median(r[key] for r in windows) if windows[0].get(key) is not None else None  # noqa: E731
+        result |= {key: median(key) for key in ("examples_per_s", "step_ms", "tflops", "mfu", "data_wait_frac")}
+        result["peak_mem_gb"] = max(r.get("peak_mem_gb") or 0 for r in windows) or None  # None on CPU
+        result["windows"] = len(windows)
+    result["losses"] = {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
+    result["test"] = next((r for r in rows if r["kind"] == "test"), None)
+    for key, file in (("startup", "startup.json"), ("breakdown", "profile/breakdown_rank0.json")):
+        if (run_dir / file).exists():
+            result[key] = json.loads((run_dir / file).read_text())
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", nargs="+", default=["interformer", "kunlun", "padded-interformer", "padded-kunlun",
+                                                      "warm-interformer"])
+    parser.add_argument("--steps", type=int, default=160)
+    parser.add_argument("--warmup", type=int, default=40, help="steps left out of the figures")
+    parser.add_argument("--warm-steps", type=int, default=10, help="steps of a warm-* run")
+    parser.add_argument("--out-dir", default=str(ROOT / "runs" / "e2e"))
+    parser.add_argument("--tag", default=None, help="file name suffix (default: the hardware, slugged)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
+    args = parser.parse_args()
+    env = environment()
+    results = [run(name, args.overrides, Path(args.out_dir) / name,
+                   args.warm_steps if name.startswith("warm") else args.steps, args.warmup) for name in args.runs]
+    by_name = {r["name"]: r for r in results}
+    for r in results:
+        base = by_name.get(f"padded-{r['name']}")
+        if base and r.get("examples_per_s") and base.get("examples_per_s"):
+            r["vs_padded"] = r["examples_per_s"] / base["examples_per_s"]
+    print(f"\n{'run':<20} {'rc':>3} {'examples/s':>11} {'step ms':>8} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7} "
+          f"{'first step s':>12} {'vs padded':>9}")
+    for r in results:
+        cell = lambda key, fmt: format(r[key], fmt) if r.get(key) is not None else "-"  # noqa: E731
+        first = r.get("startup", {}).get("total")
+        print(f"{r['name']:<20} {r['returncode']:>3} {cell('examples_per_s', '11.0f')} {cell('step_ms', '8.1f')} "
+              f"{cell('tflops', '8.1f')} {cell('mfu', '6.1%')} {cell('peak_mem_gb', '7.1f')} "
+              f"{format(first, '12.1f') if first else '-':>12} {cell('vs_padded', '9.2f')}")
+    tag = args.tag or "".join(c if c.isalnum() else "-" for c in env["hardware"].lower()).strip("-")
+    out = ROOT / "benchmarks" / "results" / f"e2e-{tag}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"benchmark": "e2e", "date": datetime.datetime.now(datetime.UTC).isoformat(), **env,
+                               "experiment": "gem_base_h200", "steps": args.steps, "warmup": args.warmup,
+                               "overrides": args.overrides, "results": results}, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
