@@ -1,4 +1,5 @@
 import json
+import math
 
 import pytest
 import torch
@@ -43,16 +44,22 @@ def test_twenty_steps_loss_falls_and_outputs_are_written(cache_dir, tmp_path, sp
 
 def test_sharded_torchrec_and_native_train_identically(cache_dir, tmp_path):
     """Fused row-wise Adagrad inside TorchRec's sharded tables == TorchRec's RowWiseAdagrad on plain
-    tables, step for step, from the same weights."""
+    tables, step for step, from the same weights, through a learning-rate warm-up that both the
+    dense and the table optimizers follow (the fused one through its zero_grad / step)."""
+    from gem.train.step import OptimizerSet
+
     models = []
     for backend in ("torchrec", "native"):
-        config = validate(_cfg(cache_dir, tmp_path, f"sparse={backend}"))
+        config = validate(_cfg(cache_dir, tmp_path, f"sparse={backend}", "optim.warmup_steps=4"))
         env = init_distributed("cpu", need_process_group=backend == "torchrec")
         torch.manual_seed(0)
         schema, data_dir = load_data(config, env)
         model = build_model(config, schema, env)
-        models.append((model, *build_optimizers(model, config.optim, total_steps=10)))
-    (sharded, dense_a, sparse_a, _), (native, dense_b, sparse_b, _) = models
+        dense_opt, sparse_opt, schedule = build_optimizers(model, config.optim, total_steps=10)
+        fused = getattr(model.sparse_arch, "fused_optimizer", None)
+        assert (fused is not None) == (backend == "torchrec")
+        models.append((model, OptimizerSet((dense_opt, sparse_opt, fused), [], 0.0), schedule))
+    (sharded, *_), (native, *_) = models
     native.dense_arch.load_state_dict(sharded.dense_arch.state_dict())
     tables = {k: (v.local_shards()[0].tensor if hasattr(v, "local_shards") else v).clone()
               for k, v in sharded.sparse_arch.state_dict().items()}
@@ -61,17 +68,34 @@ def test_sharded_torchrec_and_native_train_identically(cache_dir, tmp_path):
     weights = torch.ones(schema.num_tasks)
     for step, batch in zip(range(8), reader):
         losses = []
-        for model, dense_opt, sparse_opt in ((sharded, dense_a, sparse_a), (native, dense_b, sparse_b)):
+        for model, optimizers, schedule in models:
+            optimizers.zero_grad()
             loss, _ = multitask_bce(model(batch), batch.labels, batch.label_mask, weights)
             loss.backward()
-            for opt in (dense_opt, sparse_opt):
-                if opt is not None:
-                    opt.step()
-                    opt.zero_grad()
+            optimizers.step()
+            schedule.step()
             losses.append(loss.item())
         assert losses[0] == pytest.approx(losses[1], rel=1e-5, abs=1e-6), f"step {step}: {losses}"
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def test_the_schedule_scales_every_optimizer_and_resumes_from_its_step(cache_dir, tmp_path):
+    config = validate(_cfg(cache_dir, tmp_path, "sparse=native", "optim.warmup_steps=4", "optim.schedule=cosine"))
+    env = init_distributed("cpu", need_process_group=False)
+    schema, _ = load_data(config, env)
+    model = build_model(config, schema, env)
+    dense_opt, sparse_opt, schedule = build_optimizers(model, config.optim, total_steps=10)
+    lrs = lambda: (dense_opt.param_groups[0]["lr"], sparse_opt.param_groups[0]["lr"])  # noqa: E731
+    base = (config.optim.dense.lr, config.optim.sparse.lr)
+    assert lrs() == pytest.approx((base[0] / 4, base[1] / 4))
+    for _ in range(6):
+        schedule.step()
+    expected = pytest.approx([b * 0.5 * (1 + math.cos(math.pi * 2 / 6)) for b in base])
+    assert list(lrs()) == expected
+    dense_opt, sparse_opt, fresh = build_optimizers(model, config.optim, total_steps=10)
+    fresh.load_state_dict(schedule.state_dict())
+    assert list(lrs()) == expected and fresh.get_last_lr() == [lrs()[0]]
 
 
 def test_unknown_task_weight_and_empty_dataset_fail_clearly(cache_dir, tmp_path):

@@ -11,7 +11,7 @@ from gem.train.config import OptimConfig
 
 
 def build_optimizers(model: nn.Module, cfg: OptimConfig, total_steps: int):
-    """Returns ``(dense_optimizer, sparse_optimizer or None, scheduler)``.
+    """Returns ``(dense_optimizer, sparse_optimizer or None, schedule)``.
 
     Parameters under ``sparse_arch`` are embedding tables. Tables that TorchRec shards with a
     fused kernel carry their optimizer into backward (they are updated by ``loss.backward()``);
@@ -19,6 +19,10 @@ def build_optimizers(model: nn.Module, cfg: OptimConfig, total_steps: int):
     optimizer does not cover) is stepped by TorchRec's plain-torch ``RowWiseAdagrad``, the
     same update rule. ``optim.sparse.name=adagrad`` swaps both for element-wise Adagrad (FBGEMM's
     exact Adagrad when fused), whose update does not depend on how a row's columns are split.
+
+    The schedule (:class:`LRSchedule`) scales every one of them, the tables' too: Adagrad's first
+    update moves each touched row by about its learning rate whatever the gradient's size, which
+    for gem_base's tables (initialized within +-0.05, learning rate 0.05) is the whole row.
     """
     from torchrec.optim.optimizers import in_backward_optimizer_filter
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
@@ -41,4 +45,40 @@ def build_optimizers(model: nn.Module, cfg: OptimConfig, total_steps: int):
             return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
         return 1.0
 
-    return dense, sparse, torch.optim.lr_scheduler.LambdaLR(dense, factor)
+    fused_tables = getattr(model.sparse_arch, "fused_optimizer", None)  # present when TorchRec sharded the tables
+    optimizers = [o for o in (dense, sparse, fused_tables) if o is not None]
+    return dense, sparse, LRSchedule(optimizers, factor)
+
+
+class LRSchedule:
+    """One learning-rate factor per step, ``factor(step)`` (linear warm-up over ``optim.warmup_steps``,
+    then constant or cosine), for several optimizers, each from its own base learning rate.
+
+    TorchRec's fused table optimizer takes part like the others: it hands ``param_groups[0]["lr"]``
+    to FBGEMM at its ``zero_grad()`` / ``step()`` (the trainer's OptimizerSet calls both). The state
+    is the step count alone, so a checkpoint restores every optimizer's learning rate from it.
+    """
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer], factor) -> None:
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in optimizers]
+        self.factor = factor
+
+    def step(self) -> None:
+        for scheduler in self.schedulers:
+            scheduler.step()
+
+    def get_last_lr(self) -> list[float]:
+        """The dense optimizer's learning rates."""
+        return self.schedulers[0].get_last_lr()
+
+    def state_dict(self) -> dict:
+        return {"last_epoch": self.schedulers[0].last_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        step = state["last_epoch"]
+        for scheduler in self.schedulers:
+            scheduler.last_epoch = step
+            lrs = [base * self.factor(step) for base in scheduler.base_lrs]
+            for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+                group["lr"] = lr
+            scheduler._last_lr = lrs

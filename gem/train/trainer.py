@@ -261,7 +261,8 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
 
     group = dist.group.WORLD if env.world_size > 1 else None
     loss_fn = lambda logits, b: multitask_bce(logits, b.labels, b.label_mask, task_weights, b.weights, group=group)  # noqa: E731
-    optimizers = OptimizerSet((dense_opt, sparse_opt), list(model.dense_arch.parameters()), config.optim.grad_clip)
+    # (the fused table optimizer's zero_grad / step only hand the scheduled learning rate to FBGEMM)
+    optimizers = OptimizerSet((dense_opt, sparse_opt, fused), list(model.dense_arch.parameters()), config.optim.grad_clip)
     want = config.sparse.pipeline if config.sparse.pipeline is not None else env.device.type == "cuda"
     shared = bool(getattr(model.sparse_arch, "module", model.sparse_arch).routed_id_features)
     pipelined = want and fused is not None and not shared
