@@ -9,8 +9,9 @@ shared, as between a user's runs). From its ``metrics.jsonl`` the benchmark take
 the logged windows after ``--warmup`` steps: examples/s, step time, TFLOP/s and MFU (FLOPs on the
 true jagged lengths, also for the padded runs: no credit for padding), and the peak device memory;
 ``startup.json`` gives the time to first step by phase; ``trainer.profile`` records six steps after
-the warm-up and gives the device time by kind. ``warm-<block>`` reruns a block for a few steps to
-measure the time to first step with warm caches.
+the warm-up and gives the device time by kind (windows holding a profiled step are left out).
+``cold-<block>`` and ``warm-<block>`` run a block for a few steps, on a machine without and then
+with the caches (data, Inductor, Triton), for the time to first step.
 
 **The padded baseline** (``padded-<block>``) is the model a user would write without gem's jagged
 kernels: :class:`PaddedGEMDenseArch` pads every history to the batch's ``max_len`` (right-padded),
@@ -101,10 +102,10 @@ class PaddedGEMDenseArch(GEMDenseArch):
         return super().forward(SparseOutput(sparse.pooled, {name: rows}), dense, domain)
 
 
-def run(name: str, overrides: list[str], run_dir: Path, steps: int, warmup: int) -> dict:
-    """One training run in its own process; its figures from the files it wrote."""
+def launch(name: str, overrides: list[str], run_dir: Path, steps: int, warmup: int) -> dict:
+    """One training run in its own process."""
     block = name.split("-")[-1]
-    profile = [] if name.startswith("warm") else [f"trainer.profile.start={warmup + 1}", "trainer.profile.steps=6"]
+    profile = [] if _startup_only(name) else [f"trainer.profile.start={warmup + 1}", "trainer.profile.steps=6"]
     model = ["model._target_=benchmarks.e2e.PaddedGEMDenseArch"] if name.startswith("padded") else []
     cmd = [sys.executable, "-m", "gem.train", "experiment=gem_base_h200", f"model.block={block}", *model,
            f"trainer.max_steps={steps}", "trainer.log_every=10", "trainer.progress_bar=false",
@@ -113,16 +114,31 @@ def run(name: str, overrides: list[str], run_dir: Path, steps: int, warmup: int)
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     tick = time.perf_counter()
     done = subprocess.run(cmd, cwd=ROOT, env=os.environ | {"PYTHONPATH": path})
-    result = {"name": name, "returncode": done.returncode, "wall_s": round(time.perf_counter() - tick, 1)}
+    return {"returncode": done.returncode, "wall_s": round(time.perf_counter() - tick, 1)}
+
+
+def _startup_only(name: str) -> bool:
+    """cold-<block> / warm-<block>: a few steps, for the time to first step (empty / warm caches)."""
+    return name.startswith(("cold", "warm"))
+
+
+def collect(name: str, run_dir: Path, warmup: int) -> dict:
+    """A run's figures from the files it wrote."""
+    result = {"name": name}
     metrics = run_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-    windows = [r for r in rows if r["kind"] == "train" and r["step"] > warmup]
+    train = [r for r in rows if r["kind"] == "train"]
+    profiled = (run_dir / "profile" / "breakdown_rank0.json")
+    lo, hi = json.loads(profiled.read_text())["recorded_steps"] if profiled.exists() else (0, -1)
+    # windows after the warm-up that do not hold a profiled step (or the profiler's warm-up step)
+    windows = [r for prev, r in zip([{"step": 0}] + train, train)
+               if r["step"] > warmup and not (prev["step"] < hi and r["step"] >= lo - 1)]
     if windows:
         median = lambda key: statistics.median(r[key] for r in windows) if windows[0].get(key) is not None else None  # noqa: E731
         result |= {key: median(key) for key in ("examples_per_s", "step_ms", "tflops", "mfu", "data_wait_frac")}
         result["peak_mem_gb"] = max(r.get("peak_mem_gb") or 0 for r in windows) or None  # None on CPU
         result["windows"] = len(windows)
-    result["losses"] = {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
+    result["losses"] = {r["step"]: r["loss"] for r in train}
     result["test"] = next((r for r in rows if r["kind"] == "test"), None)
     for key, file in (("startup", "startup.json"), ("breakdown", "profile/breakdown_rank0.json")):
         if (run_dir / file).exists():
@@ -133,17 +149,24 @@ def run(name: str, overrides: list[str], run_dir: Path, steps: int, warmup: int)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", nargs="+", default=["interformer", "kunlun", "padded-interformer", "padded-kunlun",
-                                                      "warm-interformer"])
+                                                      "warm-interformer"])  # cold-<block> first on a fresh machine
     parser.add_argument("--steps", type=int, default=160)
     parser.add_argument("--warmup", type=int, default=40, help="steps left out of the figures")
-    parser.add_argument("--warm-steps", type=int, default=10, help="steps of a warm-* run")
+    parser.add_argument("--warm-steps", type=int, default=10, help="steps of a cold-* or warm-* run")
     parser.add_argument("--out-dir", default=str(ROOT / "runs" / "e2e"))
     parser.add_argument("--tag", default=None, help="file name suffix (default: the hardware, slugged)")
+    parser.add_argument("--collect", action="store_true",
+                        help="only read the runs already in --out-dir (e.g. after a time limit cut the benchmark)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = parser.parse_args()
     env = environment()
-    results = [run(name, args.overrides, Path(args.out_dir) / name,
-                   args.warm_steps if name.startswith("warm") else args.steps, args.warmup) for name in args.runs]
+    results = []
+    for name in args.runs:
+        run_dir = Path(args.out_dir) / name
+        launched = {} if args.collect else launch(name, args.overrides, run_dir,
+                                                   args.warm_steps if _startup_only(name) else args.steps,
+                                                   args.warmup)
+        results.append(collect(name, run_dir, args.warmup) | launched)
     by_name = {r["name"]: r for r in results}
     for r in results:
         base = by_name.get(f"padded-{r['name']}")
@@ -154,7 +177,7 @@ def main() -> None:
     for r in results:
         cell = lambda key, fmt: format(r[key], fmt) if r.get(key) is not None else "-"  # noqa: E731
         first = r.get("startup", {}).get("total")
-        print(f"{r['name']:<20} {r['returncode']:>3} {cell('examples_per_s', '11.0f')} {cell('step_ms', '8.1f')} "
+        print(f"{r['name']:<20} {r.get('returncode', '-'):>3} {cell('examples_per_s', '11.0f')} {cell('step_ms', '8.1f')} "
               f"{cell('tflops', '8.1f')} {cell('mfu', '6.1%')} {cell('peak_mem_gb', '7.1f')} "
               f"{format(first, '12.1f') if first else '-':>12} {cell('vs_padded', '9.2f')}")
     tag = args.tag or "".join(c if c.isalnum() else "-" for c in env["hardware"].lower()).strip("-")
