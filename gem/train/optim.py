@@ -28,8 +28,8 @@ def build_optimizers(model: nn.Module, cfg: OptimConfig, total_steps: int):
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
     dense_params = [p for n, p in model.named_parameters() if not n.startswith("sparse_arch.")]
-    # On GPUs one fused kernel for every parameter (the foreach implementation's copies and
-    # launches took 2 ms of gem_base's step on an H200, docs/e2e.md); the same update rule.
+    # On GPUs one fused kernel for every parameter, the same update rule (gem_base InterFormer on
+    # an H200: 0.34 ms of device time per step instead of the foreach implementation's 0.74 ms).
     fused = bool(dense_params) and all(p.is_cuda for p in dense_params)
     dense = torch.optim.AdamW(dense_params, lr=cfg.dense.lr, betas=tuple(cfg.dense.betas), eps=cfg.dense.eps,
                               weight_decay=cfg.dense.weight_decay, fused=fused or None)
