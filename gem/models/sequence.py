@@ -187,9 +187,9 @@ class PersonalizedFFN(nn.Module):
         generated = self.proj(summary)  # [B, N_s, 2*H*D]
         mix = self.mix.weight.expand(num_seqs, -1, -1)  # [B, N, N_s], no copy
         # K_b = W_0 + M (xs_b W) per example, K and V apart, each written once in its final layout
-        k, v = (torch.baddbmm(self.shared[:, part], mix, generated[..., part]).view(num_seqs, self.num_kv, self.num_heads,
-                                                                                      self.head_dim)
-                for part in (slice(0, width), slice(width, 2 * width)))  # [B, N, H, D] each
+        k, v = (torch.baddbmm(self.shared[:, part], mix, generated[..., part])
+                .view(num_seqs, self.num_kv, self.num_heads, self.head_dim)
+                for part in (slice(0, width), slice(width, None)))  # [B, N, H, D] each
         h, k, v = attention_inputs(self.norm(x).view(-1, self.num_heads, self.head_dim), k, v)
         o = jagged_attention(h, k, v, offsets, None, max_len, None, activation=self.activation,
                              post_scale=1.0 / self.num_kv, backend=self.backend)

@@ -27,6 +27,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from gem.train.config import ProfileConfig
+from gem.train.logging import logger
 
 # Kinds in the order they are tried: the first whose patterns occur in a (lower-cased) kernel or
 # operator name wins; whatever matches none is elementwise work (Inductor's fused pointwise and
@@ -133,6 +134,9 @@ class StepProfiler:
         self._prof = None
         self._last = begin + cfg.steps - 1  # the loop iteration that ends the recording
         self._iteration = 0
+        if cfg.start > 0 and begin < 0:
+            logger.warning("trainer.profile.start=%d: training resumes after step %d, nothing is recorded",
+                           cfg.start, first_step)
         if not self.enabled:
             return
         warmup = 1 if begin >= 1 else 0
