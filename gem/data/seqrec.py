@@ -46,8 +46,9 @@ from gem.data.schema import FeatureSchema
 
 logger = logging.getLogger("gem")
 
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
 TASK = "next_item"
+OBJECTIVES = ("pointwise", "generative")
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,14 @@ class SeqRecOptions:
     """``data.seqrec`` in config.
 
     Attributes:
+        objective: ``pointwise``: a training row per (history prefix, candidate), the positive and
+            ``num_negatives`` sampled ones, labelled; ``generative``: one training row per user, its
+            whole training sequence (the most recent ``max_len`` events; every event predicts the
+            next) and ``num_negatives`` items it never touched in ``neg_item`` (gem.models.generative).
         max_len: history events kept (the most recent), as SASRec's 50.
-        num_negatives: sampled negatives per training positive.
+        num_negatives: sampled negatives per training positive (generative: per user).
+        event_attrs: attribute features per history event (``hist_attr0`` ...: the event's item's
+            first attributes, 0 where it has fewer); 0: none.
         max_targets_per_user: keep only each user's most recent training targets (0 = all).
         num_eval_negatives: negatives per evaluation target (99 in the paper).
         max_eval_users: evaluate a seeded sample of this many users (0 = all).
@@ -65,6 +72,7 @@ class SeqRecOptions:
         users_per_file: rows of this many users per Parquet file.
     """
 
+    objective: str = "pointwise"
     max_len: int = 50
     num_negatives: int = 4
     max_targets_per_user: int = 0
@@ -74,13 +82,19 @@ class SeqRecOptions:
     seed: int = 0
     eval_seed: int = 12345
     users_per_file: int = 2000
+    event_attrs: int = 0
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any] | None) -> "SeqRecOptions":
         try:
-            return cls(**dict(cfg or {}))
+            options = cls(**dict(cfg or {}))
         except TypeError as e:
             raise ValueError(f"data.seqrec: {e}; known keys: {list(cls.__dataclass_fields__)}") from None
+        if options.objective not in OBJECTIVES:
+            raise ValueError(f"data.seqrec.objective={options.objective!r} is not one of {list(OBJECTIVES)}")
+        if options.objective == "generative" and options.num_negatives < 1:
+            raise ValueError("data.seqrec.num_negatives must be >= 1 for the generative objective")
+        return options
 
 
 @dataclass
@@ -93,18 +107,30 @@ class SeqRecData:
     eval_negatives: dict[int, np.ndarray] | None = None  # user (0-based) -> fixed negatives
 
 
-def seqrec_schema(num_users: int, num_items: int, num_attributes: int, max_attrs: int, max_len: int) -> FeatureSchema:
-    """The one place the seqrec schema is made: candidate, attributes and history share the item id space."""
+def seqrec_schema(num_users: int, num_items: int, num_attributes: int, max_attrs: int, max_len: int,
+                  event_attrs: int = 0, num_generative_negatives: int = 0) -> FeatureSchema:
+    """The one place the seqrec schema is made: candidate, attributes and history share the item id space.
+
+    ``event_attrs`` adds per-event attribute features to the history group; ``num_generative_negatives``
+    the group ``neg`` (``neg_item``, also table ``item``) that holds a generative training row's negatives.
+    """
     id_features = [
         {"name": "user_id", "cardinality": num_users + 1},
         {"name": "item_id", "cardinality": num_items + 1, "table": "item"},
     ]
-    if num_attributes:
-        id_features.append({"name": "item_attr", "cardinality": num_attributes + 1, "max_ids": max_attrs})
+    event_attrs = event_attrs if num_attributes else 0
+    if num_attributes:  # with per-event attributes, the candidate's share their table
+        id_features.append({"name": "item_attr", "cardinality": num_attributes + 1, "max_ids": max_attrs,
+                            **({"table": "attr"} if event_attrs else {})})
+    hist = [{"name": "hist_item", "cardinality": num_items + 1, "table": "item"}]
+    hist += [{"name": f"hist_attr{i}", "cardinality": num_attributes + 1, "table": "attr"} for i in range(event_attrs)]
+    groups = [{"name": "hist", "max_len": max_len, "features": hist}]
+    if num_generative_negatives:
+        groups.append({"name": "neg", "max_len": num_generative_negatives,
+                       "features": [{"name": "neg_item", "cardinality": num_items + 1, "table": "item"}]})
     return FeatureSchema.from_config({
         "id_features": id_features,
-        "sequence_groups": [{"name": "hist", "max_len": max_len,
-                             "features": [{"name": "hist_item", "cardinality": num_items + 1, "table": "item"}]}],
+        "sequence_groups": groups,
         "num_dense": 1,
         "tasks": [TASK],
         "num_domains": 1,
@@ -220,8 +246,11 @@ class _Seen:
 
 def _table(attrs: tuple[np.ndarray, np.ndarray] | None, schema: FeatureSchema, flat: np.ndarray, starts: np.ndarray, users: np.ndarray,
            ends: np.ndarray, items: np.ndarray, labels: np.ndarray, request_id: np.ndarray, max_len: int,
-           max_attrs: int) -> pa.Table:
-    """Rows: user ``users[r]`` (0-based), history ``s[:ends[r]]`` (most recent max_len), candidate ``items[r]``."""
+           max_attrs: int, event_attrs: list[np.ndarray] = (), negatives: np.ndarray | None = None) -> pa.Table:
+    """Rows: user ``users[r]`` (0-based), history ``s[:ends[r]]`` (most recent max_len), candidate ``items[r]``.
+
+    ``event_attrs[i]`` maps an item to its i-th attribute (0: none) for ``hist_attr<i>``;
+    ``negatives [R, K]`` fills ``neg_item`` where the schema has the group ``neg`` (else empty lists)."""
     hist_start = starts[users] + np.maximum(0, ends - max_len)
     offsets, hist = _gather_ranges(flat, hist_start, starts[users] + ends)
     num_rows = len(users)
@@ -230,6 +259,7 @@ def _table(attrs: tuple[np.ndarray, np.ndarray] | None, schema: FeatureSchema, f
         "user_id": pa.ListArray.from_arrays(ones, users + 1),
         "item_id": pa.ListArray.from_arrays(ones, items.astype(np.int64)),
         "hist_item": pa.ListArray.from_arrays(offsets, hist.astype(np.int64)),
+        **{f"hist_attr{i}": pa.ListArray.from_arrays(offsets, slot[hist]) for i, slot in enumerate(event_attrs)},
         "dense": pa.ListArray.from_arrays(ones, np.log1p(np.diff(offsets)).astype(np.float32)),
         f"label_{TASK}": pa.array(labels.astype(np.float32)),
         f"label_mask_{TASK}": pa.array(np.ones(num_rows, dtype=bool)),
@@ -239,6 +269,10 @@ def _table(attrs: tuple[np.ndarray, np.ndarray] | None, schema: FeatureSchema, f
     if attrs is not None:
         attr_offsets, attr_values = attrs
         columns["item_attr"] = pa.ListArray.from_arrays(*_gather_ranges(attr_values, attr_offsets[items], attr_offsets[items + 1]))
+    if "neg" in {g.name for g in schema.sequence_groups}:
+        k = 0 if negatives is None else negatives.shape[1]
+        values = np.zeros(0, np.int64) if negatives is None else negatives.reshape(-1).astype(np.int64)
+        columns["neg_item"] = pa.ListArray.from_arrays(np.arange(num_rows + 1) * k, values)
     return pa.table(columns)
 
 
@@ -258,7 +292,15 @@ def write_seqrec(data: SeqRecData, out_dir: str | Path, options: SeqRecOptions =
         per_item = [list(dict.fromkeys(data.attributes.get(i, [])))[:o.max_attrs] for i in range(data.num_items + 1)]
         attrs = (np.concatenate([[0], np.cumsum([len(a) for a in per_item])]),
                  np.array([a for v in per_item for a in v], dtype=np.int64))
-    schema = seqrec_schema(len(data.sequences), data.num_items, num_attributes, o.max_attrs, o.max_len)
+    generative = o.objective == "generative"
+    schema = seqrec_schema(len(data.sequences), data.num_items, num_attributes, o.max_attrs, o.max_len,
+                           o.event_attrs, o.num_negatives if generative else 0)
+    event_attrs = []  # per slot i: item -> its i-th attribute (0: none)
+    if num_attributes:
+        event_attrs = [np.array([v[i] if len(v) > i else 0 for v in per_item], dtype=np.int64)
+                       for i in range(o.event_attrs)]
+    table = lambda *args, **kwargs: _table(attrs, schema, flat, starts, *args, max_len=o.max_len,  # noqa: E731
+                                           max_attrs=o.max_attrs, event_attrs=event_attrs, **kwargs)
     seen = _Seen(data.sequences, data.num_items)
     tmp = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -266,7 +308,14 @@ def write_seqrec(data: SeqRecData, out_dir: str | Path, options: SeqRecOptions =
 
     # Training: targets t = 1 .. n-3 of each user (the most recent max_targets_per_user of them).
     rng = np.random.default_rng(o.seed)
-    for f, chunk in enumerate(np.array_split(kept, max(1, -(-len(kept) // o.users_per_file)))):
+    chunks = np.array_split(kept, max(1, -(-len(kept) // o.users_per_file)))
+    for f, chunk in enumerate(chunks if generative else ()):  # one row per user: its training events
+        ends = lengths[chunk] - 2
+        rows = table(chunk, ends, flat[starts[chunk] + ends - 1], np.ones(len(chunk)), chunk + 1,
+                     negatives=seen.sample(rng, chunk, o.num_negatives))
+        write_parquet(rows, tmp / "train" / f"part-{f:05d}.parquet", schema)
+        counts["train"] += rows.num_rows
+    for f, chunk in enumerate(() if generative else chunks):
         first = np.maximum(1, lengths[chunk] - 3 + 1 - (o.max_targets_per_user or 1 << 40))
         num_targets = np.maximum(0, lengths[chunk] - 2 - first)
         users = np.repeat(chunk, num_targets)
@@ -277,10 +326,9 @@ def write_seqrec(data: SeqRecData, out_dir: str | Path, options: SeqRecOptions =
         items = np.concatenate([positives[:, None], negatives], axis=1).reshape(-1)
         labels = np.tile(np.r_[1.0, np.zeros(o.num_negatives)], len(users))
         request = np.repeat(counts["train"] // k + np.arange(len(users)), k)
-        table = _table(attrs, schema, flat, starts, np.repeat(users, k), np.repeat(ends, k), items, labels, request,
-                       o.max_len, o.max_attrs)
-        write_parquet(table, tmp / "train" / f"part-{f:05d}.parquet", schema)
-        counts["train"] += table.num_rows
+        rows = table(np.repeat(users, k), np.repeat(ends, k), items, labels, request)
+        write_parquet(rows, tmp / "train" / f"part-{f:05d}.parquet", schema)
+        counts["train"] += rows.num_rows
 
     # Evaluation: the true item + num_eval_negatives per user; the same negatives for val and test.
     eval_users = kept
@@ -294,10 +342,9 @@ def write_seqrec(data: SeqRecData, out_dir: str | Path, options: SeqRecOptions =
             ends = lengths[chunk] - back
             items = np.concatenate([flat[starts[chunk] + ends][:, None], negatives], axis=1).reshape(-1)
             labels = np.tile(np.r_[1.0, np.zeros(k - 1)], len(chunk))
-            table = _table(attrs, schema, flat, starts, np.repeat(chunk, k), np.repeat(ends, k), items, labels,
-                           np.repeat(chunk + 1, k), o.max_len, o.max_attrs)
-            write_parquet(table, tmp / split / f"part-{f:05d}.parquet", schema)
-            counts[split] += table.num_rows
+            rows = table(np.repeat(chunk, k), np.repeat(ends, k), items, labels, np.repeat(chunk + 1, k))
+            write_parquet(rows, tmp / split / f"part-{f:05d}.parquet", schema)
+            counts[split] += rows.num_rows
     summary = {"converter_version": CONVERTER_VERSION, "options": asdict(o), "rows": counts,
                "users": len(data.sequences), "users_kept": int(len(kept)), "eval_users": int(len(eval_users)),
                "items": data.num_items, "attributes": num_attributes,

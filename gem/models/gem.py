@@ -13,7 +13,9 @@ class GEMModel(nn.Module):
     """``forward(batch) -> logits [B, num_tasks]``.
 
     ``dense_arch`` is any module with ``forward(sparse_output, dense [B, num_dense], domain [B])``
-    returning logits, and an ``init_weights()`` method.
+    returning logits, and an ``init_weights()`` method. A dense arch that also reads the ids of
+    some sequence features (a generative objective: which item is which) names them in
+    ``sequence_ids``; it then gets ``ids={feature: values [T]}`` as well.
     """
 
     def __init__(self, sparse_arch: SparseArch | nn.Module, dense_arch: nn.Module) -> None:
@@ -23,4 +25,8 @@ class GEMModel(nn.Module):
 
     def forward(self, batch: Batch) -> torch.Tensor:
         embeddings = self.sparse_arch(batch.sparse, batch.sequences, batch.max_seq_len)
+        names = getattr(self.dense_arch, "sequence_ids", ())
+        if names:
+            ids = batch.sequences.to_dict()
+            return self.dense_arch(embeddings, batch.dense, batch.domain, ids={f: ids[f].values() for f in names})
         return self.dense_arch(embeddings, batch.dense, batch.domain)

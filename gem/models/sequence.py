@@ -30,15 +30,20 @@ def attention_flops(num_heads: int, head_dim: int, pairs: int) -> int:
     return 4 * num_heads * head_dim * pairs
 
 
-def self_attention_pairs(lengths: torch.Tensor, window: int | None = None) -> int:
-    """Visible (query, key) pairs of non-causal self-attention with an optional sliding window,
-    in closed form per example (O(B), cheap enough for every training step):
-    ``L^2`` if ``L <= window + 1`` else ``L (2 window + 1) - window (window + 1)``."""
+def self_attention_pairs(lengths: torch.Tensor, window: int | None = None, causal: bool = False) -> int:
+    """Visible (query, key) pairs of self-attention with an optional sliding window, in closed form
+    per example (O(B), cheap enough for every training step). Non-causal: ``L^2`` if
+    ``L <= window + 1`` else ``L (2 window + 1) - window (window + 1)``; causal: ``L (L + 1) / 2``
+    if ``L <= window + 1`` else ``(window + 1) (L - window / 2)``."""
     lengths = lengths.long()
+    full = lengths * (lengths + 1) // 2 if causal else lengths * lengths
     if window is None:
-        return int((lengths * lengths).sum())
-    banded = lengths * (2 * window + 1) - window * (window + 1)
-    return int(torch.where(lengths <= window + 1, lengths * lengths, banded).sum())
+        return int(full.sum())
+    if causal:
+        banded = (window + 1) * lengths - window * (window + 1) // 2
+    else:
+        banded = lengths * (2 * window + 1) - window * (window + 1)
+    return int(torch.where(lengths <= window + 1, full, banded).sum())
 
 
 def attention_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -117,14 +122,17 @@ class JaggedSelfAttention(nn.Module):
     Args:
         dim: row width, ``num_heads * head_dim``.
         window: each row sees rows at most ``window`` positions away (None: the whole sequence).
+        causal: each row sees only itself and earlier rows (next-event prediction).
         backend: ``kernels.jagged_attention`` backend (None: Triton on CUDA, reference elsewhere).
     """
 
-    def __init__(self, dim: int, num_heads: int, window: int | None = None, backend: str | None = None) -> None:
+    def __init__(self, dim: int, num_heads: int, window: int | None = None, backend: str | None = None,
+                 causal: bool = False) -> None:
         super().__init__()
         if dim % num_heads or (dim // num_heads) % 2:
             raise ValueError(f"model.streams: width {dim} must split into {num_heads} heads of an even head_dim")
         self.num_heads, self.head_dim, self.window, self.backend = num_heads, dim // num_heads, window, backend
+        self.causal = causal
         self.norm = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(dim, dim)
@@ -136,7 +144,7 @@ class JaggedSelfAttention(nn.Module):
             rope = rotary_tables(offsets, x.shape[0], self.head_dim)
         q, k, v = self.qkv(self.norm(x)).view(-1, 3, self.num_heads, self.head_dim).unbind(1)  # [T, H, D] each
         q, k, v = attention_inputs(rotary(q, rope), rotary(k, rope), v)
-        o = jagged_attention(q, k, v, offsets, offsets, max_len, max_len,
+        o = jagged_attention(q, k, v, offsets, offsets, max_len, max_len, causal=self.causal,
                              window=self.window, backend=self.backend)
         return x + self.out(o.reshape(x.shape))
 
@@ -146,7 +154,7 @@ class JaggedSelfAttention(nn.Module):
         if padded:  # as the reference computes it: every example padded to max_len, masks applied after
             pairs = lengths.numel() * max_len * max_len
         else:
-            pairs = self_attention_pairs(lengths, self.window)
+            pairs = self_attention_pairs(lengths, self.window, self.causal)
         return (linear_flops(rows, dim, 3 * dim) + linear_flops(rows, dim, dim)
                 + attention_flops(self.num_heads, self.head_dim, pairs))
 

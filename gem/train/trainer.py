@@ -260,7 +260,10 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
                 "%d steps", config.model["_target_"], num_dense / 1e6, config.sparse.backend, num_fused, total_steps)
 
     group = dist.group.WORLD if env.world_size > 1 else None
-    loss_fn = lambda logits, b: multitask_bce(logits, b.labels, b.label_mask, task_weights, b.weights, group=group)  # noqa: E731
+    if getattr(model.dense_arch, "returns_loss", False):  # e.g. gem.models.generative: its own objective
+        loss_fn = lambda loss, b: (loss.sum(), loss.detach().reshape(1).expand(len(schema.tasks)))  # noqa: E731
+    else:
+        loss_fn = lambda logits, b: multitask_bce(logits, b.labels, b.label_mask, task_weights, b.weights, group=group)  # noqa: E731
     # (the fused table optimizer's zero_grad / step only hand the scheduled learning rate to FBGEMM)
     optimizers = OptimizerSet((dense_opt, sparse_opt, fused), list(model.dense_arch.parameters()), config.optim.grad_clip)
     want = config.sparse.pipeline if config.sparse.pipeline is not None else env.device.type == "cuda"

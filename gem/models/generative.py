@@ -1,0 +1,242 @@
+"""Generative next-event training over jagged histories: the GEM blocks' sequence arches in their
+causal mode, trained the way sequential-recommendation foundation models are.
+
+One pass over each history predicts the next event at every position (causal jagged attention,
+nothing padded), scored against the item table that also embeds the inputs, with a sampled
+softmax over in-batch and uniformly sampled negatives (logQ-corrected). Data flow::
+
+    history events [T, D_e] (item | per-event attributes) ─ linear ─► S [T, W]
+    user tokens (id features that do not describe the candidate) ─ gate(W flat) ─► X_sum [B, N, d]
+    num_layers x   S = PFFN(S | X_sum)          (GDPA form; Kunlun's CompSkip layers skip it)
+                   S = causal MHA_rope(S)        (Kunlun: within a sliding window)
+    LN ─ linear ─► H [T, D_item]: the user after each event
+
+    training  H[t] scores item[t+1] against the negatives (loss in ``forward``, see below)
+    ranking   H at a history's last event scores each row's candidate: logits [B, 1]
+
+Only the sequence side of the blocks runs: their non-sequence interactions (InterFormer's
+interaction arch, Kunlun's Wukong and seed pooling) read summaries of the whole history, which
+would let a position see its future.
+
+``forward`` returns the mean next-event loss ``[1, 1]`` in training mode (``returns_loss = True``
+tells the trainer) and ranking logits ``[B, 1]`` in eval mode, so evaluation rows (a history and
+one candidate each, gem.data.seqrec) run through the usual ranking metrics.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gem.data.jagged import offsets_to_lengths, segment_ids
+from gem.data.schema import FeatureSchema
+from gem.models.interformer import NonSequenceSummary
+from gem.models.sequence import JaggedSelfAttention, PersonalizedFFN, jagged_positions, linear_flops, rotary_tables
+from gem.sparse.arch import SparseOutput
+
+BLOCKS = ("interformer", "kunlun")
+SIMILARITIES = ("cosine", "dot")
+
+
+class CausalSequenceLayer(nn.Module):
+    """One block's sequence arch, causal: ``S = MHA_rope(PFFN(S | X_sum))`` (no PFFN on a CompSkip layer)."""
+
+    def __init__(self, width: int, num_heads: int, summary_dim: int, num_summary: int, pffn_kv: int,
+                 pffn_activation: str, window: int | None, use_pffn: bool, backend: str | None) -> None:
+        super().__init__()
+        self.pffn = (PersonalizedFFN(width, num_heads, summary_dim, num_summary, pffn_kv, pffn_activation, backend)
+                     if use_pffn else None)
+        self.attention = JaggedSelfAttention(width, num_heads, window, backend, causal=True)
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int, summary: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if self.pffn is not None:
+            x = self.pffn(x, offsets, max_len, summary)
+        return self.attention(x, offsets, max_len, rope)
+
+    def flops(self, lengths: torch.Tensor, max_len: int, padded: bool) -> int:
+        total = self.attention.flops(lengths, max_len, padded)
+        return total + (self.pffn.flops(lengths, max_len, padded) if self.pffn is not None else 0)
+
+
+class GenerativeSeqArch(nn.Module):
+    """Args:
+        schema / feature_dims: the feature schema and the SparseArch's widths (passed by the trainer).
+        block: ``"interformer"`` (a PFFN in every layer, full causal attention) or ``"kunlun"``
+            (CompSkip on odd layers with ``compskip``, attention within ``window``).
+        dim / num_summary: width and count of the user summary tokens that generate the PFFN.
+        num_layers / num_heads / head_dim / window / pffn_kv / pffn_activation: the sequence arch.
+        sequence / negatives: the event stream and the group of sampled negatives (gem.data.seqrec's
+            ``hist`` and ``neg``); the stream's first feature is the item, whose table scores.
+        candidate_features: the id features that describe a ranking row's candidate (``item_id``,
+            the one scored, first); every other id feature is a user token.
+        similarity / temperature: ``cosine`` (scaled by ``1 / temperature``) or ``dot``.
+        in_batch_negatives: at most this many of the batch's next events are each position's
+            in-batch negatives (all of them when there are fewer).
+        dropout: on the event embeddings and on ``H``.
+        attention_backend: ``kernels.jagged_attention`` backend.
+    """
+
+    returns_loss = True  # forward returns the training loss in training mode (see the module docstring)
+
+    def __init__(self, schema: FeatureSchema, feature_dims: dict[str, int], block: str = "interformer",
+                 dim: int = 32, num_layers: int = 2, num_heads: int = 2, head_dim: int = 32,
+                 window: int | None = None, num_summary: int = 2, pffn_kv: int = 8, pffn_activation: str = "silu",
+                 compskip: bool = True, sequence: str = "hist", negatives: str | None = "neg",
+                 candidate_features: tuple[str, ...] = ("item_id", "item_attr"), similarity: str = "cosine",
+                 temperature: float = 0.05, in_batch_negatives: int = 4096, dropout: float = 0.0,
+                 attention_backend: str | None = None) -> None:
+        super().__init__()
+        if block not in BLOCKS:
+            raise ValueError(f"model.block={block!r} must be one of {list(BLOCKS)}")
+        if similarity not in SIMILARITIES:
+            raise ValueError(f"model.similarity={similarity!r} must be one of {list(SIMILARITIES)}")
+        groups = {g.name: g for g in schema.sequence_groups}
+        if sequence not in groups:
+            raise ValueError(f"model.sequence={sequence!r}: the schema's sequence groups are {list(groups)}")
+        if negatives is not None and negatives not in groups:
+            raise ValueError(f"model.negatives={negatives!r}: the schema's sequence groups are {list(groups)}; "
+                             "set model.negatives=null to train on in-batch negatives only")
+        self.item_feature = groups[sequence].feature_names[0]
+        self.negative_feature = groups[negatives].feature_names[0] if negatives else None
+        self.candidate = candidate_features[0]
+        tables = {f.name: f.table_name for f in schema.id_features}
+        tables |= {f.name: f.table_name for g in schema.sequence_groups for f in g.features}
+        scored = [f for f in (self.candidate, self.negative_feature) if f is not None]
+        if any(tables.get(f) != tables[self.item_feature] for f in scored):
+            raise ValueError(f"model: {scored} must share the table of {self.item_feature!r} "
+                             f"({tables[self.item_feature]!r}): the item table scores the next event")
+        self.user_features = [f for f in schema.id_feature_names if f not in candidate_features]
+        if not self.user_features:
+            raise ValueError(f"model.candidate_features={list(candidate_features)} leaves no user id feature "
+                             "to generate the personalized FFN from")
+        self.sequence, self.negatives = sequence, negatives
+        self.sequence_ids = tuple(f for f in (self.item_feature, self.negative_feature) if f is not None)
+        self.num_items = schema.cardinality(self.item_feature)
+        self.item_dim = feature_dims[self.candidate]
+        self.block, self.similarity, self.temperature = block, similarity, temperature
+        self.in_batch_negatives, self.num_heads, self.head_dim = in_batch_negatives, num_heads, head_dim
+        width = num_heads * head_dim
+
+        self.user_proj = nn.ModuleDict({f: nn.Linear(feature_dims[f], dim) for f in self.user_features})
+        self.user_summary = NonSequenceSummary(len(self.user_features), num_summary, dim)
+        self.event_proj = nn.Linear(feature_dims[sequence], width)
+        self.layers = nn.ModuleList(
+            CausalSequenceLayer(width, num_heads, dim, num_summary, pffn_kv, pffn_activation, window,
+                                not (block == "kunlun" and compskip and i % 2 == 1), attention_backend)
+            for i in range(num_layers))
+        self.norm = nn.LayerNorm(width)
+        self.out = nn.Linear(width, self.item_dim)
+        self.dropout = nn.Dropout(dropout)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialize every parameter (after ``to_empty``)."""
+        for module in self.modules():
+            if hasattr(module, "init_own_parameters"):
+                module.init_own_parameters()
+            elif isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+
+    def encode(self, sparse: SparseOutput) -> torch.Tensor:
+        """``H [T, D_item]``: the representation after each event of the stream."""
+        s = sparse.sequences[self.sequence]
+        users = torch.stack([self.user_proj[f](sparse.pooled[f]) for f in self.user_features], dim=1)  # [B, F, d]
+        summary = self.user_summary(users)  # [B, N, d]
+        x = self.dropout(self.event_proj(s.values))
+        rope = rotary_tables(s.offsets, x.shape[0], self.head_dim)
+        for layer in self.layers:
+            x = layer(x, s.offsets, s.max_len, summary, rope)
+        return self.out(self.dropout(self.norm(x)))
+
+    def score(self, queries: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+        """``[Q, C]`` scores of query rows against item embeddings (cosine / temperature, or dot)."""
+        if self.similarity == "cosine":
+            return F.normalize(queries.float(), dim=-1) @ F.normalize(items.float(), dim=-1).T / self.temperature
+        return queries.float() @ items.float().T
+
+    def forward(self, sparse: SparseOutput, dense: torch.Tensor, domain: torch.Tensor,
+                ids: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        h = self.encode(sparse)
+        s = sparse.sequences[self.sequence]
+        if self.training:
+            return self.next_event_loss(h, sparse, ids).view(1, 1)
+        lengths = offsets_to_lengths(s.offsets)
+        last = h[(s.offsets[1:] - 1).clamp_min(0)] * (lengths > 0).unsqueeze(1)  # [B, D_item]; zeros if empty
+        candidates = sparse.pooled[self.candidate]
+        if self.similarity == "cosine":
+            last, candidates = F.normalize(last.float(), dim=-1), F.normalize(candidates.float(), dim=-1) / self.temperature
+        return (last.float() * candidates.float()).sum(-1, keepdim=True)
+
+    def next_event_loss(self, h: torch.Tensor, sparse: SparseOutput, ids: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Mean over positions that have a next event of the sampled softmax loss of that event.
+
+        Per position ``t`` with next item ``y``: ``-log softmax`` of ``score(H[t], e_y)`` against the
+        negatives, every logit less ``log Q(item)``, the expected number of times the item is
+        among the negatives: ``M count(item) / T`` for ``M`` in-batch negatives drawn from the
+        ``T`` positions (``count``: how often it is a next event), plus ``U / N`` for ``U`` uniform
+        ones over ``N`` items. A negative that is the position's own next item (an accidental hit)
+        is left out.
+        """
+        s = sparse.sequences[self.sequence]
+        total, device = h.shape[0], h.device
+        row = torch.arange(total, device=device)
+        pos = jagged_positions(s.offsets, total)
+        has_next = pos < offsets_to_lengths(s.offsets)[segment_ids(s.offsets, total)] - 1  # [T]
+        nxt = (row + 1).clamp(max=max(total - 1, 0))
+        target_emb = s.values[nxt, :self.item_dim]  # the next event's item embedding (the shared table)
+        target_ids = ids[self.item_feature][nxt]
+        weight = has_next.to(torch.float32)
+
+        if total > self.in_batch_negatives:  # in-batch negatives: a random subset of the next events
+            pool = torch.randint(0, total, (self.in_batch_negatives,), device=device)
+        else:
+            pool = row
+        cand_emb, cand_ids, cand_ok = target_emb[pool], target_ids[pool], has_next[pool]
+        num_drawn = pool.numel()
+        uniform = 0
+        if self.negatives is not None:
+            neg = sparse.sequences[self.negatives]
+            uniform = neg.values.shape[0]
+            cand_emb = torch.cat([cand_emb, neg.values[:, :self.item_dim]])
+            cand_ids = torch.cat([cand_ids, ids[self.negative_feature]])
+            cand_ok = torch.cat([cand_ok, torch.ones(uniform, dtype=torch.bool, device=device)])
+
+        counts = torch.zeros(self.num_items, device=device).index_add_(0, target_ids, weight)  # next-event counts
+        expected = counts * (num_drawn / max(total, 1)) + uniform / max(self.num_items - 1, 1)
+        log_q = torch.log(expected.clamp_min(1e-12))
+        positive = (self._rows(h, target_emb) - log_q[target_ids]).unsqueeze(1)  # [T, 1]
+        logits = self.score(h, cand_emb) - log_q[cand_ids][None, :]  # [T, C]
+        hidden = ~cand_ok[None, :] | (cand_ids[None, :] == target_ids[:, None])
+        logits = logits.masked_fill(hidden, float("-inf"))
+        loss = torch.logsumexp(torch.cat([positive, logits], dim=1), dim=1) - positive.squeeze(1)
+        return (loss * weight).sum() / weight.sum().clamp_min(1.0)
+
+    def _rows(self, queries: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+        """Row-wise scores ``[T]`` of ``queries[t]`` against ``items[t]``."""
+        if self.similarity == "cosine":
+            return (F.normalize(queries.float(), dim=-1) * F.normalize(items.float(), dim=-1)).sum(-1) / self.temperature
+        return (queries.float() * items.float()).sum(-1)
+
+    def flops(self, batch_size: int, lengths: dict[str, torch.Tensor], max_lens: dict[str, int] | None = None,
+              padded: bool = False) -> dict[str, int]:
+        """Analytic FLOPs of a training step's forward and backward (matmuls, true jagged lengths)."""
+        n = lengths[self.sequence].detach().long().cpu()
+        rows = int(n.sum())
+        max_len = int(n.max()) if n.numel() else 0
+        b = batch_size
+        fwd = sum(linear_flops(b, m.in_features, m.out_features) for m in self.user_proj.values())
+        fwd += self.user_summary.flops(b) + linear_flops(rows, self.event_proj.in_features, self.event_proj.out_features)
+        fwd += sum(layer.flops(n, max_len, padded) for layer in self.layers)
+        fwd += linear_flops(rows, self.out.in_features, self.out.out_features)
+        num_negatives = min(rows, self.in_batch_negatives)
+        if self.negatives is not None and self.negatives in lengths:
+            num_negatives += int(lengths[self.negatives].sum())
+        fwd += 2 * rows * (num_negatives + 1) * self.item_dim  # the scores
+        return {"forward": fwd, "backward": 2 * fwd}

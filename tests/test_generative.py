@@ -1,0 +1,151 @@
+"""Generative next-event training (gem/models/generative.py) and its seqrec rows: the rows, the
+sampled softmax against a loop, causality, and training through ``train(cfg)`` on both blocks and
+on TorchRec-sharded tables."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from gem.data.dataset import schema_from_files, split_files
+from gem.data.loader import build_loader
+from gem.data.seqrec import SeqRecOptions, read_s3rec, write_seqrec
+from gem.models.gem import GEMModel
+from gem.models.generative import GenerativeSeqArch
+from gem.sparse.arch import SparseArch
+from gem.train.trainer import train
+from tests.conftest import compose
+from tests.test_seqrec import NUM_ITEMS, _rows, _write_s3rec
+
+OPTIONS = SeqRecOptions(objective="generative", max_len=6, num_negatives=3, num_eval_negatives=9, event_attrs=2,
+                        users_per_file=7)
+
+
+@pytest.fixture
+def generative_data(tmp_path):
+    sequences = _write_s3rec(tmp_path)
+    out = tmp_path / "out"
+    write_seqrec(read_s3rec(tmp_path, "Tiny"), out, OPTIONS)
+    return sequences, out
+
+
+def test_generative_rows_hold_each_users_training_events_and_unseen_negatives(generative_data):
+    sequences, out = generative_data
+    schema = schema_from_files(split_files(out, "train"))
+    assert schema.group("neg").max_len == 3 and schema.group("hist").feature_names == ["hist_item", "hist_attr0", "hist_attr1"]
+    rows = _rows(out, "train")
+    assert len(rows) == 30
+    for r in rows:
+        seq = sequences[r["user_id"][0] - 1]
+        assert r["hist_item"] == seq[:-2][-6:].tolist(), "the training part: all but the validation and test targets"
+        assert r["hist_attr0"] == [1 + i % 5 for i in r["hist_item"]] and r["hist_attr1"] == [6 + i % 3 for i in r["hist_item"]]
+        assert len(r["neg_item"]) == 3 and not set(r["neg_item"]) & set(seq.tolist())
+    for split in ("val", "test"):
+        assert all(r["neg_item"] == [] for r in _rows(out, split))
+
+
+def _model(schema, block="interformer", **kwargs):
+    torch.manual_seed(0)
+    sparse = SparseArch.from_config(schema, 16, backend="native")
+    sparse.init_weights()
+    dims = {f: sparse.pooled_dim(f) for f in schema.id_feature_names}
+    dims |= {g.name: sparse.sequence_dim(g.name) for g in schema.sequence_groups}
+    with torch.device("meta"):
+        dense = GenerativeSeqArch(schema, dims, block=block, dim=8, num_heads=2, head_dim=8, pffn_kv=4,
+                                  attention_backend="reference", **kwargs)
+    dense.to_empty(device="cpu")
+    dense.init_weights()
+    return GEMModel(sparse, dense)
+
+
+def _batch(out, split="train", batch_size=8):
+    schema = schema_from_files(split_files(out, split))
+    return schema, next(iter(build_loader(split_files(out, split), schema, batch_size, num_workers=0)))
+
+
+@pytest.mark.parametrize("in_batch", [1000, 5])
+def test_sampled_softmax_equals_a_loop_over_positions(generative_data, in_batch):
+    _, out = generative_data
+    schema, batch = _batch(out)
+    model = _model(schema, in_batch_negatives=in_batch)
+    arch = model.dense_arch
+    seed = torch.random.get_rng_state()
+    loss = model(batch)  # training mode: the loss
+
+    sparse = model.sparse_arch(batch.sparse, batch.sequences, batch.max_seq_len)
+    h = arch.encode(sparse).detach().double()
+    values = sparse.sequences["hist"].values.detach().double()[:, :arch.item_dim]
+    negs = sparse.sequences["neg"].values.detach().double()
+    ids = batch.sequences.to_dict()
+    items, neg_ids = ids["hist_item"].values(), ids["neg_item"].values()
+    offsets = sparse.sequences["hist"].offsets.tolist()
+    rows = [(r, r + 1) for b in range(len(offsets) - 1) for r in range(offsets[b], offsets[b + 1] - 1)]
+    total = values.shape[0]
+    torch.random.set_rng_state(seed)
+    arch.encode(sparse)  # the same random draws as the model's forward, up to the pool
+    pool = torch.randint(0, total, (in_batch,)).tolist() if total > in_batch else list(range(total))
+    has_next = {r for r, _ in rows}
+    count = {}
+    for _, t in rows:
+        count[int(items[t])] = count.get(int(items[t]), 0) + 1
+    cands = [(values[p + 1] if p + 1 < total else values[total - 1], int(items[min(p + 1, total - 1)]))
+             for p in pool if p in has_next]
+    cands += [(negs[j], int(neg_ids[j])) for j in range(negs.shape[0])]
+    num_items = schema.cardinality("hist_item")
+    log_q = lambda item: math.log(count.get(item, 0) * len(pool) / total + negs.shape[0] / (num_items - 1))  # noqa: E731
+    cos = lambda a, b: float(a @ b / (a.norm() * b.norm())) / 0.05  # noqa: E731
+    expected = []
+    for r, t in rows:
+        target = int(items[t])
+        positive = cos(h[r], values[t]) - log_q(target)
+        logits = [positive] + [cos(h[r], e) - log_q(i) for e, i in cands if i != target]
+        expected.append(torch.logsumexp(torch.tensor(logits), 0).item() - positive)
+    assert loss.item() == pytest.approx(sum(expected) / len(expected), rel=1e-4)
+
+
+@pytest.mark.parametrize("block", ["interformer", "kunlun"])
+def test_each_position_sees_only_its_past(generative_data, block):
+    _, out = generative_data
+    schema, batch = _batch(out)
+    model = _model(schema, block, num_layers=3, window=2 if block == "kunlun" else None).eval()
+    sparse = model.sparse_arch(batch.sparse, batch.sequences, batch.max_seq_len)
+    h = model.dense_arch.encode(sparse)
+    s = sparse.sequences["hist"]
+    first, last = int(s.offsets[0]), int(s.offsets[1]) - 1
+    assert last > first, "the first example needs two events"
+    s.values = s.values.clone()
+    s.values[last] += 1.0  # change the first example's last event only
+    h2 = model.dense_arch.encode(sparse)
+    assert torch.equal(h[:last], h2[:last]) and not torch.allclose(h[last], h2[last])
+    assert torch.equal(h[last + 1:], h2[last + 1:])
+
+
+@pytest.mark.parametrize("overrides", [["model.block=interformer"], ["model.block=kunlun", "model.window=3"],
+                                       ["sparse=torchrec", "model.negatives=null"]])
+def test_seqrec_gen_experiment_learns_and_reports_ranking_metrics(tmp_path, overrides):
+    _write_s3rec(tmp_path, num_users=80)
+    result = train(compose(["experiment=seqrec_gen", f"data.dir={tmp_path}", "data.name=Tiny",
+                            f"data.cache_dir={tmp_path / 'cache'}", f"trainer.run_dir={tmp_path / 'run'}",
+                            "data.batch_size=16", "data.num_workers=0", "data.eval_batch_size=800",
+                            "trainer.epochs=6", "trainer.log_every=5", "trainer.progress_bar=false",
+                            "data.seqrec.num_eval_negatives=20", "model.dropout=0.0", *overrides]))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if r["kind"] == "train"]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.2, losses
+    assert result["next_item/groups"] == 80 and 0 <= result["next_item/hr@1"] <= result["next_item/hr@10"] <= 1
+    assert all(r["tflops"] > 0 for r in rows if r["kind"] == "train")
+
+
+def test_generative_arch_names_what_it_needs(generative_data):
+    _, out = generative_data
+    schema = schema_from_files(split_files(out, "train"))
+    with pytest.raises(ValueError, match="model.negatives='nope'"):
+        _model(schema, negatives="nope")
+    with pytest.raises(ValueError, match="leaves no user id feature"):
+        _model(schema, candidate_features=("item_id", "item_attr", "user_id"))
+    with pytest.raises(ValueError, match="data.seqrec.objective='listwise'"):
+        SeqRecOptions.from_config({"objective": "listwise"})
