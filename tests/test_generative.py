@@ -149,3 +149,17 @@ def test_generative_arch_names_what_it_needs(generative_data):
         _model(schema, candidate_features=("item_id", "item_attr", "user_id"))
     with pytest.raises(ValueError, match="data.seqrec.objective='listwise'"):
         SeqRecOptions.from_config({"objective": "listwise"})
+
+
+def test_conversion_counts_what_it_cannot_learn(tmp_path):
+    """A user of two events, an id gap, items only seen as evaluation targets and items the
+    attribute file lacks: counted in conversion.json, not an error."""
+    (tmp_path / "Odd.txt").write_text("1 1 2 3 4\n2 2 3\n3 5 2 3 9\n4 1 3 2 4\n")  # item 6, 7, 8 never occur
+    (tmp_path / "Odd_item2attributes.json").write_text(json.dumps({"1": [1], "2": [2], "3": [1, 2]}))
+    summary = write_seqrec(read_s3rec(tmp_path, "Odd"), tmp_path / "out", OPTIONS)
+    assert summary["users_dropped_under_3_events"] == 1 and summary["users_kept"] == 3
+    assert summary["item_ids_never_seen"] == 3  # 6, 7, 8
+    assert summary["items_only_in_evaluation"] == 2  # 4 and 9: validation / test targets, nobody's training event
+    assert summary["items_without_attributes"] == 6  # 4 .. 9
+    saved = json.loads((tmp_path / "out" / "conversion.json").read_text())
+    assert saved["items_only_in_evaluation"] == 2

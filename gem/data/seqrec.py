@@ -348,11 +348,29 @@ def write_seqrec(data: SeqRecData, out_dir: str | Path, options: SeqRecOptions =
     summary = {"converter_version": CONVERTER_VERSION, "options": asdict(o), "rows": counts,
                "users": len(data.sequences), "users_kept": int(len(kept)), "eval_users": int(len(eval_users)),
                "items": data.num_items, "attributes": num_attributes,
-               "fixed_eval_negatives": data.eval_negatives is not None, "schema": schema.to_config()}
+               "fixed_eval_negatives": data.eval_negatives is not None, "schema": schema.to_config(),
+               **_coverage(data, kept, lengths, starts, flat)}
     (tmp / "conversion.json").write_text(json.dumps(summary, indent=2))
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return summary
+
+
+def _coverage(data: SeqRecData, kept: np.ndarray, lengths: np.ndarray, starts: np.ndarray, flat: np.ndarray) -> dict:
+    """What the split leaves out or cannot learn, counted (the converter's log and ``conversion.json``):
+    users with fewer than 3 events (dropped), item ids that never occur (gaps in the id range; their
+    rows are never trained), items only ever seen as a validation or test target (cold: trained only
+    as negatives), and items the attribute file does not list."""
+    train = np.zeros(data.num_items + 1, dtype=bool)
+    train_items = _gather_ranges(flat, starts[kept], starts[kept] + lengths[kept] - 2)[1]
+    train[train_items] = True
+    seen = np.zeros(data.num_items + 1, dtype=bool)
+    seen[flat] = True
+    return {"users_dropped_under_3_events": int(len(lengths) - len(kept)),
+            "item_ids_never_seen": int((~seen[1:]).sum()),
+            "items_only_in_evaluation": int((seen & ~train)[1:].sum()),
+            "items_without_attributes": (int(sum(1 for i in range(1, data.num_items + 1) if not data.attributes.get(i)))
+                                         if data.attributes else None)}
 
 
 def _eval_negatives(data: SeqRecData, seen: _Seen, rng: np.random.Generator, users: np.ndarray, k: int) -> np.ndarray:
@@ -393,5 +411,8 @@ def prepare_seqrec(source: str | Path, name: str, cache_dir: str | Path, options
     start = time.perf_counter()
     data = read_s3rec(source, name) if (source / f"{name}.txt").is_file() else read_interactions(source / name)
     summary = write_seqrec(data, out, o)
-    logger.info("converted %s/%s -> %s in %.1fs: %s rows", source, name, out, time.perf_counter() - start, summary["rows"])
+    logger.info("converted %s/%s -> %s in %.1fs: %s rows; %d users dropped (under 3 events), %d item ids never "
+                "seen, %d items only in evaluation, %s items without attributes", source, name, out,
+                time.perf_counter() - start, summary["rows"], summary["users_dropped_under_3_events"],
+                summary["item_ids_never_seen"], summary["items_only_in_evaluation"], summary["items_without_attributes"])
     return out

@@ -1,0 +1,94 @@
+"""Sequential recommendation on S3-Rec-format sets: a recipe over several seeds, mean and spread.
+
+    python benchmarks/seqrec.py [--sets LastFM Toys_and_Games Sports_and_Outdoors] [--seeds 0 1 2]
+                                [--experiment seqrec_gen] [--split test] [-- hydra overrides]
+
+Each (set, seed) is ``python -m gem.train experiment=<experiment> data.name=<set> trainer.seed=<seed>
+data.seqrec.seed=<seed>`` in its own process (the evaluation negatives stay fixed: the paper's file
+for LastFM, numpy seed 12345 otherwise). The metrics are those of the final evaluation of
+``--split``: ``test`` for the figures to report, ``val`` (with ``trainer.eval_every`` at the end)
+to choose a recipe. Writes ``benchmarks/results/seqrec-<experiment>-<hardware>.json`` with every
+run's metrics and time, and prints mean +- standard deviation per set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.scaling import environment  # noqa: E402
+
+METRICS = ("hr@1", "hr@5", "hr@10", "ndcg@5", "ndcg@10", "mrr")
+# Published HR@10 / NDCG@10 (1 positive + 99 negatives): SASRec and S3-Rec from the S3-Rec paper,
+# and the S3-Rec authors' own rerun.
+PUBLISHED = {
+    "Sports_and_Outdoors": {"SASRec": (0.4622, 0.2869), "S3-Rec": (0.5614, 0.3538), "S3-Rec rerun": (0.5664, 0.3559)},
+    "Toys_and_Games": {"SASRec": (0.4663, 0.3136), "S3-Rec": (0.5530, 0.3629), "S3-Rec rerun": (0.5593, 0.3695)},
+    "LastFM": {"SASRec": (0.4706, 0.2755), "S3-Rec": (0.5835, 0.3583), "S3-Rec rerun": (0.6083, 0.3577)},
+}
+
+
+def run(experiment: str, name: str, seed: int, split: str, overrides: list[str], run_dir: Path) -> dict:
+    cmd = [sys.executable, "-m", "gem.train", f"experiment={experiment}", f"data.name={name}", f"trainer.seed={seed}",
+           f"++data.seqrec.seed={seed}", f"trainer.run_dir={run_dir}", "trainer.progress_bar=false", *overrides]
+    print("$", " ".join(cmd), flush=True)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    tick = time.perf_counter()
+    subprocess.run(cmd, cwd=ROOT, check=True, env=os.environ | {"PYTHONPATH": path}, stdout=subprocess.DEVNULL)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    final = [r for r in rows if r["kind"] == split][-1]
+    return {"set": name, "seed": seed, "split": split, "step": final["step"], "seconds": round(time.perf_counter() - tick, 1),
+            **{m: final[f"next_item/{m}"] for m in METRICS}}
+
+
+def summarize(results: list[dict]) -> dict:
+    out = {}
+    for name in dict.fromkeys(r["set"] for r in results):
+        runs = [r for r in results if r["set"] == name]
+        out[name] = {m: {"mean": statistics.mean(r[m] for r in runs),
+                         "std": statistics.stdev(r[m] for r in runs) if len(runs) > 1 else 0.0} for m in METRICS}
+        out[name]["seconds"] = statistics.mean(r["seconds"] for r in runs)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sets", nargs="+", default=["LastFM", "Toys_and_Games", "Sports_and_Outdoors"])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--experiment", default="seqrec_gen")
+    parser.add_argument("--split", default="test", choices=["test", "val"])
+    parser.add_argument("--out-dir", default=str(ROOT / "runs" / "seqrec"))
+    parser.add_argument("--tag", default=None, help="file name suffix (default: the hardware, slugged)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
+    args = parser.parse_args()
+    env = environment()
+    results = [run(args.experiment, name, seed, args.split, args.overrides, Path(args.out_dir) / f"{name}-{seed}")
+               for name in args.sets for seed in args.seeds]
+    summary = summarize(results)
+    print(f"\n{'set':<22} {'HR@10':>15} {'NDCG@10':>15} {'HR@1':>15} {'MRR':>15} {'s/run':>6}  published HR@10 / NDCG@10")
+    for name, s in summary.items():
+        cell = lambda m: f"{s[m]['mean']:.4f}+-{s[m]['std']:.4f}"  # noqa: E731
+        refs = "; ".join(f"{k} {h:.4f}/{n:.4f}" for k, (h, n) in PUBLISHED.get(name, {}).items())
+        print(f"{name:<22} {cell('hr@10'):>15} {cell('ndcg@10'):>15} {cell('hr@1'):>15} {cell('mrr'):>15} "
+              f"{s['seconds']:>6.0f}  {refs}")
+    tag = args.tag or "".join(c if c.isalnum() else "-" for c in env["hardware"].lower()).strip("-")
+    out = ROOT / "benchmarks" / "results" / f"seqrec-{args.experiment}-{tag}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"benchmark": "seqrec", "date": datetime.datetime.now(datetime.UTC).isoformat(), **env,
+                               "experiment": args.experiment, "split": args.split, "overrides": args.overrides,
+                               "summary": summary, "published": PUBLISHED, "runs": results}, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
