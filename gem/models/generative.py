@@ -169,10 +169,7 @@ class GenerativeSeqArch(nn.Module):
             return self.next_event_loss(h, sparse, ids).view(1, 1)
         lengths = offsets_to_lengths(s.offsets)
         last = h[(s.offsets[1:] - 1).clamp_min(0)] * (lengths > 0).unsqueeze(1)  # [B, D_item]; zeros if empty
-        candidates = sparse.pooled[self.candidate]
-        if self.similarity == "cosine":
-            last, candidates = F.normalize(last.float(), dim=-1), F.normalize(candidates.float(), dim=-1) / self.temperature
-        return (last.float() * candidates.float()).sum(-1, keepdim=True)
+        return self._rows(last, sparse.pooled[self.candidate]).unsqueeze(1)
 
     def next_event_loss(self, h: torch.Tensor, sparse: SparseOutput, ids: dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean over positions that have a next event of the sampled softmax loss of that event.
