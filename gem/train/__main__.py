@@ -1,14 +1,13 @@
 """``python -m gem.train [overrides]``: compose configs/train.yaml with Hydra, then ``train(cfg)``."""
 
-from pathlib import Path
-
 import hydra
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from gem.train.api import config_dir
 from gem.train.trainer import train
 
-CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
+CONFIG_DIR = config_dir()  # the checkout's configs/, or gem/configs in an installed wheel
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
