@@ -174,6 +174,17 @@ def build_model(config: Config, schema: FeatureSchema, env: DistEnv, timer: Star
                            reshard_after_forward=p.reshard_after_forward)
 
 
+def split_loader(config: Config, env: DistEnv, schema: FeatureSchema, data_dir: Path, split: str,
+                 batch_size: int | None = None) -> BatchLoader:
+    """This rank's loader over ``split``: ``train`` shuffled, balanced, whole batches; others in order."""
+    d, train = config.data, split == "train"
+    batch_size = batch_size or (d.batch_size if train else d.eval_batch_size)
+    return build_loader(split_files(data_dir, split), schema, batch_size, shuffle=train and d.shuffle, seed=d.seed,
+                        drop_last=train, rank=env.rank, world_size=env.world_size, num_workers=d.num_workers,
+                        pin_memory=env.device.type == "cuda",
+                        options=d.loader if train else {**d.loader, "balance": False})  # eval: groups stay contiguous
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: BatchLoader, env: DistEnv, tasks: tuple[str, ...],
              max_batches: int = -1, autocast_dtype: torch.dtype | None = None) -> dict[str, float]:
@@ -232,11 +243,7 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
         model = build_model(config, schema, env, timer)
     timer.phases["model build"] -= timer.phases.get("sharding", 0.0)
     d = config.data
-    pin = env.device.type == "cuda"
-    loader = lambda split, batch_size, train: build_loader(  # noqa: E731
-        split_files(data_dir, split), schema, batch_size, shuffle=train and d.shuffle, seed=d.seed, drop_last=train,
-        rank=env.rank, world_size=env.world_size, num_workers=d.num_workers, pin_memory=pin,
-        options=d.loader if train else {**d.loader, "balance": False})  # eval: candidate groups stay contiguous
+    loader = lambda split, batch_size, train: split_loader(config, env, schema, data_dir, split, batch_size)  # noqa: E731
     train_loader = loader("train", d.batch_size, True)  # state_dict() / load_state_dict() resume it exactly
     steps_per_epoch = train_loader.steps_per_epoch
     if steps_per_epoch == 0:

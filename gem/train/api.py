@@ -1,0 +1,173 @@
+"""The library API: compose a config, build its parts, and write your own training loop.
+
+``train(cfg)`` (gem.train.trainer) is the whole run; these functions hand out the same parts it
+builds, so a custom loop trains the same model on the same data::
+
+    import gem
+
+    cfg = gem.compose(["debug=tiny", "model=gem_tiny"])      # Hydra overrides, as on the command line
+    data = gem.build_data(cfg)                               # typed config, device, schema, data set
+    model = gem.build_model(data)                            # sparse tables + dense arch, on data.device
+    opt = gem.build_optimizers(model, data, total_steps=100) # AdamW, table Adagrad, LR schedule
+    for step, batch in zip(range(100), data.loader("train")):
+        batch = batch.to(data.device)
+        opt.zero_grad()
+        loss, per_task = data.loss(model(batch), batch)
+        loss.backward()
+        opt.step()                                           # every optimizer, then the schedule
+    print(gem.evaluate(model, data, "val"))                  # {"click/auc": ..., "click/ne": ...}
+
+The runnable version is ``examples/custom_loop.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:  # imported lazily: `import gem` stays cheap
+    import torch
+    from omegaconf import DictConfig
+    from torch import nn
+
+    from gem.data.loader import BatchLoader
+    from gem.data.schema import FeatureSchema
+    from gem.train.config import Config
+    from gem.train.trainer import DistEnv
+
+__all__ = ["Data", "Optimizers", "build_data", "build_model", "build_optimizers", "compose", "config_dir", "evaluate"]
+
+
+def config_dir() -> str:
+    """The folder of the Hydra config tree (``train.yaml`` and its groups).
+
+    An installed wheel ships it as ``gem/configs``; a source checkout keeps it at the top level
+    (``configs/``, next to ``gem/``).
+    """
+    package = Path(__file__).resolve().parents[1]  # gem/
+    for candidate in (package / "configs", package.parent / "configs"):
+        if (candidate / "train.yaml").is_file():
+            return str(candidate)
+    raise FileNotFoundError(f"gem's Hydra configs are missing: neither {package / 'configs'} nor "
+                            f"{package.parent / 'configs'} holds train.yaml; reinstall gem")
+
+
+def compose(overrides: Sequence[str] = (), config_name: str = "train") -> "DictConfig":
+    """The config ``python -m gem.train <overrides>`` would run, e.g. ``compose(["model=gem_tiny",
+    "trainer.max_steps=10"])``. Works from any directory (the config tree ships with gem)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        return hydra_compose(config_name, overrides=list(overrides))
+
+
+@dataclass
+class Data:
+    """What :func:`build_data` prepared: the typed config, the process's device and rank, the
+    feature schema and the data set folder (``train/``, ``val/``, ``test/``)."""
+
+    config: "Config"
+    env: "DistEnv"
+    schema: "FeatureSchema"
+    dir: Path
+    task_weights: "torch.Tensor" = field(repr=False, default=None)
+
+    @property
+    def device(self) -> "torch.device":
+        return self.env.device
+
+    def loader(self, split: str = "train", batch_size: int | None = None) -> "BatchLoader":
+        """This rank's loader over ``split`` as the trainer builds it (``train``: shuffled, balanced,
+        whole batches of ``data.batch_size``; ``val`` / ``test``: in order, ``data.eval_batch_size``).
+        Iterating it yields one epoch of :class:`gem.data.batch.Batch` on the host."""
+        from gem.train.trainer import split_loader
+
+        return split_loader(self.config, self.env, self.schema, self.dir, split, batch_size)
+
+    def loss(self, logits: "torch.Tensor", batch) -> tuple["torch.Tensor", "torch.Tensor"]:
+        """``(loss, per_task [K])``: the trainer's masked multi-task binary cross-entropy, weighted by
+        ``trainer.task_weights`` (normalized over the global batch when there are several ranks)."""
+        import torch.distributed as dist
+
+        from gem.train.losses import multitask_bce
+
+        group = dist.group.WORLD if self.env.world_size > 1 else None
+        return multitask_bce(logits.float(), batch.labels, batch.label_mask, self.task_weights, batch.weights,
+                             group=group)
+
+
+def build_data(cfg: "DictConfig | dict | Config") -> Data:
+    """Validate ``cfg`` (a :class:`gem.train.config.ConfigError` names a bad key), pick the device,
+    start a process group when TorchRec sharding or torchrun needs one, seed every generator
+    (``trainer.seed``), and prepare the data set (generating the synthetic one into
+    ``data.cache_dir`` on first use)."""
+    import torch
+
+    from gem.train.config import Config, check_schema_refs, validate
+    from gem.train.trainer import init_distributed, load_data, parallel_dims, seed_everything
+
+    config = cfg if isinstance(cfg, Config) else validate(cfg)
+    t = config.trainer
+    env = init_distributed(t.device, need_process_group=(config.sparse.backend == "torchrec" and config.sparse.shard)
+                           or bool(config.parallelism.fully_shard))
+    parallel_dims(config, env)
+    seed_everything(t.seed, t.deterministic)
+    schema, directory = load_data(config, env)
+    check_schema_refs(config, schema)
+    weights = torch.tensor([t.task_weights.get(k, 1.0) for k in schema.tasks], device=env.device)
+    return Data(config, env, schema, directory, weights)
+
+
+def build_model(data: Data) -> "nn.Module":
+    """The :class:`gem.models.gem.GEMModel` the config describes (TorchRec-sharded tables with their
+    fused optimizer, or plain ones; FSDP2 on the dense arch with several ranks), on ``data.device``."""
+    from gem.train.trainer import build_model as _build_model
+
+    return _build_model(data.config, data.schema, data.env)
+
+
+class Optimizers:
+    """Every optimizer of a model behind ``zero_grad()`` / ``step()``: AdamW for the dense
+    parameters (with ``optim.grad_clip``), Adagrad for the tables that are not fused into backward,
+    TorchRec's fused table optimizer (updated inside ``loss.backward()``; ``step()`` hands it the
+    scheduled learning rate), and the learning-rate schedule, stepped after them."""
+
+    def __init__(self, model: "nn.Module", config: "Config", total_steps: int) -> None:
+        from gem.train.optim import build_optimizers as _build_optimizers
+        from gem.train.step import OptimizerSet
+
+        self.dense, self.sparse, self.schedule = _build_optimizers(model, config.optim, total_steps)
+        self.fused = getattr(model.sparse_arch, "fused_optimizer", None)
+        self._set = OptimizerSet((self.dense, self.sparse, self.fused), list(model.dense_arch.parameters()),
+                                 config.optim.grad_clip)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._set.zero_grad(set_to_none)
+
+    def step(self) -> None:
+        self._set.step()
+        self.schedule.step()
+
+    @property
+    def lr(self) -> float:
+        """The dense learning rate the next step uses."""
+        return self.schedule.get_last_lr()[0]
+
+
+def build_optimizers(model: "nn.Module", data: Data, total_steps: int) -> Optimizers:
+    """The trainer's optimizers for ``model`` (``optim.*``); ``total_steps`` sets the cosine schedule's length."""
+    return Optimizers(model, data.config, total_steps)
+
+
+def evaluate(model: "nn.Module", data: Data, split: str = "val", max_batches: int = -1) -> dict[str, Any]:
+    """Per-task AUC / NE / count over ``split`` (and HR / NDCG / MRR when it has candidate groups),
+    gathered over every rank; the model goes back to training mode afterwards."""
+    import torch
+
+    from gem.train.trainer import evaluate as _evaluate
+
+    t = data.config.trainer
+    return _evaluate(model, data.loader(split), data.env, data.schema.tasks, max_batches,
+                     getattr(torch, t.autocast) if t.autocast else None)
