@@ -290,3 +290,30 @@ def test_batches_carry_their_ids_per_key_so_the_device_needs_no_sync(tiny_datase
         expected = kjt.lengths().view(len(kjt.keys()), -1).sum(1).tolist()
         assert kjt._length_per_key == expected
         assert kjt.to("cpu")._length_per_key == expected
+
+
+def test_validator_fails_on_empty_folders_and_missing_splits(tmp_path, tiny_schema, capsys):
+    """Issue #27.2: `python -m gem.data.validate` exited 0 on empty split folders and on an empty data.dir."""
+    from gem.data.validate import main
+
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path / "empty")]) == 1
+    captured = capsys.readouterr()
+    assert "empty: holds no *.parquet files (it holds nothing); give a data set folder" in captured.out
+    assert "0 files, 0 with violations, 1 missing or empty folders" in captured.err
+    assert main([str(tmp_path / "nowhere")]) == 1 and "nowhere: does not exist" in capsys.readouterr().out
+    data = tmp_path / "data"
+    for split in ("train", "val", "test"):
+        (data / split).mkdir(parents=True)
+    _write(data / "train", tiny_schema, name="part-0.parquet")
+    assert main([str(data)]) == 1
+    out = capsys.readouterr().out
+    assert "data/val: holds no *.parquet files (it holds nothing); put the val split's Parquet files there" in out
+    assert "data/test: holds no *.parquet files" in out
+    (data / "test").rmdir()
+    assert main([str(data)]) == 1
+    assert "data: no test/ folder; a gem data set holds train/, val/ and test/" in capsys.readouterr().out
+    (data / "test").mkdir()
+    for split in ("val", "test"):
+        _write(data / split, tiny_schema, name="part-0.parquet")
+    assert main([str(data)]) == 0

@@ -1,3 +1,5 @@
+import re
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -121,3 +123,67 @@ def test_bad_files_and_folders(tmp_path, tiny_schema):
     pq.write_table(unequal, tmp_path / "unequal.parquet")
     with pytest.raises(ValueError, match="need equal lengths"):
         _read_all([tmp_path / "unequal.parquet"], tiny_schema, 4)
+
+
+def _odd_schema():
+    """The tiny schema without 'ad_cluster' and with another 'ad_id' cardinality."""
+    from tests.conftest import TINY_SCHEMA
+    from gem.data.schema import FeatureSchema
+
+    cfg = {**TINY_SCHEMA, "id_features": [dict(f, cardinality=90) if f["name"] == "ad_id" else dict(f)
+                                          for f in TINY_SCHEMA["id_features"] if f["name"] != "ad_cluster"]}
+    return FeatureSchema.from_config(cfg)
+
+
+def test_files_written_with_different_schemas_fail_naming_both_files_and_the_feature(tmp_path, tiny_schema, capsys):
+    """Issue #27.1: the schema was read from the first file only, so an odd file trained silently,
+    or, sorting first, was taken for the data set's schema and the others were blamed ("layout v2")."""
+    from gem.data.loader import build_loader
+    from gem.data.validate import main
+
+    odd = _odd_schema()
+    for i in range(3):
+        write_parquet(generate(tiny_schema, 8, seed=i), tmp_path / "train" / f"part-{i}.parquet", tiny_schema)
+    write_parquet(generate(tiny_schema, 8, seed=9).drop_columns(["ad_cluster"]), tmp_path / "train" / "a-odd.parquet",
+                  odd)  # sorts first
+    files = split_files(tmp_path, "train")
+    both = r"a-odd.parquet and .*part-\d.parquet carry different gem.schema metadata \(feature 'ad_id' has cardinality " \
+           r"90 in train/a-odd.parquet, 80 in train/part-\d.parquet; feature 'ad_cluster' is absent in"
+    with pytest.raises(ValueError, match=both + r".*rewrite the odd file.*1 of 4 files differ from the other 3"):
+        schema_from_files(files)
+    with pytest.raises(ValueError, match=both):
+        build_loader(files, tiny_schema, 4)
+    with pytest.raises(ValueError, match=both):
+        build_loader(files[::-1], tiny_schema, 4)  # the odd one last: still named first
+    with pytest.raises(ValueError, match=both):
+        _read_all(files, tiny_schema, 4)
+    for split in ("val", "test"):
+        write_parquet(generate(tiny_schema, 8, seed=5), tmp_path / split / "part-0.parquet", tiny_schema)
+    assert main([str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "a-odd.parquet: its gem.schema differs from " in out
+    assert re.search(r"feature 'ad_id' has cardinality 90 in train/a-odd.parquet, 80 in \w+/part-0.parquet", out)
+    (tmp_path / "train" / "a-odd.parquet").unlink()
+    assert schema_from_files(split_files(tmp_path, "train")) == tiny_schema and main([str(tmp_path)]) == 0
+
+
+def test_a_data_dir_without_split_folders_says_what_was_expected_and_found(tmp_path, tiny_schema):
+    """Issue #27.9: '.../train does not exist', and an empty-folder hint about the synthetic generator."""
+    with pytest.raises(FileNotFoundError, match="data.dir='.*nope' does not exist; set data.dir to a gem data set: "
+                                                "a folder with train/, val/ and test/ folders of \\*.parquet files"):
+        split_files(tmp_path / "nope", "train")
+    write_parquet(generate(tiny_schema, 4, seed=0), tmp_path / "flat" / "part-0.parquet", tiny_schema)
+    (tmp_path / "flat" / "notes").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"has no train/ folder: a gem data set holds train/, val/ and test/ "
+                                                r"folders of \*.parquet files, and this folder holds the folders "
+                                                r"\['notes/'\], 1 \*.parquet file; move its \*.parquet files into "
+                                                r".*flat/train/ and hold some out in .*flat/val/ and .*flat/test/"):
+        split_files(tmp_path / "flat", "train")
+    (tmp_path / "sets" / "ads" / "train").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match="looks like a folder of data sets: set data.dir='.*sets/ads'"):
+        split_files(tmp_path / "sets", "train")
+    (tmp_path / "sets" / "ads" / "train" / "rows.csv").write_text("a,b\n")
+    with pytest.raises(FileNotFoundError, match=r"ads/train holds no \*.parquet files \(it holds 1 \*.csv file\); put "
+                                                r"the train split's Parquet files there") as e:
+        split_files(tmp_path / "sets" / "ads", "train")
+    assert "synthetic" not in str(e.value) and "generate" not in str(e.value)

@@ -24,14 +24,21 @@ case                    unit  what
 ``bad_weight``          row   a negative or non-finite weight
 ======================  ====  =====================================================
 
+Beside these cases, the files of one data set must carry the same ``gem.schema`` metadata
+(:func:`schema_differences`; compared from the footers only): a file written with another schema
+fails with both files and the differing feature named, whatever the policy.
+
 A history longer than its group's ``max_len`` is not an error: the reader keeps the most
 recent ``max_len`` events and counts the row in ``truncated_histories``.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass
-from typing import Mapping
+from pathlib import Path
+from typing import Any, Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -43,6 +50,8 @@ FILE_CASES = ("unreadable_file", "layout_version", "missing_column", "schema_mis
 ROW_CASES = ("null_value", "id_out_of_range", "sequence_mismatch", "dense_length", "non_finite_dense",
              "label_out_of_range", "domain_out_of_range", "bad_weight")
 CASES = FILE_CASES + ROW_CASES
+
+logger = logging.getLogger("gem")
 
 
 def error_policy(on_error: Mapping[str, str] | None) -> dict[str, str]:
@@ -175,3 +184,97 @@ def row_violations(table: pa.Table, schema: FeatureSchema) -> list[tuple[str, st
     if "request_id" in table.column_names:
         scalar("request_id", np.int64)
     return out
+
+
+# -- the gem.schema metadata of the files of one data set ------------------------------------------
+
+
+def metadata_schema(file_schema: pa.Schema, path: str | Path) -> FeatureSchema | None:
+    """The schema in a file's ``gem.schema`` footer metadata, or None when the file has none."""
+    raw = (file_schema.metadata or {}).get(b"gem.schema")
+    if raw is None:
+        return None
+    try:
+        return FeatureSchema.from_config(json.loads(raw))
+    except ValueError as e:  # bad JSON or a malformed schema
+        raise ValueError(f"{path}: its gem.schema metadata is not a valid schema ({e}); rewrite the file with "
+                         "gem.data.parquet.write_parquet, or give the schema in config (data.schema)") from None
+
+
+def _features(schema: FeatureSchema) -> dict[str, tuple[str, dict[str, Any]]]:
+    out: dict[str, tuple[str, dict[str, Any]]] = {}
+    for f in schema.id_features:
+        out[f.name] = ("an id feature", {"cardinality": f.cardinality, "max_ids": f.max_ids, "table": f.table_name})
+    for g in schema.sequence_groups:
+        for f in g.features:
+            out[f.name] = (f"a feature of sequence group {g.name!r}", {"cardinality": f.cardinality, "table": f.table_name})
+    return out
+
+
+def schema_differences(a: FeatureSchema, b: FeatureSchema) -> list[tuple[str, Any, Any]]:
+    """What differs between two schemas, as ``(what, value in a, value in b)``; empty when they
+    describe the same data (the order of features, groups and tasks does not matter)."""
+    out: list[tuple[str, Any, Any]] = []
+    fa, fb = _features(a), _features(b)
+    for name in list(fa) + [n for n in fb if n not in fa]:
+        if name not in fb or name not in fa:
+            out.append((f"feature {name!r} is", fa[name][0] if name in fa else "absent", fb[name][0] if name in fb else "absent"))
+        elif fa[name][0] != fb[name][0]:
+            out.append((f"feature {name!r} is", fa[name][0], fb[name][0]))
+        else:
+            out += [(f"feature {name!r} has {key}", va, fb[name][1][key]) for key, va in fa[name][1].items()
+                    if va != fb[name][1][key]]
+    ga, gb = {g.name: g.max_len for g in a.sequence_groups}, {g.name: g.max_len for g in b.sequence_groups}
+    for name in list(ga) + [n for n in gb if n not in ga]:
+        if name in ga and name in gb and ga[name] != gb[name]:
+            out.append((f"sequence group {name!r} has max_len", ga[name], gb[name]))
+        elif name not in ga or name not in gb:
+            out.append((f"sequence group {name!r} is", "present" if name in ga else "absent", "present" if name in gb else "absent"))
+    if a.num_dense != b.num_dense:
+        out.append(("num_dense is", a.num_dense, b.num_dense))
+    if sorted(a.tasks) != sorted(b.tasks):
+        out.append(("tasks are", list(a.tasks), list(b.tasks)))
+    if a.num_domains != b.num_domains:
+        out.append(("num_domains is", a.num_domains, b.num_domains))
+    return out
+
+
+def _short(path: Path) -> str:
+    return f"{path.parent.name}/{path.name}" if path.parent.name else path.name
+
+
+def schema_mismatch_message(odd: Path, odd_schema: FeatureSchema, ref: Path, ref_schema: FeatureSchema,
+                            subject: bool = True) -> str:
+    """``odd`` and ``ref`` carry different gem.schema metadata: name both files, the difference and
+    the fix (``subject=False``: for a line that starts with ``odd`` already)."""
+    diffs = schema_differences(odd_schema, ref_schema)
+    shown = "; ".join(f"{what} {va} in {_short(odd)}, {vb} in {_short(ref)}" for what, va, vb in diffs[:3])
+    more = f" (and {len(diffs) - 3} more differences)" if len(diffs) > 3 else ""
+    head = f"{odd} and {ref} carry different" if subject else f"its gem.schema differs from {ref}'s; they carry different"
+    return (f"{head} gem.schema metadata ({shown}{more}); every file of a data set must "
+            "be written with one schema: rewrite the odd file with the data set's schema "
+            "(gem.data.parquet.write_parquet) or move it out of the data set")
+
+
+def check_same_schema(path: Path, file_schema: pa.Schema, reference: tuple[Path, FeatureSchema] | None,
+                      in_use: FeatureSchema) -> tuple[Path, FeatureSchema] | None:
+    """One file of a reader's list against the first one with gem.schema metadata (``reference``,
+    None until found; returned updated). Raises naming both files and the difference; warns once
+    when the files' schema is not ``in_use`` (data.schema given in config, or the train split's)."""
+    schema = metadata_schema(file_schema, path)
+    if schema is None:
+        return reference
+    if reference is None:
+        diffs = schema_differences(schema, in_use)
+        if diffs:
+            what, va, vb = diffs[0]
+            logger.warning("%s: its gem.schema differs from the schema in use (data.schema, or the train split's "
+                           "files): %s %s in the file, %s in use%s", path, what, va, vb,
+                           f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else "")
+        return Path(path), schema
+    if schema_differences(schema, reference[1]):
+        # Name the file that disagrees with the schema in use first, when one of the two agrees.
+        ours = (Path(path), schema)
+        odd, ref = (reference, ours) if not schema_differences(schema, in_use) else (ours, reference)
+        raise ValueError(schema_mismatch_message(odd[0], odd[1], ref[0], ref[1]))
+    return reference

@@ -5,13 +5,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Mapping
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gem.data.parquet import list_parquet_files
+from gem.data.checks import metadata_schema, schema_differences, schema_mismatch_message
 from gem.data.schema import FeatureSchema
 from gem.data.synthetic import SyntheticConfig, write_dataset
 
@@ -54,12 +56,94 @@ def wait_for_folder(directory: Path, timeout_s: float, what: str) -> None:
 
 
 def split_files(directory: str | os.PathLike, split: str) -> list[Path]:
-    return list_parquet_files(Path(directory) / split)
+    """The ``*.parquet`` files of ``split`` in the data set ``directory``; a missing or empty
+    split fails with what was expected, what was found and how to lay the files out."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"data.dir={str(directory)!r} does not exist; set data.dir to a gem data set: "
+                                f"a folder with {_expected()} of *.parquet files")
+    folder = directory / split
+    if not folder.is_dir():
+        raise FileNotFoundError(f"data.dir={str(directory)!r} has no {split}/ folder: a gem data set holds "
+                                f"{_expected()} of *.parquet files, and this folder holds {_found(directory)}; "
+                                f"{_layout_hint(directory)}")
+    files = sorted(folder.glob("*.parquet"))
+    if not files:
+        raise FileNotFoundError(f"{folder} holds no *.parquet files (it holds {_found(folder)}); put the {split} "
+                                f"split's Parquet files there (gem layout, docs/data.md; check a data set with "
+                                f"`python -m gem.data.validate {directory}`){_generated_hint(directory)}")
+    return files
+
+
+def _expected() -> str:
+    return ", ".join(f"{s}/" for s in SPLITS[:-1]) + f" and {SPLITS[-1]}/ folders"
+
+
+def _found(folder: Path, limit: int = 8) -> str:
+    """What ``folder`` holds, for an error message: its subfolders and a count of its files by suffix."""
+    entries = sorted(folder.iterdir())
+    if not entries:
+        return "nothing"
+    dirs = [p.name + "/" for p in entries if p.is_dir()]
+    suffixes: dict[str, int] = {}
+    for p in entries:
+        if not p.is_dir():
+            suffixes[p.suffix or p.name] = suffixes.get(p.suffix or p.name, 0) + 1
+    parts = []
+    if dirs:
+        parts.append(f"the folders {dirs[:limit] + (['...'] if len(dirs) > limit else [])}")
+    parts += [f"{n} {'*' + k if k.startswith('.') else repr(k)} file{'s' if n > 1 else ''}" for k, n in sorted(suffixes.items())]
+    return ", ".join(parts)
+
+
+def _layout_hint(directory: Path) -> str:
+    if any(directory.glob("*.parquet")):
+        return (f"move its *.parquet files into {directory / SPLITS[0]}/ and hold some out in "
+                + " and ".join(f"{directory / s}/" for s in SPLITS[1:]))
+    present = [s for s in SPLITS if (directory / s).is_dir()]
+    nested = [p for p in sorted(directory.iterdir()) if p.is_dir() and (p / SPLITS[0]).is_dir()]
+    if nested and not present:
+        return f"it looks like a folder of data sets: set data.dir={str(nested[0])!r}"
+    return "write each split's Parquet files (gem layout, docs/data.md) into " + ", ".join(
+        f"{directory / s}/" for s in SPLITS)
+
+
+def _generated_hint(directory: Path) -> str:
+    """A data set that gem generated into data.cache_dir (synthetic, seqrec) is written atomically;
+    one with an empty split was changed by hand, and regenerating it is the fix."""
+    if re.fullmatch(r".+-[0-9a-f]{10}", directory.name) and any((directory / s).is_dir() for s in SPLITS):
+        return f"; if gem generated this data set into data.cache_dir, delete {directory} to generate it again"
+    return ""
 
 
 def schema_from_files(files: list[Path]) -> FeatureSchema:
-    """The schema written into a gem Parquet file's metadata."""
-    meta = pq.ParquetFile(files[0]).schema_arrow.metadata or {}
-    if b"gem.schema" not in meta:
+    """The schema in the files' ``gem.schema`` metadata, which every file must agree on.
+
+    Reads the footers only. Unreadable files are left to the loader (and its on_error policy);
+    files without the metadata are checked by their columns there.
+    """
+    schemas: list[tuple[Path, FeatureSchema]] = []
+    for f in files:
+        try:
+            arrow = pq.read_schema(f)
+        except (pa.ArrowException, OSError):
+            continue
+        schema = metadata_schema(arrow, f)
+        if schema is not None:
+            schemas.append((Path(f), schema))
+    if not schemas:
         raise ValueError(f"{files[0]}: no gem.schema in the file metadata; give the schema in config (data.schema)")
-    return FeatureSchema.from_config(json.loads(meta[b"gem.schema"]))
+    groups: list[list[tuple[Path, FeatureSchema]]] = []
+    for path, schema in schemas:
+        group = next((g for g in groups if not schema_differences(schema, g[0][1])), None)
+        if group is None:
+            groups.append([(path, schema)])
+        else:
+            group.append((path, schema))
+    if len(groups) > 1:
+        groups.sort(key=len, reverse=True)
+        (ref, ref_schema), (odd, odd_schema) = groups[0][0], groups[1][0]
+        count = (f"; {len(schemas) - len(groups[0])} of {len(schemas)} files differ from the other "
+                 f"{len(groups[0])}" if len(groups[0]) > len(groups[1]) else "")
+        raise ValueError(schema_mismatch_message(odd, odd_schema, ref, ref_schema) + count)
+    return schemas[0][1]

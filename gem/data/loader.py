@@ -38,7 +38,7 @@ import torch
 
 from gem.data.balance import deal_by_length
 from gem.data.batch import Batch
-from gem.data.checks import Violation, error_policy, file_violations, row_violations
+from gem.data.checks import Violation, check_same_schema, error_policy, file_violations, row_violations
 from gem.data.parquet import OPTIONAL_COLUMNS, arrow_schema, table_to_batch
 from gem.data.schema import FeatureSchema
 
@@ -131,13 +131,22 @@ class StreamingParquetReader(torch.utils.data.IterableDataset):
         """Row groups of every usable file; a bad file fails or is skipped (and counted) by policy."""
         units: list[_Unit] = []
         optional = set(OPTIONAL_COLUMNS)
-        for i, path in enumerate(self.files):
+        footers: list[tuple[pa.Schema, pq.FileMetaData] | Violation] = []
+        reference: tuple[Path, FeatureSchema] | None = None  # the first file with gem.schema metadata
+        for path in self.files:  # every file's gem.schema first: an odd file is named as such
             try:
                 file = pq.ParquetFile(path)
-                problems = file_violations(file.schema_arrow, self.schema)
+                footers.append((file.schema_arrow, file.metadata))
             except (pa.ArrowException, OSError) as e:
-                file, problems = None, [Violation("unreadable_file", None, None,
-                                                  f"not a readable Parquet file ({e}); delete or regenerate it")]
+                footers.append(Violation("unreadable_file", None, None,
+                                         f"not a readable Parquet file ({e}); delete or regenerate it"))
+                continue
+            reference = check_same_schema(path, file.schema_arrow, reference, self.schema)
+        for i, (path, footer) in enumerate(zip(self.files, footers)):
+            if isinstance(footer, Violation):
+                file_schema, problems = None, [footer]
+            else:
+                (file_schema, metadata), problems = footer, file_violations(footer[0], self.schema)
             if problems:
                 first = next((p for p in problems if self.policy[p.case] == "fail"), None)
                 if first is not None:
@@ -146,10 +155,10 @@ class StreamingParquetReader(torch.utils.data.IterableDataset):
                 self.plan_stats[f"skipped/{problems[0].case}"] += 1
                 logger.warning("skipping %s: %s", path, "; ".join(map(str, problems)))
                 continue
-            optional &= set(file.schema_arrow.names)
+            optional &= set(file_schema.names)
             first_row = 0
-            for rg in range(file.metadata.num_row_groups):
-                n = file.metadata.row_group(rg).num_rows
+            for rg in range(metadata.num_row_groups):
+                n = metadata.row_group(rg).num_rows
                 if n:
                     units.append(_Unit(i, rg, first_row, n))
                 first_row += n

@@ -85,13 +85,12 @@ def write_parquet(table: pa.Table, path: str | Path, schema: FeatureSchema, row_
 def list_parquet_files(directory: str | Path) -> list[Path]:
     directory = Path(directory)
     if not directory.is_dir():
-        raise FileNotFoundError(f"data directory {str(directory)!r} does not exist; set data.dir to a folder of *.parquet files")
+        raise FileNotFoundError(f"data directory {str(directory)!r} does not exist; give a folder of *.parquet files "
+                                "(a data set's train/, val/ or test/ folder)")
     files = sorted(directory.glob("*.parquet"))
     if not files:
-        raise FileNotFoundError(
-            f"data directory {str(directory)!r} holds no *.parquet files; point data.dir at a data set, "
-            "or delete the folder so that the synthetic generator writes one"
-        )
+        raise FileNotFoundError(f"data directory {str(directory)!r} holds no *.parquet files; give a folder of "
+                                "*.parquet files in the gem layout (a data set's train/, val/ or test/ folder)")
     return files
 
 
@@ -142,6 +141,7 @@ class ParquetBatchReader(torch.utils.data.IterableDataset):
         self.epoch = 0
         self.start_batch = 0
         self.stats = ReaderStats()
+        _check_same_schema(self.files, schema)
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         """Read epoch ``epoch`` (its seeded shuffle) from its global batch ``start_batch`` on:
@@ -212,6 +212,19 @@ class ParquetBatchReader(torch.utils.data.IterableDataset):
         batch, truncated = table_to_batch(table, self.schema)
         self.stats.truncated_histories += truncated
         return batch
+
+
+def _check_same_schema(files: list[Path], schema: FeatureSchema) -> None:
+    """Every file's gem.schema metadata agrees (footers only; unreadable files fail when read)."""
+    from gem.data.checks import check_same_schema  # checks imports the layout from this module
+
+    reference = None
+    for path in files:
+        try:
+            file_schema = pq.read_schema(path)
+        except (pa.ArrowException, OSError):
+            continue
+        reference = check_same_schema(path, file_schema, reference, schema)
 
 
 def _check_rows(table: pa.Table, schema: FeatureSchema, where: str) -> None:
