@@ -45,3 +45,35 @@ def test_bad_values_name_the_key(override, match):
 def test_parquet_needs_a_directory():
     with pytest.raises(ConfigError, match="data.dir is required"):
         validate(compose(["data=parquet", "data.dir=null"]))
+
+
+@pytest.mark.parametrize("data", ["synthetic", "parquet", "seqrec"])
+def test_the_fix_a_data_error_prints_works_as_printed(tmp_path, tiny_schema, data):
+    """Issue #27.3: errors suggest `data.loader.on_error.<case>=skip`, which Hydra rejected (only
+    `+data.loader...` worked); the data groups declare data.loader, so the printed override composes."""
+    import re
+
+    import pyarrow as pa
+
+    from gem.data.checks import error_policy
+    from gem.data.loader import LoaderOptions, build_loader
+    from gem.data.parquet import write_parquet
+    from gem.data.synthetic import generate
+
+    table = generate(tiny_schema, 6, seed=0)
+    table = table.set_column(table.schema.get_field_index("domain"), "domain", pa.array([0, 1, 7, 0, 0, 0], pa.int64()))
+    write_parquet(table, tmp_path / "bad.parquet", tiny_schema)
+    with pytest.raises(ValueError) as failure:
+        list(build_loader([tmp_path / "bad.parquet"], tiny_schema, 3))
+    fix = re.search(r"set (data\.loader\.on_error\.\w+=skip)", str(failure.value)).group(1)
+    assert fix == "data.loader.on_error.domain_out_of_range=skip"
+    extra = ["data.dir=/some/dataset"] if data == "parquet" else []
+    config = validate(compose([f"data={data}", fix, *extra]))
+    options = LoaderOptions.from_config(config.data.loader)
+    policy = error_policy(options.on_error)
+    assert policy["domain_out_of_range"] == "skip" and policy["id_out_of_range"] == "fail"
+    loader = build_loader([tmp_path / "bad.parquet"], tiny_schema, 3, options=config.data.loader)
+    assert sum(b.batch_size for b in loader) == 5 and loader.stats["skipped/domain_out_of_range"] == 1
+    everything = validate(compose([f"data={data}", "data.loader.on_error.default=skip", "data.loader.window_batches=2",
+                                   *extra]))
+    assert set(error_policy(LoaderOptions.from_config(everything.data.loader).on_error).values()) == {"skip"}
