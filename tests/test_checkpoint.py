@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from gem.data.dataset import split_files, synthetic_dir
 from gem.data.schema import FeatureSchema
-from gem.train.checkpoint import Checkpointer, CheckpointError, list_checkpoints
+from gem.train.checkpoint import Checkpointer, CheckpointError, Progress, list_checkpoints
 from gem.train.config import ConfigError, validate
 from gem.train.fault_injection import example_ids
 from gem.train.optim import build_optimizers
@@ -264,6 +264,74 @@ def test_missing_checkpoint_directory(cache_dir, tmp_path):
     with pytest.raises(CheckpointError, match="checkpoint.load_from='/nonexistent/ckpt' does not exist"):
         _restore(cache_dir, tmp_path, "checkpoint.load_from=/nonexistent/ckpt")
     assert _restore(cache_dir, tmp_path / "fresh") is None  # resume with no checkpoint yet: start at step 0
+
+
+def _intact(ckpt, directory: Path) -> list[str]:
+    """The committed checkpoints in ``directory``, each verified (sizes and CRC-32) against its manifest."""
+    expected = ckpt._fingerprint(ckpt._state(Progress()))
+    assert all(ckpt._verify(p, expected) is None for p in list_checkpoints(directory))
+    return [p.name for p in list_checkpoints(directory)]
+
+
+def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(cache_dir, damaged, monkeypatch):
+    """Issue #27.4: a full disk gave `RuntimeError: [enforce fail at inline_container.cc:672] . unexpected
+    pos 704 vs 598` in a 98-line traceback. Checked before writing (shutil.disk_usage) and translated
+    when the write itself fails; the partial folder goes, the earlier checkpoints stay."""
+    import errno
+    from collections import namedtuple
+    from concurrent.futures import Future
+
+    import torch.distributed.checkpoint as dcp
+
+    checkpoints = damaged / "checkpoints"
+    _, ckpt = _components(cache_dir, damaged)
+    try:
+        assert ckpt.restore().step == 20
+        before = _intact(ckpt, checkpoints)
+        assert before == ["step_000000010", "step_000000015", "step_000000020"]
+        usage = namedtuple("usage", "total used free")
+        real_usage = shutil.disk_usage
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 4096, 4096))
+        with pytest.raises(CheckpointError) as e:
+            ckpt.save(Progress(step=25))
+        message = str(e.value)
+        assert re.search(r"step_000000025: no space left on device \(before writing\): the save needs about "
+                         r"[\d,]+ bytes \(\d+\.\d MiB\), .* has 4,096 bytes \(4\.0 KiB\) free\. Free space .*checkpoint.keep_last=3"
+                         r".*checkpoint.dir.*the previous checkpoint .*step_000000020 is intact", message), message
+        needed = int(re.search(r"needs about ([\d,]+) bytes", message).group(1).replace(",", ""))
+        assert needed > 4 * sum(p.numel() for p in ckpt.model.dense_arch.parameters())  # at least the fp32 weights
+        assert _intact(ckpt, checkpoints) == before and not list(checkpoints.glob(".tmp-*"))
+
+        monkeypatch.setattr(shutil, "disk_usage", real_usage)  # enough space, but the write fails half-way
+        for failure in (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"),
+                        OSError(errno.ENOSPC, "No space left on device")):
+            def full_disk(state, checkpoint_id, **kwargs):
+                (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"partial")
+                raise failure
+
+            monkeypatch.setattr(dcp, "save", full_disk)
+            with pytest.raises(CheckpointError, match=r"step_000000025: no space left on device \(while writing "
+                                                      r"\((RuntimeError|OSError).*\): the save needs about .* free") as e:
+                ckpt.save(Progress(step=25))
+            assert "Traceback" not in str(e.value) and e.value.__cause__ is None and e.value.__suppress_context__
+            assert _intact(ckpt, checkpoints) == before and not list(checkpoints.glob(".tmp-*"))
+        def full_disk_in_the_background(state, checkpoint_id, **kwargs):
+            future = Future()
+            future.set_exception(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"))
+            return future
+
+        monkeypatch.setattr(dcp, "async_save", full_disk_in_the_background)
+        monkeypatch.setattr(ckpt.cfg, "async_save", True)
+        ckpt.save(Progress(step=30))  # staged; the write fails in the background
+        with pytest.raises(CheckpointError, match=r"step_000000030: no space left on device \(while writing"):
+            ckpt.wait()
+        assert _intact(ckpt, checkpoints) == before and not list(checkpoints.glob(".tmp-*"))
+        monkeypatch.setattr(ckpt.cfg, "async_save", False)
+        monkeypatch.setattr(dcp, "save", lambda *a, **k: (_ for _ in ()).throw(ValueError("not a disk problem")))
+        with pytest.raises(ValueError, match="not a disk problem"):
+            ckpt.save(Progress(step=25))
+    finally:
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------- GPU

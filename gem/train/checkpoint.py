@@ -26,7 +26,9 @@ Writes are atomic: DCP writes into ``<dir>/.tmp-step_<step>``; once every rank's
 DCP's ``.metadata`` are on disk, rank 0 writes ``gem_checkpoint.json`` (the step, the world
 size, a fingerprint of every state entry's shape, and each file's size and CRC-32) and renames
 the folder to ``step_<step>``. A crash mid-save leaves only a ``.tmp-`` folder, which is
-ignored and removed at the next start. With ``async_save`` the state is copied (see
+ignored and removed at the next start. A save checks the free space first (``shutil.disk_usage``)
+and reports a full disk, then or during the write, as "no space left on device" with the path and
+the bytes needed and free. With ``async_save`` the state is copied (see
 :func:`_snapshot`) and written by a background thread while training continues; the rename happens
 on the training thread once the write is done.
 """
@@ -34,6 +36,7 @@ on the training thread once the write is done.
 from __future__ import annotations
 
 import copy as copy_module
+import errno
 import json
 import os
 import pickle
@@ -93,6 +96,7 @@ class _Pending:
     tmp: Path
     final: Path
     manifest: dict
+    needed: int = 0  # bytes this rank writes, estimated (for a full disk's message)
 
 
 def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
@@ -188,28 +192,67 @@ class Checkpointer:
         self.wait()  # one save in flight at a time
         if progress.step == self._last_step:  # e.g. the end of a run that just saved periodically
             return
-        self._last_step = progress.step
+        previous, self._last_step = self._last_step, progress.step
         final = self.dir / f"step_{progress.step:09d}"
         tick = time.perf_counter()
         tmp = self.dir / f".tmp-{final.name}"
         state = self._state(progress)
         manifest = {"step": progress.step, "world_size": self.world_size, "time": time.time(),
                     "progress": asdict(progress), "fingerprint": self._fingerprint(state)}
-        tmp.mkdir(parents=True, exist_ok=True)
-        # Written before DCP's save, whose final collective then proves every rank's file is on disk.
-        (tmp / f"rng_rank{self.rank}.pkl").write_bytes(_rng_state())
-        if self.loader is not None:
-            (tmp / f"loader_rank{self.rank}.json").write_text(json.dumps(self.loader.state_dict()))
-        if self.cfg.async_save:
-            future = dcp.async_save(_snapshot(_flatten(state)[0]), checkpoint_id=str(tmp), process_group=self._pg,
-                                    async_stager=_AlreadyStaged())
-            self._pending = _Pending(future, tmp, final, manifest)
-            logger.info("checkpoint step %d: staged in %.2fs, writing in the background", progress.step,
-                        time.perf_counter() - tick)
-        else:
-            dcp.save(_flatten(state)[0], checkpoint_id=str(tmp))
-            self._commit(_Pending(None, tmp, final, manifest))
-            logger.info("checkpoint step %d: saved to %s in %.2fs", progress.step, final, time.perf_counter() - tick)
+        flat = _flatten(state)[0]
+        rng, loader_state = _rng_state(), json.dumps(self.loader.state_dict()) if self.loader is not None else None
+        needed = _state_bytes(flat) + len(rng) + len(loader_state or "") + len(self.config_yaml) + (1 << 16)
+        try:
+            self._check_space(final, needed)
+        except CheckpointError:
+            self._last_step = previous
+            raise
+        pending = _Pending(None, tmp, final, manifest, needed)
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+            # Written before DCP's save, whose final collective then proves every rank's file is on disk.
+            (tmp / f"rng_rank{self.rank}.pkl").write_bytes(rng)
+            if loader_state is not None:
+                (tmp / f"loader_rank{self.rank}.json").write_text(loader_state)
+            if self.cfg.async_save:
+                future = dcp.async_save(_snapshot(flat), checkpoint_id=str(tmp), process_group=self._pg,
+                                        async_stager=_AlreadyStaged())
+                self._pending = _Pending(future, tmp, final, manifest, needed)
+                logger.info("checkpoint step %d: staged in %.2fs, writing in the background", progress.step,
+                            time.perf_counter() - tick)
+            else:
+                dcp.save(flat, checkpoint_id=str(tmp))
+                self._commit(pending)
+                logger.info("checkpoint step %d: saved to %s in %.2fs", progress.step, final, time.perf_counter() - tick)
+        except Exception as e:
+            self._last_step = previous
+            self._raise_if_disk_full(e, pending)
+            raise
+
+    def _check_space(self, final: Path, needed: int) -> None:
+        """Refuse to start a save that cannot fit (``needed``: this rank's bytes, an estimate from
+        the state's tensors); on every rank when any rank is short, so none waits in a collective."""
+        free = shutil.disk_usage(_existing_ancestor(self.dir)).free
+        report = [(self.rank, needed, free)]
+        if dist.is_initialized() and self.world_size > 1:
+            report = [None] * self.world_size
+            dist.all_gather_object(report, (self.rank, needed, free))
+        short = [(r, n, f) for r, n, f in report if n > f]
+        if short:
+            rank, n, f = short[0]
+            raise CheckpointError(_disk_full_message(final, self.dir, n, f, rank, self.world_size, self.cfg.keep_last,
+                                                     "before writing"))
+
+    def _raise_if_disk_full(self, error: BaseException, pending: _Pending) -> None:
+        """Translate a write that ran out of space (ENOSPC, or torch's zip writer's "unexpected pos")
+        into a CheckpointError; the partial folder is removed, the previous checkpoints are untouched."""
+        if not _is_disk_full(error):
+            return
+        shutil.rmtree(pending.tmp, ignore_errors=True)
+        free = shutil.disk_usage(_existing_ancestor(self.dir)).free
+        raise CheckpointError(_disk_full_message(pending.final, self.dir, pending.needed, free, self.rank, self.world_size,
+                                                 self.cfg.keep_last, f"while writing ({type(error).__name__}: "
+                                                 f"{_first_line(error)})")) from None
 
     def poll(self) -> None:
         """Commit a finished background save (cheap when none is pending)."""
@@ -221,8 +264,12 @@ class Checkpointer:
         if self._pending is None:
             return
         pending, self._pending = self._pending, None
-        pending.future.result()
-        self._commit(pending)
+        try:
+            pending.future.result()
+            self._commit(pending)
+        except Exception as e:
+            self._raise_if_disk_full(e, pending)
+            raise
         logger.info("checkpoint step %d: written in the background to %s", pending.manifest["step"], pending.final)
 
     def _commit(self, pending: _Pending) -> None:
@@ -508,6 +555,78 @@ def _config_diff(saved_yaml: str, now_yaml: str, prefixes: tuple[str, ...]) -> l
     b = flat(OmegaConf.to_container(OmegaConf.create(now_yaml)))
     keys = sorted(k for k in set(a) | set(b) if k.startswith(prefixes) and a.get(k) != b.get(k))
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys]
+
+
+def _state_bytes(flat: dict[str, Any]) -> int:
+    """About the bytes DCP writes for ``flat`` on this rank: its tensors' local shards plus about
+    2 KiB per entry (torch.save's record of each entry and its line in ``.metadata``; measured:
+    1.5 KiB per entry for the debug model), so rather over than under."""
+    total = 2048 * len(flat)
+    for value in flat.values():
+        if hasattr(value, "local_shards"):  # ShardedTensor
+            total += sum(s.tensor.numel() * s.tensor.element_size() for s in value.local_shards())
+        elif hasattr(value, "to_local"):  # DTensor
+            local = value.to_local()
+            total += local.numel() * local.element_size()
+        elif isinstance(value, torch.Tensor):
+            total += value.numel() * value.element_size()
+        else:
+            total += len(pickle.dumps(value))
+    return total
+
+
+def _existing_ancestor(path: Path) -> Path:
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _is_disk_full(error: BaseException | None) -> bool:
+    """Whether ``error`` (or one it wraps: its cause, context, DCP's per-rank failures) is a full disk."""
+    seen = set()
+    stack = [error]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(e)
+        if "No space left on device" in text or "Disk quota exceeded" in text or (
+                "inline_container.cc" in text and "unexpected pos" in text):
+            return True
+        stack += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+        if isinstance(failures, dict):
+            stack += [f for f in failures.values() if isinstance(f, BaseException)]
+            stack += [f[0] for f in failures.values() if isinstance(f, tuple) and f and isinstance(f[0], BaseException)]
+    return False
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:200] if text else ""
+
+
+def _disk_full_message(final: Path, directory: Path, needed: int, free: int, rank: int, world_size: int,
+                       keep_last: int, when: str) -> str:
+    newest = list_checkpoints(directory)
+    kept = f"the previous checkpoint {newest[-1]} is intact" if newest else "no earlier checkpoint was touched"
+    on_rank = f" on rank {rank}" if world_size > 1 else ""
+    need = f"about {_size(needed)}" if needed else "more"
+    return (f"checkpoint {final}: no space left on device ({when}){on_rank}: the save needs {need}, "
+            f"{_existing_ancestor(directory)} has {_size(free)} free. Free space on that disk, keep fewer checkpoints "
+            f"(checkpoint.keep_last={keep_last}; older ones are deleted only after a save succeeds), or point "
+            f"checkpoint.dir at a bigger disk; {kept}")
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n:,} bytes ({n / scale:.1f} {unit})"
+    return f"{n:,} bytes"
 
 
 def _rng_state() -> bytes:
