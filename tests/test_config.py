@@ -77,3 +77,41 @@ def test_the_fix_a_data_error_prints_works_as_printed(tmp_path, tiny_schema, dat
     everything = validate(compose([f"data={data}", "data.loader.on_error.default=skip", "data.loader.window_batches=2",
                                    *extra]))
     assert set(error_policy(LoaderOptions.from_config(everything.data.loader).on_error).values()) == {"skip"}
+
+
+@pytest.mark.parametrize(
+    "model, override, match",
+    [
+        ("gem_tiny", "model.num_heads=0", "model.num_heads must be a positive integer, got 0"),
+        ("gem_tiny", "model.head_dim=-16", "model.head_dim must be a positive integer, got -16"),
+        ("gem_tiny", "model.head_dim=15", "model.head_dim must be even .* got 15; set model.head_dim=16"),
+        ("gem_tiny", "model.dim=0", "model.dim must be a positive integer, got 0"),
+        ("gem_tiny", "model.pffn_kv=0", "model.pffn_kv must be a positive integer, got 0"),
+        ("gem_tiny", "model.num_layers=-1", "model.num_layers must be a non-negative integer, got -1"),
+        ("gem_tiny", "model.window=-2", "model.window must be a non-negative integer or null, got -2"),
+        ("gem_tiny", "model.top_mlp=[64,0]", r"model.top_mlp\[1\] must be a positive integer \(a layer width\), got 0"),
+        ("gem_tiny", "model.wukong.num_experts=0", "model.wukong.num_experts must be a positive integer, got 0"),
+        ("gem_tiny", "+model.streams.hist={num_heads:0}", "model.streams.hist.num_heads must be a positive integer, got 0"),
+        ("gem_tiny", "model.num_heads=two", "model.num_heads must be a positive integer, got 'two'"),
+        ("dlrm", "model.dim=0", "model.dim must be a positive integer, got 0"),
+        ("dlrm", "model.bottom_mlp=[-64]", r"model.bottom_mlp\[0\] must be a positive integer"),
+        ("gem_seq", "model.num_heads=0", "model.num_heads must be a positive integer, got 0"),
+        ("gem_seq", "model.temperature=0", "model.temperature must be a number > 0, got 0"),
+        ("gem_seq", "model.dropout=1.0", r"model.dropout must be in \[0, 1\), got 1.0"),
+    ],
+)
+def test_model_arguments_are_validated_with_their_full_key(model, override, match):
+    """Issue #27.5: model.num_heads=0 failed inside the arch with "integer division or modulo by zero"."""
+    with pytest.raises(ConfigError, match=match):
+        validate(compose([f"model={model}", override]))
+
+
+def test_valid_model_arguments_pass_and_the_arch_builds(tiny_schema):
+    """Zero is a legal count where the archs build with it (no layers, no summary tokens, window 0)."""
+    from hydra.utils import instantiate
+
+    config = validate(compose(["model=gem_tiny", "model.num_layers=0", "model.num_summary=0", "model.window=0",
+                               "model.wukong.num_lcb=0", "+model.streams.hist={num_heads:1,head_dim:32}"]))
+    dims = {f: 8 for f in tiny_schema.id_feature_names} | {g.name: 8 for g in tiny_schema.sequence_groups}
+    arch = instantiate(config.model, _partial_=True, _convert_="all")(schema=tiny_schema, feature_dims=dims)
+    assert len(arch.layers) == 0

@@ -212,6 +212,7 @@ def validate(cfg: DictConfig | dict) -> Config:
         _one_of("trainer.autocast", t.autocast, ("bfloat16",))  # float16 would need a GradScaler
     if config.model is None or "_target_" not in config.model:
         raise ConfigError("model must name a dense architecture with _target_; pick one with model=dlrm")
+    check_model_args(config.model)
     if config.kernels.attention_backend is not None:
         _one_of("kernels.attention_backend", config.kernels.attention_backend, ("triton", "reference"))
     c = config.checkpoint
@@ -219,6 +220,85 @@ def validate(cfg: DictConfig | dict) -> Config:
     _positive("checkpoint.keep_last", c.keep_last, allow_zero=True)
     _one_of("checkpoint.verify", c.verify, ("checksum", "size"))
     return config
+
+
+# Sizes of gem's dense archs (configs/model/*.yaml), checked by name wherever a gem.models arch has them.
+_MODEL_POSITIVE = ("dim", "num_heads", "head_dim", "pffn_kv")  # widths and counts a division needs
+_MODEL_NON_NEGATIVE = ("num_layers", "num_summary", "num_pma", "num_recent", "num_seeds", "num_pooled",
+                       "in_batch_negatives")  # 0 builds (no layers / no such tokens / off)
+_MODEL_WIDTHS = ("bottom_mlp", "top_mlp", "tower_mlp")  # lists of hidden widths
+_WUKONG_POSITIVE = ("rank", "hidden", "num_experts")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_arg(key: str, value: Any, minimum: int, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not _is_int(value) or value < minimum:
+        what = "a positive integer" if minimum == 1 else "a non-negative integer"
+        raise ConfigError(f"{key} must be {what}{' or null' if optional else ''}, got {value!r}")
+
+
+def check_model_args(model: dict) -> None:
+    """Model arguments checked by their full key, before the arch is built (a bad size would
+    otherwise fail deep inside it, e.g. ``model.num_heads=0``: "integer division or modulo by zero").
+
+    Only gem's own archs (``_target_`` under ``gem.models.``): their sizes are positive (``dim``,
+    ``num_heads``, ``head_dim``, ``pffn_kv``, the MLP widths, ``wukong.rank / hidden /
+    num_experts``) or non-negative (layer and token counts, ``window``), ``head_dim`` is even
+    (rotary embeddings rotate channel pairs), ``temperature > 0`` and ``0 <= dropout < 1``.
+    """
+    if not str(model.get("_target_", "")).startswith("gem.models."):
+        return
+    for key in _MODEL_POSITIVE:
+        if key in model:
+            _int_arg(f"model.{key}", model[key], 1)
+    for key in _MODEL_NON_NEGATIVE:
+        if key in model:
+            _int_arg(f"model.{key}", model[key], 0)
+    if "window" in model:
+        _int_arg("model.window", model["window"], 0, optional=True)
+    for key in _MODEL_WIDTHS:
+        widths = model.get(key)
+        if widths is None:
+            continue
+        if not isinstance(widths, (list, tuple)):
+            raise ConfigError(f"model.{key} must be a list of layer widths, got {widths!r}; e.g. model.{key}=[128,64]")
+        for i, width in enumerate(widths):
+            if not _is_int(width) or width < 1:
+                raise ConfigError(f"model.{key}[{i}] must be a positive integer (a layer width), got {width!r}; "
+                                  f"model.{key}={list(widths)}")
+    wukong = model.get("wukong") or {}
+    for key in _WUKONG_POSITIVE:
+        if key in wukong:
+            _int_arg(f"model.wukong.{key}", wukong[key], 1)
+    if "num_lcb" in wukong:
+        _int_arg("model.wukong.num_lcb", wukong["num_lcb"], 0, optional=True)
+    streams = model.get("streams") or {}
+    for name, stream in streams.items():
+        if not isinstance(stream, dict):
+            raise ConfigError(f"model.streams.{name} must be a mapping such as {{num_heads: 4, head_dim: 32}}, got {stream!r}")
+        for key in ("num_heads", "head_dim"):
+            if key in stream:
+                _int_arg(f"model.streams.{name}.{key}", stream[key], 1)
+        if "window" in stream:
+            _int_arg(f"model.streams.{name}.window", stream["window"], 0, optional=True)
+    for prefix, node in [("model", model)] + [(f"model.streams.{n}", st) for n, st in streams.items()]:
+        head_dim = node.get("head_dim")
+        if _is_int(head_dim) and head_dim % 2:
+            raise ConfigError(f"{prefix}.head_dim must be even (rotary position embeddings rotate pairs of channels), "
+                              f"got {head_dim}; set {prefix}.head_dim={head_dim + 1}")
+    if "temperature" in model:
+        t = model["temperature"]
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
+            raise ConfigError(f"model.temperature must be a number > 0, got {t!r}; e.g. model.temperature=0.05")
+    if "dropout" in model:
+        p = model["dropout"]
+        if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 <= p < 1:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {p!r}; e.g. model.dropout=0.1")
 
 
 def check_schema_refs(config: Config, schema) -> None:
