@@ -22,6 +22,7 @@ The runnable version is ``examples/custom_loop.py``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
@@ -106,6 +107,8 @@ def build_data(cfg: "DictConfig | dict | Config") -> Data:
     import torch
 
     from gem.train.config import Config, check_schema_refs, validate
+    from gem.train.logging import logger
+    from gem.train.startup import configure_threads
     from gem.train.trainer import init_distributed, load_data, parallel_dims, seed_everything
 
     config = cfg if isinstance(cfg, Config) else validate(cfg)
@@ -113,6 +116,7 @@ def build_data(cfg: "DictConfig | dict | Config") -> Data:
     env = init_distributed(t.device, need_process_group=(config.sparse.backend == "torchrec" and config.sparse.shard)
                            or bool(config.parallelism.fully_shard))
     parallel_dims(config, env)
+    logger.info(configure_threads(t.num_threads, config.data.num_workers, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     seed_everything(t.seed, t.deterministic)
     schema, directory = load_data(config, env)
     check_schema_refs(config, schema)

@@ -100,6 +100,7 @@ class TrainerConfig:
     peak_tflops: Optional[float] = None  # per device, for MFU; None: by detected GPU (gem/train/flops.py), else no MFU
     autocast: Optional[str] = None  # bfloat16: forward under torch.autocast (loss in float32); None: off
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    num_threads: Optional[int] = None  # torch intra-op threads; None: available CPUs less DataLoader workers
 
 
 @dataclass
@@ -201,6 +202,8 @@ def validate(cfg: DictConfig | dict) -> Config:
     _positive("trainer.profile.steps", t.profile.steps)
     if t.peak_tflops is not None:
         _positive("trainer.peak_tflops", t.peak_tflops)
+    if t.num_threads is not None:
+        _positive("trainer.num_threads", t.num_threads)
     if not t.run_dir:
         raise ConfigError("trainer.run_dir must be set (the same path on every rank)")
     for key in ("dp_replicate", "dp_shard"):

@@ -49,3 +49,62 @@ class StartupTimer:
         out["other"] = round(max(0.0, in_train - timed), 3)
         out["total"] = round(in_train + self.phases.get("imports", 0.0), 3)
         return out
+
+
+# -- CPU threads ---------------------------------------------------------------------------------
+
+
+def cgroup_cpu_limit(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> float | None:
+    """CPUs this process's cgroup may use per period (cgroup v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``),
+    or None when unlimited or unknown."""
+    try:
+        with open(proc_cgroup) as f:
+            own = next((line.strip().split(":", 2)[2] for line in f if line.startswith("0::")), "/")
+    except OSError:
+        own = "/"
+    for path in (f"{root}{own.rstrip('/')}/cpu.max", f"{root}/cpu.max"):
+        try:
+            with open(path) as f:
+                quota, period = f.read().split()[:2]
+        except (OSError, ValueError):
+            continue
+        return None if quota == "max" else int(quota) / int(period)
+    try:
+        with open(f"{root}/cpu/cpu.cfs_quota_us") as f, open(f"{root}/cpu/cpu.cfs_period_us") as g:
+            quota, period = int(f.read()), int(g.read())
+    except (OSError, ValueError):
+        return None
+    return None if quota <= 0 else quota / period
+
+
+def available_cpus() -> tuple[int, str]:
+    """CPUs this process can run on: its affinity mask, capped by the cgroup's CPU quota (rounded
+    down, at least 1); and how that was decided, for the log."""
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = cgroup_cpu_limit()
+    cpus = affinity if quota is None else max(1, min(affinity, int(quota)))
+    return cpus, f"affinity {affinity}, cgroup quota {'none' if quota is None else f'{quota:g}'}"
+
+
+def configure_threads(requested: int | None, num_workers: int, local_world_size: int = 1) -> str:
+    """Set torch's intra-op threads and return a log line saying why.
+
+    ``requested`` (``trainer.num_threads``) wins, then an explicit ``OMP_NUM_THREADS`` (torchrun sets
+    1 with several ranks per node). Otherwise: the available CPUs (:func:`available_cpus`) shared
+    by the ranks of this node, less one per DataLoader worker process. torch's default is every
+    core, which with a worker process beside it oversubscribes the CPUs: OpenMP's threads spin at
+    barriers and wait for each other when one is descheduled, so one busy process beside a
+    2-core quickstart made it 4x slower (README, "Threads").
+    """
+    import torch
+
+    if requested:
+        torch.set_num_threads(requested)
+        return f"cpu threads: {requested} intra-op (trainer.num_threads)"
+    if os.environ.get("OMP_NUM_THREADS"):
+        return f"cpu threads: {torch.get_num_threads()} intra-op (OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']})"
+    cpus, how = available_cpus()
+    threads = max(1, cpus // max(1, local_world_size) - num_workers)
+    torch.set_num_threads(threads)
+    return (f"cpu threads: {threads} intra-op ({cpus} CPUs available: {how}; {local_world_size} rank(s) on this "
+            f"node, {num_workers} DataLoader worker(s) per rank; trainer.num_threads=N to override)")

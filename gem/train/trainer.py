@@ -35,7 +35,7 @@ from gem.train.losses import multitask_bce
 from gem.train.metrics import RankingEvaluator, TaskEvaluator
 from gem.train.optim import build_optimizers
 from gem.train.profile import StepProfiler
-from gem.train.startup import StartupTimer
+from gem.train.startup import StartupTimer, configure_threads
 from gem.train.step import OptimizerSet, TimedIterator, TrainStep, autocast
 
 
@@ -227,6 +227,7 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
         env = init_distributed(t.device, need_process_group=(config.sparse.backend == "torchrec" and config.sparse.shard)
                                or bool(config.parallelism.fully_shard))
     parallel_dims(config, env)  # an impossible layout fails here, on every rank, before any work
+    threads = configure_threads(t.num_threads, config.data.num_workers, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     run_dir = Path(t.run_dir)
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(config))
     if env.is_main:
@@ -239,6 +240,7 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
         schema, data_dir = load_data(config, env)
     check_schema_refs(config, schema)
     logger.info("data: %s (%s), device %s, world size %d", data_dir, ", ".join(schema.tasks), env.device, env.world_size)
+    logger.info(threads)
     with timer.phase("model build"):
         model = build_model(config, schema, env, timer)
     timer.phases["model build"] -= timer.phases.get("sharding", 0.0)
