@@ -102,12 +102,22 @@ class PaddedGEMDenseArch(GEMDenseArch):
         return super().forward(SparseOutput(sparse.pooled, {name: rows}), dense, domain)
 
 
+# Run-name prefixes: <prefix>-<block> adds these overrides (longest prefix first).
+VARIANTS = {
+    "padded": ["model._target_=benchmarks.e2e.PaddedGEMDenseArch"],
+    # TorchRec-sharded tables on FBGEMM's fused CUDA kernels (needs the CUDA fbgemm-gpu build,
+    # tools/fbgemm_gpu_parts.sh), with and without TrainPipelineSparseDist
+    "fbgemm-nopipe": ["sparse=torchrec", "sparse.pipeline=false"],
+    "fbgemm": ["sparse=torchrec", "sparse.pipeline=true"],
+}
+
+
 def launch(name: str, overrides: list[str], run_dir: Path, steps: int, warmup: int) -> dict:
     """One training run in its own process."""
     block = name.split("-")[-1]
     profile = [] if _startup_only(name) else [f"trainer.profile.start={warmup + 1}", "trainer.profile.steps=6"]
-    model = ["model._target_=benchmarks.e2e.PaddedGEMDenseArch"] if name.startswith("padded") else []
-    cmd = [sys.executable, "-m", "gem.train", "experiment=gem_base_h200", f"model.block={block}", *model,
+    variant = next((v for k, v in VARIANTS.items() if name.startswith(k + "-")), [])
+    cmd = [sys.executable, "-m", "gem.train", "experiment=gem_base_h200", f"model.block={block}", *variant,
            f"trainer.max_steps={steps}", "trainer.log_every=10", "trainer.progress_bar=false",
            f"trainer.run_dir={run_dir}", *profile, *overrides]
     print("$", " ".join(cmd), flush=True)
@@ -140,6 +150,10 @@ def collect(name: str, run_dir: Path, warmup: int) -> dict:
         result["windows"] = len(windows)
     result["losses"] = {r["step"]: r["loss"] for r in train}
     result["test"] = next((r for r in rows if r["kind"] == "test"), None)
+    log = run_dir / "train.log"
+    if log.exists():  # the sharding plan's table and optimizer bytes, the pipeline's state
+        lines = log.read_text().splitlines()
+        result["log"] = [line for line in lines if "pipeline" in line or " total " in line or "tables" in line][:8]
     for key, file in (("startup", "startup.json"), ("breakdown", "profile/breakdown_rank0.json")):
         if (run_dir / file).exists():
             result[key] = json.loads((run_dir / file).read_text())

@@ -43,6 +43,19 @@ TINY_SCHEMA = {
 }
 
 
+def fbgemm_cuda() -> bool:
+    """Whether the CUDA build of fbgemm-gpu (TorchRec's sharded GPU kernels) is installed and a GPU seen."""
+    try:
+        import fbgemm_gpu
+    except Exception:
+        return False
+    return torch.cuda.is_available() and getattr(fbgemm_gpu, "__variant__", "cpu") == "cuda"
+
+
+# TorchRec-sharded tables on a GPU (FBGEMM's fused kernels): skipped elsewhere
+needs_fbgemm_cuda = pytest.mark.skipif(not fbgemm_cuda(), reason="needs a CUDA GPU and the CUDA fbgemm-gpu build")
+
+
 def pytest_collection_modifyitems(config, items):
     num_gpus = torch.cuda.device_count()
     for item in items:

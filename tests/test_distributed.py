@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from gem.distributed import ParallelDims, ParallelLayoutError
-from tests.conftest import ROOT
+from tests.conftest import ROOT, fbgemm_cuda
 from tests.distributed_worker import run_case
 
 PER_RANK_BATCH = 16
@@ -105,25 +105,16 @@ class TestShardedParity:
         self._check([{"name": "hsdp_2x2", "plan": plan, "mesh": [2, 2]}], tiny_dataset, tmp_path, nproc=4)
 
 
-def _fbgemm_cuda() -> bool:
-    try:
-        import fbgemm_gpu
-
-        return getattr(fbgemm_gpu, "__variant__", "cpu") == "cuda"
-    except Exception:
-        return False
-
-
 @pytest.mark.multigpu
 class TestShardedParityNccl(TestShardedParity):
     """The same bodies over NCCL on GPUs. TorchRec's sharded tables need the CUDA fbgemm-gpu build;
     without it the sharding-type test skips and the dense-layout tests use native tables with DDP."""
 
     backend = "nccl"
-    mesh_plan = "row_wise" if _fbgemm_cuda() else None
+    mesh_plan = "row_wise" if fbgemm_cuda() else None
 
     def test_each_sharding_type_with_fsdp_matches_one_process(self, tiny_dataset, tmp_path):
-        if not _fbgemm_cuda():
+        if not fbgemm_cuda():
             pytest.skip("TorchRec's sharded GPU kernels need the CUDA fbgemm-gpu build")
         super().test_each_sharding_type_with_fsdp_matches_one_process(tiny_dataset, tmp_path)
 

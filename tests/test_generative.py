@@ -18,7 +18,7 @@ from gem.models.gem import GEMModel
 from gem.models.generative import GenerativeSeqArch
 from gem.sparse.arch import SparseArch
 from gem.train.trainer import train
-from tests.conftest import compose
+from tests.conftest import compose, needs_fbgemm_cuda
 from tests.test_seqrec import NUM_ITEMS, _rows, _write_s3rec
 
 OPTIONS = SeqRecOptions(objective="generative", max_len=6, num_negatives=3, num_eval_negatives=9, event_attrs=2,
@@ -124,8 +124,12 @@ def test_each_position_sees_only_its_past(generative_data, block):
     assert torch.equal(h[last + 1:], h2[last + 1:])
 
 
-@pytest.mark.parametrize("overrides", [["model.block=interformer"], ["model.block=kunlun", "model.window=3"],
-                                       ["sparse=torchrec", "model.negatives=null"]])
+@pytest.mark.parametrize("overrides", [
+    ["model.block=interformer"], ["model.block=kunlun", "model.window=3"], ["sparse=torchrec", "model.negatives=null"],
+    pytest.param(["trainer.device=cuda"], marks=pytest.mark.gpu, id="cuda-native"),
+    # the item table shared by the candidate, the history and the negatives, sharded on one GPU (FBGEMM's kernels)
+    pytest.param(["trainer.device=cuda", "sparse=torchrec"], marks=[pytest.mark.gpu, needs_fbgemm_cuda], id="cuda-fbgemm"),
+])
 def test_seqrec_gen_experiment_learns_and_reports_ranking_metrics(tmp_path, overrides):
     _write_s3rec(tmp_path, num_users=80)
     result = train(compose(["experiment=seqrec_gen", f"data.dir={tmp_path}", "data.name=Tiny",

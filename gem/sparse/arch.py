@@ -12,6 +12,7 @@ Two backends give the same numbers for the same weights:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -156,9 +157,23 @@ class SparseArch(nn.Module):
 
 
 def _offsets(jt) -> torch.Tensor:
-    """int64 offsets from a JaggedTensor's lengths, in plain torch (TorchRec would call an FBGEMM
-    op that the CPU build of fbgemm-gpu lacks on CUDA tensors)."""
-    return lengths_to_offsets(jt.lengths())
+    """int64 offsets of a JaggedTensor: FBGEMM's ``asynchronous_complete_cumsum`` where it has a
+    kernel for the lengths' device, plain torch where it has none (the CPU build of fbgemm-gpu on
+    CUDA tensors)."""
+    lengths = jt.lengths()
+    if _has_fbgemm_cumsum(lengths.device.type):
+        return torch.ops.fbgemm.asynchronous_complete_cumsum(lengths.to(torch.int64))
+    return lengths_to_offsets(lengths)
+
+
+@functools.cache
+def _has_fbgemm_cumsum(device_type: str) -> bool:
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
+    try:
+        return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
+            "fbgemm::asynchronous_complete_cumsum", key)
+    except RuntimeError:  # the op is not registered (no fbgemm_gpu loaded)
+        return False
 
 
 def _torchrec_args(t: TableSpec) -> dict:
