@@ -30,7 +30,7 @@ from gem.train import fault_injection
 from gem.train.checkpoint import Checkpointer, Progress
 from gem.train.config import Config, ConfigError, check_schema_refs, validate
 from gem.train.flops import default_peak_tflops, mfu, step_flops
-from gem.train.logging import MetricsWriter, format_metrics, logger, setup_logging
+from gem.train.logging import MetricsWriter, format_metrics, logger, open_metrics, plot_curves, setup_logging
 from gem.train.losses import multitask_bce
 from gem.train.metrics import RankingEvaluator, TaskEvaluator
 from gem.train.optim import build_optimizers
