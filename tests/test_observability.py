@@ -47,3 +47,110 @@ def test_threads_are_the_available_cpus_less_the_loader_workers(monkeypatch, res
     assert "3 intra-op (trainer.num_threads)" in startup.configure_threads(3, 1) and torch.get_num_threads() == 3
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert "OMP_NUM_THREADS=2" in startup.configure_threads(None, 1) and torch.get_num_threads() == 3  # left alone
+
+
+# ------------------------------------------------------------------------------------- loggers
+
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import torch.distributed as dist  # noqa: E402
+
+from gem.train.config import ConfigError, validate  # noqa: E402
+from gem.train.logging import plot_curves  # noqa: E402
+from gem.train.trainer import train  # noqa: E402
+from tests.conftest import ROOT, compose  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+def _tiny(cache_dir, run_dir, *overrides):
+    return compose(["debug=tiny", f"data.cache_dir={cache_dir}", f"trainer.run_dir={run_dir}", *overrides])
+
+
+def test_tensorboard_scalars_and_curves_beside_the_jsonl(cache_dir, tmp_path):
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("matplotlib")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    train(_tiny(cache_dir, tmp_path, "sparse=native", "trainer.max_steps=6", "trainer.log_every=2",
+                "trainer.eval_every=3", "trainer.loggers=[jsonl,tensorboard]"))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    scalars = events.Tags()["scalars"]
+    assert {"train/loss", "train/click/loss", "train/examples_per_s", "val/click/auc", "test/click/auc"} <= set(scalars)
+    assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6]
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([r["loss"] for r in rows if r["kind"] == "train"])
+    assert 3 in [e.step for e in events.Scalars("val/click/auc")]
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tensorboard_missing_names_the_install(monkeypatch, tmp_path):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"pip install tensorboard, or set trainer.loggers=\[jsonl\]"):
+        validate(compose(["trainer.loggers=[jsonl,tensorboard]"]))
+    with pytest.raises(ConfigError, match="trainer.loggers"):
+        validate(compose(["trainer.loggers=[wandb]"]))
+
+
+def test_curves_are_skipped_without_matplotlib(monkeypatch, tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "loss": 0.5}) + "\n")
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import matplotlib.figure -> ImportError
+    assert plot_curves(tmp_path) is None and not (tmp_path / "curves.png").exists()
+
+
+# ------------------------------------------------------------------------------- resume and rows
+
+
+def test_resume_after_a_kill_during_an_async_save_leaves_one_row_per_step(cache_dir, tmp_path):
+    """SIGKILL after step 11, while step 10's asynchronous checkpoint was still uncommitted (a
+    background save is committed at the next step's poll): the restart resumes from step 5 and
+    trains 6-20 again. metrics.jsonl then holds each training step once, and one test row."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cmd = [sys.executable, "-m", "gem.train", "debug=tiny", f"data.cache_dir={cache_dir}", f"trainer.run_dir={tmp_path}",
+           "trainer.log_every=1", "checkpoint.enabled=true", "checkpoint.every_steps=5", "checkpoint.async_save=true",
+           "sparse=native", "trainer.loggers=[jsonl,tensorboard]", "trainer.plots=false"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    killed = subprocess.run(cmd, cwd=ROOT, env={**env, "GEM_TEST_KILL_AT": "11:0"}, capture_output=True, text=True,
+                            timeout=180)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    first = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in first if r["kind"] == "train"] == list(range(1, 11))
+    resumed = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step_000000005" in resumed.stderr and "dropped 5 rows after step 5" in resumed.stderr, resumed.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, 21))
+    assert [r["kind"] for r in rows].count("test") == 1
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 21))  # purged from step 6 on, then rewritten
+
+    again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)  # a finished run
+    assert again.returncode == 0, again.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, 21))
+    assert [r["kind"] for r in rows].count("test") == 1  # re-evaluated, the old test row replaced
+
+
+def test_a_line_cut_short_is_dropped_on_resume(tmp_path):
+    from gem.train.logging import MetricsWriter
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [{"kind": "startup", "step": 0}, {"kind": "train", "step": 5},
+                                                       {"kind": "val", "step": 5}, {"kind": "train", "step": 6}])
+                    + '\n{"kind": "train", "st')
+    MetricsWriter(path, append=True, resume_step=5).write("train", 6, {"loss": 1.0})
+    assert [(r["kind"], r["step"]) for r in map(json.loads, path.read_text().splitlines())] == [
+        ("startup", 0), ("train", 5), ("val", 5), ("train", 6)]

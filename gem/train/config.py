@@ -7,6 +7,7 @@ checks the values that types cannot (with a message naming the key and the fix).
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -101,6 +102,8 @@ class TrainerConfig:
     autocast: Optional[str] = None  # bfloat16: forward under torch.autocast (loss in float32); None: off
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     num_threads: Optional[int] = None  # torch intra-op threads; None: available CPUs less DataLoader workers
+    loggers: list[str] = field(default_factory=lambda: ["jsonl"])  # jsonl (metrics.jsonl) | tensorboard
+    plots: bool = True  # curves.png at the end (needs matplotlib; skipped with a log line without it)
 
 
 @dataclass
@@ -204,6 +207,11 @@ def validate(cfg: DictConfig | dict) -> Config:
         _positive("trainer.peak_tflops", t.peak_tflops)
     if t.num_threads is not None:
         _positive("trainer.num_threads", t.num_threads)
+    for name in t.loggers:
+        _one_of("trainer.loggers[]", name, ("jsonl", "tensorboard"))
+    if "tensorboard" in t.loggers and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("trainer.loggers has tensorboard but the tensorboard package is not installed; "
+                          "pip install tensorboard, or set trainer.loggers=[jsonl]")
     if not t.run_dir:
         raise ConfigError("trainer.run_dir must be set (the same path on every rank)")
     for key in ("dp_replicate", "dp_shard"):

@@ -40,19 +40,119 @@ def setup_logging(run_dir: Path | None, rank: int) -> None:
 
 
 class MetricsWriter:
-    """Appends one JSON object per line to ``<run_dir>/metrics.jsonl`` (rank 0 only)."""
+    """Appends one JSON object per line to ``<run_dir>/metrics.jsonl`` (rank 0 only), and with
+    ``tensorboard_dir`` also writes every numeric value as a TensorBoard scalar ``<kind>/<key>``.
 
-    def __init__(self, path: Path | None, append: bool = False) -> None:
+    A resumed run (``append``) first drops the rows that it will write again: training and
+    validation rows after ``resume_step`` (written after the checkpoint it resumed from, e.g.
+    while an asynchronous save was still in flight when the process died), a test row at or after
+    it, and a line cut short by the kill. TensorBoard's events from ``resume_step + 1`` on are
+    purged the same way (``SummaryWriter(purge_step=...)``).
+    """
+
+    def __init__(self, path: Path | None, append: bool = False, resume_step: int = 0,
+                 tensorboard_dir: Path | None = None) -> None:
         self.path = path
         if path is not None and not append:
             path.write_text("")
+        elif path is not None and path.exists():
+            self._drop_rolled_back(path, resume_step)
+        self.tensorboard = None
+        if tensorboard_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter  # checked at validation: the package is there
+
+            self.tensorboard = SummaryWriter(str(tensorboard_dir), purge_step=resume_step + 1 if append else None)
+
+    @staticmethod
+    def _drop_rolled_back(path: Path, resume_step: int) -> None:
+        kept, dropped = [], 0
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+                step, kind = row["step"], row["kind"]
+            except (ValueError, KeyError, TypeError):
+                dropped += 1  # cut short by the kill
+                continue
+            if (kind in ("train", "val") and step > resume_step) or (kind == "test" and step >= resume_step):
+                dropped += 1
+            else:
+                kept.append(line + "\n")
+        if dropped:
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(kept))
+            tmp.replace(path)
+            logger.info("%s: dropped %d rows after step %d (the run resumed from there)", path.name, dropped,
+                        resume_step)
 
     def write(self, kind: str, step: int, values: dict[str, Any]) -> None:
+        if self.tensorboard is not None:
+            for k, v in values.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                    self.tensorboard.add_scalar(f"{kind}/{k}", v, step)
         if self.path is None:
             return
         row = {"kind": kind, "step": step, "time": time.time(), **{k: _clean(v) for k, v in values.items()}}
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
+
+
+def open_metrics(run_dir: Path, loggers: list[str], is_main: bool, resume_step: int) -> MetricsWriter:
+    """The metrics writer of ``trainer.loggers`` (``jsonl``: metrics.jsonl; ``tensorboard``: events
+    under ``<run_dir>/tensorboard``); writes nothing on ranks other than 0."""
+    return MetricsWriter(run_dir / "metrics.jsonl" if is_main and "jsonl" in loggers else None,
+                         append=resume_step > 0, resume_step=resume_step,
+                         tensorboard_dir=run_dir / "tensorboard" if is_main and "tensorboard" in loggers else None)
+
+
+def plot_curves(run_dir: Path) -> Path | None:
+    """Training loss (total and per task) and the validation metrics per step from
+    ``<run_dir>/metrics.jsonl`` into ``<run_dir>/curves.png``; the test metrics in the title.
+    Skipped, with one log line, without matplotlib (``pip install matplotlib``) or metrics.jsonl."""
+    path = run_dir / "metrics.jsonl"
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        logger.info("curves: matplotlib is not installed, no curves.png (pip install matplotlib)")
+        return None
+    if not path.is_file():
+        logger.info("curves: no %s (trainer.loggers has no jsonl), no curves.png", path)
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    train = [r for r in rows if r["kind"] == "train"]
+    val = [r for r in rows if r["kind"] == "val"]
+    test = next((r for r in reversed(rows) if r["kind"] == "test"), None)
+    metric_keys = sorted({k for r in val for k in r if k.endswith(("/auc", "/ne", "/hr@10", "/ndcg@10"))})
+    fig = Figure(figsize=(11 if metric_keys else 6, 4), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 2 if metric_keys else 1, squeeze=False)[0]
+    loss_keys = ["loss"] + sorted({k for r in train for k in r if k.endswith("/loss")})
+    for key in loss_keys:
+        points = [(r["step"], r[key]) for r in train if r.get(key) is not None]
+        if points:
+            axes[0].plot(*zip(*points), label=key, linewidth=2 if key == "loss" else 1)
+    axes[0].set(xlabel="step", ylabel="training loss (log window mean)", title="training loss")
+    axes[0].legend(fontsize=8)
+    if metric_keys:
+        for key in metric_keys:
+            points = [(r["step"], r[key]) for r in val if r.get(key) is not None]
+            if points:
+                axes[1].plot(*zip(*points), marker="o", label=key)
+        axes[1].set(xlabel="step", title="validation")
+        axes[1].legend(fontsize=8)
+    if test is not None:
+        summary = ", ".join(f"{k} {test[k]:.4f}" for k in sorted(test) if k.endswith(("/auc", "/ne", "/hr@10"))
+                            and isinstance(test[k], float))
+        fig.suptitle(f"{run_dir.name}: test {summary}" if summary else run_dir.name, fontsize=9)
+    out = run_dir / "curves.png"
+    fig.savefig(out, dpi=100)
+    logger.info("curves: %s", out)
+    return out
 
 
 def _clean(v: Any) -> Any:

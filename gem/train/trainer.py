@@ -261,7 +261,7 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
                                 loader=train_loader)
             progress = ckpt.restore() or progress
     task_weights = torch.tensor([t.task_weights.get(k, 1.0) for k in schema.tasks], device=env.device)
-    metrics = MetricsWriter(run_dir / "metrics.jsonl" if env.is_main else None, append=progress.step > 0)
+    metrics = open_metrics(run_dir, t.loggers, env.is_main, progress.step)
     num_dense = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("sparse_arch."))
     fused = getattr(model.sparse_arch, "fused_optimizer", None)  # present when TorchRec sharded the tables
     num_fused = len(fused.params) if fused is not None else 0
@@ -346,9 +346,12 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
     result["train_seconds"] = time.perf_counter() - start
     result["steps"] = step
     metrics.write("test", step, result)
+    metrics.close()
     if env.is_main:
         (run_dir / "test_metrics.json").write_text(json.dumps(result, indent=2))
     logger.info("test %s", format_metrics(result))
+    if env.is_main and t.plots:
+        plot_curves(run_dir)
     return result
 
 
