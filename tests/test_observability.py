@@ -154,3 +154,23 @@ def test_a_line_cut_short_is_dropped_on_resume(tmp_path):
     MetricsWriter(path, append=True, resume_step=5).write("train", 6, {"loss": 1.0})
     assert [(r["kind"], r["step"]) for r in map(json.loads, path.read_text().splitlines())] == [
         ("startup", 0), ("train", 5), ("val", 5), ("train", 6)]
+
+
+# ------------------------------------------------------------------------------- error reporting
+
+
+def _main(*overrides, cwd):
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    return subprocess.run([sys.executable, "-m", "gem.train", *overrides], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_a_configuration_mistake_is_one_line_and_a_crash_keeps_its_traceback(tmp_path):
+    proc = _main("optim.dense.lr=-1", f"trainer.run_dir={tmp_path / 'a'}", cwd=tmp_path)
+    assert proc.returncode == 1
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == ["Error in the configuration: optim.dense.lr=-1.0 must be > 0"], proc.stderr
+    proc = _main("+trainer.no_such_key=1", f"trainer.run_dir={tmp_path / 'b'}", cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr and "trainer.no_such_key" in proc.stderr
+    proc = _main("data=parquet", f"data.dir={tmp_path / 'missing'}", f"trainer.run_dir={tmp_path / 'c'}", cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and "FileNotFoundError" in proc.stderr, proc.stderr
