@@ -174,3 +174,30 @@ def test_a_configuration_mistake_is_one_line_and_a_crash_keeps_its_traceback(tmp
     assert proc.returncode == 1 and "Traceback" not in proc.stderr and "trainer.no_such_key" in proc.stderr
     proc = _main("data=parquet", f"data.dir={tmp_path / 'missing'}", f"trainer.run_dir={tmp_path / 'c'}", cwd=tmp_path)
     assert proc.returncode == 1 and "Traceback" in proc.stderr and "FileNotFoundError" in proc.stderr, proc.stderr
+
+
+# ------------------------------------------------------------------------------- empty splits
+
+
+def test_an_empty_validation_split_is_skipped_with_a_warning_and_an_empty_test_split_fails(cache_dir, tmp_path):
+    import shutil
+
+    import gem
+
+    overrides = ["sparse=native", "data.num_examples.val=0", "trainer.eval_every=10", "trainer.plots=false"]
+    result = train(_tiny(cache_dir, tmp_path / "run", *overrides))
+    assert 0 < result["click/auc"] <= 1
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert not [r for r in rows if r["kind"] == "val"]
+    assert "validation split" in (tmp_path / "run" / "train.log").read_text()
+
+    data = gem.build_data(_tiny(cache_dir, tmp_path / "api", *overrides))
+    with pytest.raises(ValueError, match="has no examples: AUC and NE would be NaN"):
+        gem.evaluate(gem.build_model(data), data, "val")
+
+    swapped = tmp_path / "swapped"  # the same data set with the empty split as its test split
+    for split, source in (("train", "train"), ("val", "test"), ("test", "val")):
+        shutil.copytree(data.dir / source, swapped / split)
+    with pytest.raises(ValueError, match="the test split .* has no examples"):
+        train(_tiny(cache_dir, tmp_path / "run2", "data=parquet", f"data.dir={swapped}", "data.schema={}",
+                    "sparse=native"))

@@ -185,6 +185,22 @@ def split_loader(config: Config, env: DistEnv, schema: FeatureSchema, data_dir: 
                         options=d.loader if train else {**d.loader, "balance": False})  # eval: groups stay contiguous
 
 
+def check_eval_splits(config: Config, make_loader, data_dir: Path) -> None:
+    """Before training: a missing or empty validation split turns ``trainer.eval_every`` off with a
+    warning (its AUC / NE would be NaN); an empty test split fails now rather than after training."""
+    if config.trainer.eval_every:
+        try:
+            rows, why = make_loader("val").num_rows(), "has no examples"
+        except FileNotFoundError as e:
+            rows, why = 0, f"is missing ({e})"
+        if rows == 0:
+            logger.warning("trainer.eval_every=%d but the validation split %s %s: training without validation; add "
+                           "examples there or set trainer.eval_every=0", config.trainer.eval_every, data_dir / "val", why)
+            config.trainer.eval_every = 0  # this run's typed copy of the config
+    if make_loader("test").num_rows() == 0:
+        raise ValueError(f"the test split {data_dir / 'test'} has no examples; the run would end on NaN metrics")
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: BatchLoader, env: DistEnv, tasks: tuple[str, ...],
              max_batches: int = -1, autocast_dtype: torch.dtype | None = None) -> dict[str, float]:
@@ -194,6 +210,9 @@ def evaluate(model: nn.Module, loader: BatchLoader, env: DistEnv, tasks: tuple[s
     model.eval()
     evaluator, ranking = TaskEvaluator(tasks), RankingEvaluator(tasks)
     steps = max(loader.reader.num_batches(r) for r in range(env.world_size))
+    if steps == 0:
+        raise ValueError(f"evaluation split {loader.reader.files[0].parent if loader.reader.files else ''} has no "
+                         "examples: AUC and NE would be NaN")
     if max_batches > 0:
         steps = min(steps, max_batches)
     batch = None
@@ -252,6 +271,7 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
         raise ConfigError(f"data.batch_size={d.batch_size} x {env.world_size} ranks exceeds the training split "
                           f"({train_loader.num_rows()} rows); lower data.batch_size")
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * steps_per_epoch
+    check_eval_splits(config, lambda split: loader(split, d.eval_batch_size, False), data_dir)
     dense_opt, sparse_opt, scheduler = build_optimizers(model, config.optim, total_steps)
     progress, ckpt = Progress(), None
     if config.checkpoint.enabled:
