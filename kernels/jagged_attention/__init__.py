@@ -6,6 +6,7 @@ The public entry point is :func:`jagged_attention`; ``reference.py`` is the spec
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -18,6 +19,10 @@ from kernels.jagged_attention.reference import (
 __all__ = ["ACTIVATIONS", "jagged_attention", "jagged_attention_reference", "num_visible_pairs"]
 
 BACKENDS = ("triton", "reference")
+
+# GEM_KERNELS_CHECK=1: check offsets and max lengths on the device too (a device-to-host copy, so a
+# sync, per call: for debugging). Read at import; the ``check`` argument overrides it per call.
+CHECK = os.environ.get("GEM_KERNELS_CHECK", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def jagged_attention(
@@ -36,6 +41,7 @@ def jagged_attention(
     window: int | None = None,
     block_size: int | None = None,
     backend: str | None = None,
+    check: bool | None = None,
 ) -> torch.Tensor:
     """Attention over jagged (variable-length) sequences, forward and backward.
 
@@ -79,6 +85,21 @@ def jagged_attention(
             ``1.0`` to make it independent of the batch's ``max_kv_len``).
         causal, window, block_size: masks, see above.
         backend: ``"triton"``, ``"reference"`` or None (Triton on CUDA, reference elsewhere).
+        check: check the offsets against the contract below on the device too (one
+            device-to-host copy, a sync); None: the ``GEM_KERNELS_CHECK`` environment variable.
+
+    Contract of the host arguments (the kernels trust them: a violation reads out of range or
+    gives wrong output silently):
+
+    * ``offsets[0] == 0``, nondecreasing, ``offsets[-1] ==`` the rows of ``q`` (``q_offsets``)
+      or of ``k`` / ``v`` (``kv_offsets``);
+    * ``max_q_len >= `` every query length, ``max_kv_len >=`` every key length (a larger bound
+      is fine: it costs work, not correctness; a smaller one drops keys or queries).
+
+    Checked, with a ``ValueError`` naming the argument, whenever it costs no device sync: offsets
+    on the CPU (the reference backend, Triton's interpreter), outside ``torch.compile`` tracing.
+    CUDA offsets are checked only with ``check=True`` or ``GEM_KERNELS_CHECK=1``, because the check
+    waits for the device; the default CUDA path adds no sync.
 
     Returns:
         ``[Tq, H, D]`` (or ``[B, N, H, D]`` for a broadcast Q) in ``q.dtype``.
@@ -120,6 +141,16 @@ def jagged_attention(
         max_q_len = q.shape[0]
     if max_q_len is None or max_kv_len is None:
         raise ValueError("max_q_len / max_kv_len are required for jagged inputs")
+    for name, value in (("max_q_len", max_q_len), ("max_kv_len", max_kv_len)):
+        if torch.compiler.is_compiling():
+            break  # may be symbolic
+        if isinstance(value, bool) or int(value) != value or value < 0:
+            raise ValueError(f"{name}={value!r} must be a non-negative integer: a host-side upper bound on the lengths")
+    check = CHECK if check is None else check
+    if q_offsets is not None:
+        _check_offsets("q_offsets", q_offsets, "q", q.shape[0], "max_q_len", max_q_len, check)
+    if kv_offsets is not None:
+        _check_offsets("kv_offsets", kv_offsets, "k / v", k.shape[0], "max_kv_len", max_kv_len, check)
     if activation != "softmax" and post_scale is None:
         post_scale = 1.0 / max(int(max_kv_len), 1)
 
@@ -153,6 +184,32 @@ def jagged_attention(
     if q_broadcast:
         return out.view(num_batches, q.shape[0], *q.shape[1:])
     return out
+
+
+def _check_offsets(name: str, offsets: torch.Tensor, rows_of: str, rows: int, max_name: str, max_len: int,
+                   on_device: bool) -> None:
+    """The offsets contract (see :func:`jagged_attention`), where it costs no sync or ``on_device``."""
+    if offsets.dim() != 1 or offsets.numel() < 1:
+        raise ValueError(f"{name} must be [B+1] (one dimension, at least one element), got shape {tuple(offsets.shape)}")
+    if torch.compiler.is_compiling() or isinstance(offsets, torch._subclasses.FakeTensor) or offsets.is_meta:
+        return  # no values to look at while tracing
+    if offsets.device.type != "cpu" and not on_device:
+        return  # a device-to-host copy is a sync: only under check=True / GEM_KERNELS_CHECK=1
+    o = offsets.detach().to("cpu", torch.int64)
+    fix = "offsets are the cumulative lengths [0, L0, L0+L1, ...]"
+    if o[0] != 0:
+        raise ValueError(f"{name}[0]={int(o[0])} must be 0; {fix}")
+    lengths = o[1:] - o[:-1]
+    if lengths.numel() and bool((lengths < 0).any()):
+        i = int((lengths < 0).nonzero()[0])
+        raise ValueError(f"{name} must be nondecreasing: {name}[{i}]={int(o[i])} > {name}[{i + 1}]={int(o[i + 1])}; {fix}")
+    if int(o[-1]) != rows:
+        raise ValueError(f"{name}[-1]={int(o[-1])} must equal the number of rows of {rows_of} ({rows})")
+    if lengths.numel():
+        longest, b = (int(x) for x in lengths.max(0))
+        if longest > max_len:
+            raise ValueError(f"{max_name}={max_len} is less than the longest sequence in {name} ({longest} rows, "
+                             f"example {b}); pass an upper bound on the lengths (larger is correct, only slower)")
 
 
 # Registers the ops and their FLOP formulas at import: a FlopCounterMode copies the formula

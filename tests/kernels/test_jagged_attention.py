@@ -418,6 +418,67 @@ def test_invalid_arguments_are_rejected():
         jagged_attention(*inputs.args()[:3], inputs.q_offsets.float(), *inputs.args()[4:])
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_host_arguments_that_break_the_contract_are_rejected_on_the_cpu(backend):
+    """Issue #27.7: an understated max_kv_len gave silently wrong output, decreasing offsets were
+    accepted and an understated max_q_len raised a misleading assertion. CPU offsets cost no sync,
+    so they are checked on every call, with a message naming the argument."""
+    if backend == "triton" and HAS_CUDA:
+        pytest.skip("Triton runs on CPU tensors only in its interpreter (no CUDA)")
+    inputs = make_inputs([3, 5, 0], [4, 7, 2])
+    q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len = inputs.args()
+    call = lambda *args, **kw: jagged_attention(q, k, v, *args, backend=backend, **kw)  # noqa: E731
+    assert call(q_offsets, kv_offsets, max_q_len + 3, max_kv_len + 1).shape == q.shape  # larger bounds are fine
+    with pytest.raises(ValueError, match=r"max_kv_len=6 is less than the longest sequence in kv_offsets \(7 rows, "
+                                         r"example 1\); pass an upper bound"):
+        call(q_offsets, kv_offsets, max_q_len, 6)
+    with pytest.raises(ValueError, match=r"max_q_len=4 is less than the longest sequence in q_offsets \(5 rows, example 1\)"):
+        call(q_offsets, kv_offsets, 4, max_kv_len)
+    with pytest.raises(ValueError, match=r"kv_offsets must be nondecreasing: kv_offsets\[1\]=9 > kv_offsets\[2\]=4"):
+        call(q_offsets, torch.tensor([0, 9, 4, 13]), max_q_len, max_kv_len)
+    with pytest.raises(ValueError, match=r"q_offsets\[0\]=1 must be 0"):
+        call(q_offsets + 1, kv_offsets, max_q_len, max_kv_len)
+    with pytest.raises(ValueError, match=r"kv_offsets\[-1\]=12 must equal the number of rows of k / v \(13\)"):
+        call(q_offsets, torch.tensor([0, 4, 11, 12]), max_q_len, max_kv_len)
+    with pytest.raises(ValueError, match="max_q_len=-1 must be a non-negative integer"):
+        call(q_offsets, kv_offsets, -1, max_kv_len)
+
+
+def test_offsets_on_the_device_are_checked_only_on_request():
+    """The default CUDA path trusts its arguments (reading device offsets is a sync); the debug
+    switch (check=True, or GEM_KERNELS_CHECK=1 read at import) checks them there too. A stand-in
+    for device offsets counts the reads here; test_gpu_offsets_are_checked_only_on_request runs on CUDA."""
+    entry = sys.modules["kernels.jagged_attention"]
+
+    class DeviceOffsets:  # offsets that live on a GPU: reading them is a device-to-host copy
+        device, is_meta, reads = torch.device("cuda", 0), False, 0
+
+        def __init__(self, values):
+            self.values = torch.tensor(values)
+
+        def dim(self):
+            return 1
+
+        def numel(self):
+            return self.values.numel()
+
+        def detach(self):
+            self.reads += 1
+            return self.values
+
+    bad = DeviceOffsets([0, 3, 8])
+    entry._check_offsets("kv_offsets", bad, "k / v", 8, "max_kv_len", 2, on_device=False)
+    assert bad.reads == 0
+    with pytest.raises(ValueError, match="max_kv_len=2 is less than the longest sequence in kv_offsets"):
+        entry._check_offsets("kv_offsets", bad, "k / v", 8, "max_kv_len", 2, on_device=True)
+    assert bad.reads == 1
+    meta = torch.tensor([0, 3, 2], device="meta")  # no values (FLOP counting, building on meta): never read
+    entry._check_offsets("q_offsets", meta, "q", 2, "max_q_len", 3, on_device=True)
+    out = _run_python(["-c", "import sys, kernels; print(sys.modules['kernels.jagged_attention'].CHECK)"],
+                      timeout=300, GEM_KERNELS_CHECK="1")
+    assert out.stdout.strip() == "True", out.stderr
+
+
 def test_environment_settings(monkeypatch):
     """GEM_KERNELS_* values: 1 / 0 and their spellings, unset or empty for the default, and a
     clear error that names the variable for anything else, also when importing the kernels."""
@@ -446,6 +507,33 @@ def test_environment_settings(monkeypatch):
                          GEM_KERNELS_STORE_DS="maybe")
     assert result.returncode != 0
     assert "GEM_KERNELS_STORE_DS='maybe': expected 1 or 0" in result.stderr
+
+
+@gpu
+@requires_cuda
+def test_gpu_offsets_are_checked_only_on_request(monkeypatch):
+    """On CUDA the default path adds no sync and trusts its arguments; check=True (or
+    GEM_KERNELS_CHECK=1) reads the offsets and rejects what breaks the contract."""
+    entry = sys.modules["kernels.jagged_attention"]
+    monkeypatch.setattr(entry, "CHECK", False)
+    inputs = make_inputs([3, 5, 0], [4, 7, 2], device="cuda", requires_grad=False)
+    q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len = inputs.args()
+    decreasing = torch.tensor([0, 9, 4, 13], device="cuda")
+    jagged_attention(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, backend="triton")  # compile, warm up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any device-to-host copy or synchronize raises
+    try:
+        jagged_attention(q, k, v, q_offsets, kv_offsets, max_q_len, 6, backend="triton")  # trusted, unchecked
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    with pytest.raises(ValueError, match=r"max_kv_len=6 is less than the longest sequence in kv_offsets \(7 rows"):
+        jagged_attention(q, k, v, q_offsets, kv_offsets, max_q_len, 6, backend="triton", check=True)
+    monkeypatch.setattr(entry, "CHECK", True)
+    with pytest.raises(ValueError, match=r"kv_offsets must be nondecreasing: kv_offsets\[1\]=9 > kv_offsets\[2\]=4"):
+        jagged_attention(q, k, v, q_offsets, decreasing, max_q_len, max_kv_len, backend="triton")
+    out = jagged_attention(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, backend="triton")
+    ref = jagged_attention(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, backend="reference")
+    assert _relative_error(out, ref) < 1e-4
 
 
 # --------------------------------------------------------------------------------------
