@@ -341,7 +341,7 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
                 logger.info("step %d %s", step, format_metrics(values))
                 metrics.write("train", step, values)
                 window = _Window(peak_tflops, on_cuda)
-            if t.eval_every and step % t.eval_every == 0:
+            if t.eval_every and (step % t.eval_every == 0 or step == total_steps):  # and after the last step
                 eval_start = time.perf_counter()
                 train_step.detach()
                 values = evaluate(model, loader("val", d.eval_batch_size, False), env, schema.tasks, t.eval_max_batches,
