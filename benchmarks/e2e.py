@@ -10,7 +10,8 @@ the logged windows after ``--warmup`` steps: examples/s, step time, TFLOP/s and 
 true jagged lengths, also for the padded runs: no credit for padding), and the peak device memory;
 ``startup.json`` gives the time to first step by phase; ``trainer.profile`` records six steps after
 the warm-up and gives the device time by kind (windows holding a profiled step are left out).
-``cold-<block>`` and ``warm-<block>`` run a block for a few steps, on a machine without and then
+``fbgemm-<block>`` / ``fbgemm-nopipe-<block>`` shard the tables on FBGEMM's CUDA kernels
+(``sparse=torchrec``) with and without TorchRec's pipeline. ``cold-<block>`` and ``warm-<block>`` run a block for a few steps, on a machine without and then
 with the caches (data, Inductor, Triton), for the time to first step.
 
 **The padded baseline** (``padded-<block>``) is the model a user would write without gem's jagged

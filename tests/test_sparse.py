@@ -103,3 +103,12 @@ def test_shared_table_serves_id_and_sequence_features(tiny_dataset, tiny_schema)
     bad["id_features"][1]["cardinality"] = 81
     with pytest.raises(ValueError, match="share table 'item' but have cardinalities"):
         FeatureSchema.from_config(bad)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU build of fbgemm-gpu")
+def test_sharding_onto_cuda_without_fbgemm_cuda_kernels_says_what_to_install(tiny_schema):
+    from gem.distributed.sharding import shard_sparse_arch
+
+    arch = SparseArch.from_config(tiny_schema, 8, backend="torchrec", device="meta")
+    with pytest.raises(ValueError, match=r"installed fbgemm-gpu has none \(fbgemm-gpu-cpu .*\).*or set sparse=native"):
+        shard_sparse_arch(arch, torch.device("cuda"), 0.1, 1e-8)

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gem.sparse.arch import fbgemm_has_kernels
+
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise", "data_parallel")
 EXPLICIT_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
 _MODULES = ("ebc", "ec")  # SparseArch's EmbeddingBagCollection and EmbeddingCollection
@@ -156,6 +158,10 @@ def shard_sparse_arch(sparse_arch: nn.Module, device: torch.device, sparse_lr: f
     from torchrec.distributed.types import ShardingEnv
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
+    if device.type == "cuda" and not fbgemm_has_kernels("cuda"):
+        raise ValueError(f"sparse=torchrec with sparse.shard=true on CUDA runs FBGEMM's CUDA kernels, but the "
+                         f"installed fbgemm-gpu has none ({_fbgemm_build()}); install the CUDA build "
+                         f"(pip install fbgemm-gpu; on a lent GPU: tools/fbgemm_gpu_parts.sh) or set sparse=native")
     pg = pg or dist.group.WORLD
     world_size = dist.get_world_size(pg)
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -233,3 +239,14 @@ def _human(num_bytes: int) -> str:
             return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
         num_bytes /= 1024
     return ""
+
+
+def _fbgemm_build() -> str:
+    from importlib import metadata
+
+    for name in ("fbgemm-gpu", "fbgemm-gpu-cpu"):
+        try:
+            return f"{name} {metadata.version(name)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return "no fbgemm-gpu distribution found"

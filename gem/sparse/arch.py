@@ -161,13 +161,14 @@ def _offsets(jt) -> torch.Tensor:
     kernel for the lengths' device, plain torch where it has none (the CPU build of fbgemm-gpu on
     CUDA tensors)."""
     lengths = jt.lengths()
-    if _has_fbgemm_cumsum(lengths.device.type):
+    if fbgemm_has_kernels(lengths.device.type):
         return torch.ops.fbgemm.asynchronous_complete_cumsum(lengths.to(torch.int64))
     return lengths_to_offsets(lengths)
 
 
 @functools.cache
-def _has_fbgemm_cumsum(device_type: str) -> bool:
+def fbgemm_has_kernels(device_type: str) -> bool:
+    """Whether the loaded fbgemm-gpu has kernels for ``device_type`` (its CPU build has none for CUDA)."""
     key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
     try:
         return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
