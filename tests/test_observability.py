@@ -159,21 +159,61 @@ def test_a_line_cut_short_is_dropped_on_resume(tmp_path):
 # ------------------------------------------------------------------------------- error reporting
 
 
-def _main(*overrides, cwd):
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    return subprocess.run([sys.executable, "-m", "gem.train", *overrides], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=120)
+def _main(*overrides, cwd, full_error=False, train=None):
+    """``python -m gem.train overrides``; ``train``: the body of a ``train(cfg)`` to run instead of gem's."""
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | ({"HYDRA_FULL_ERROR": "1"} if full_error else {})
+    cmd = [sys.executable, "-m", "gem.train", *overrides]
+    if train is not None:
+        code = f"import sys, gem.train.__main__ as m\ndef train(cfg):\n    {train}\nm.train = train\nm.main()"
+        cmd = [sys.executable, "-c", code, *overrides]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def _lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.strip()]
 
 
 def test_a_configuration_mistake_is_one_line_and_a_crash_keeps_its_traceback(tmp_path):
     proc = _main("optim.dense.lr=-1", f"trainer.run_dir={tmp_path / 'a'}", cwd=tmp_path)
     assert proc.returncode == 1
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert lines == ["Error in the configuration: optim.dense.lr=-1.0 must be > 0"], proc.stderr
+    assert _lines(proc.stderr) == ["Error in the configuration: optim.dense.lr=-1.0 must be > 0"], proc.stderr
     proc = _main("+trainer.no_such_key=1", f"trainer.run_dir={tmp_path / 'b'}", cwd=tmp_path)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr and "trainer.no_such_key" in proc.stderr
-    proc = _main("data=parquet", f"data.dir={tmp_path / 'missing'}", f"trainer.run_dir={tmp_path / 'c'}", cwd=tmp_path)
-    assert proc.returncode == 1 and "Traceback" in proc.stderr and "FileNotFoundError" in proc.stderr, proc.stderr
+    proc = _main(f"trainer.run_dir={tmp_path / 'c'}", cwd=tmp_path, train="raise RuntimeError('a bug')")
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and "RuntimeError: a bug" in proc.stderr, proc.stderr
+
+
+def test_a_data_or_checkpoint_error_is_one_line_too(tmp_path):
+    empty = tmp_path / "dataset"  # a data.dir without the split folders
+    empty.mkdir()
+    args = ("data=parquet", f"data.dir={empty}", f"trainer.run_dir={tmp_path / 'a'}")
+    proc = _main(*args, cwd=tmp_path)
+    assert proc.returncode == 1
+    assert _lines(proc.stderr) == [f"Error in the data: data.dir='{empty}' has no train/ folder: a gem data set holds "
+                                   f"train/, val/ and test/ folders of *.parquet files, and this folder holds nothing; "
+                                   f"write each split's Parquet files (gem layout, docs/data.md) into {empty}/train/, "
+                                   f"{empty}/val/, {empty}/test/"], proc.stderr
+    proc = _main(*args, cwd=tmp_path, full_error=True)
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and "MissingDataError" in proc.stderr, proc.stderr
+    proc = _main(f"trainer.run_dir={tmp_path / 'b'}", cwd=tmp_path,
+                 train="from gem.train.checkpoint import CheckpointError; raise CheckpointError('step_5: truncated')")
+    assert proc.returncode == 1 and _lines(proc.stderr) == ["Error in the checkpoint: step_5: truncated"], proc.stderr
+
+
+def test_a_data_error_from_a_loader_worker_prints_its_own_message():
+    from torch._utils import ExceptionWrapper
+
+    from gem.data import DataError
+    from gem.train.__main__ import user_message
+
+    try:
+        raise DataError("part-0.parquet, row 3: column 'domain': outside [0, 3)")
+    except DataError:
+        wrapped = ExceptionWrapper(where="in DataLoader worker process 0")
+    with pytest.raises(DataError) as e:
+        wrapped.reraise()  # as the DataLoader raises it in the main process
+    assert "Original Traceback" in str(e.value)
+    assert user_message(e.value) == "part-0.parquet, row 3: column 'domain': outside [0, 3)"
 
 
 # ------------------------------------------------------------------------------- empty splits

@@ -43,6 +43,7 @@ from typing import Any, Mapping
 import numpy as np
 import pyarrow as pa
 
+from gem.data.errors import DataError
 from gem.data.parquet import LAYOUT_VERSION, OPTIONAL_COLUMNS, READABLE_VERSIONS, arrow_schema
 from gem.data.schema import FeatureSchema
 
@@ -198,8 +199,8 @@ def metadata_schema(file_schema: pa.Schema, path: str | Path) -> FeatureSchema |
     try:
         return FeatureSchema.from_config(json.loads(raw))
     except ValueError as e:  # bad JSON or a malformed schema
-        raise ValueError(f"{path}: its gem.schema metadata is not a valid schema ({e}); rewrite the file with "
-                         "gem.data.parquet.write_parquet, or give the schema in config (data.schema)") from None
+        raise DataError(f"{path}: its gem.schema metadata is not a valid schema ({e}); rewrite the file with "
+                        "gem.data.parquet.write_parquet, or give the schema in config (data.schema)") from None
 
 
 def _features(schema: FeatureSchema) -> dict[str, tuple[str, dict[str, Any]]]:
@@ -277,5 +278,5 @@ def check_same_schema(path: Path, file_schema: pa.Schema, reference: tuple[Path,
         # Name the file that disagrees with the schema in use first, when one of the two agrees.
         ours = (Path(path), schema)
         odd, ref = (reference, ours) if not schema_differences(schema, in_use) else (ours, reference)
-        raise ValueError(schema_mismatch_message(odd[0], odd[1], ref[0], ref[1]))
+        raise DataError(schema_mismatch_message(odd[0], odd[1], ref[0], ref[1]))
     return reference

@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from gem.data.checks import metadata_schema, schema_differences, schema_mismatch_message
+from gem.data.errors import DataError, MissingDataError
 from gem.data.schema import FeatureSchema
 from gem.data.synthetic import SyntheticConfig, write_dataset
 
@@ -60,18 +61,18 @@ def split_files(directory: str | os.PathLike, split: str) -> list[Path]:
     split fails with what was expected, what was found and how to lay the files out."""
     directory = Path(directory)
     if not directory.is_dir():
-        raise FileNotFoundError(f"data.dir={str(directory)!r} does not exist; set data.dir to a gem data set: "
-                                f"a folder with {_expected()} of *.parquet files")
+        raise MissingDataError(f"data.dir={str(directory)!r} does not exist; set data.dir to a gem data set: "
+                               f"a folder with {_expected()} of *.parquet files")
     folder = directory / split
     if not folder.is_dir():
-        raise FileNotFoundError(f"data.dir={str(directory)!r} has no {split}/ folder: a gem data set holds "
-                                f"{_expected()} of *.parquet files, and this folder holds {_found(directory)}; "
-                                f"{_layout_hint(directory)}")
+        raise MissingDataError(f"data.dir={str(directory)!r} has no {split}/ folder: a gem data set holds "
+                               f"{_expected()} of *.parquet files, and this folder holds {_found(directory)}; "
+                               f"{_layout_hint(directory)}")
     files = sorted(folder.glob("*.parquet"))
     if not files:
-        raise FileNotFoundError(f"{folder} holds no *.parquet files (it holds {_found(folder)}); put the {split} "
-                                f"split's Parquet files there (gem layout, docs/data.md; check a data set with "
-                                f"`python -m gem.data.validate {directory}`){_generated_hint(directory)}")
+        raise MissingDataError(f"{folder} holds no *.parquet files (it holds {_found(folder)}); put the {split} "
+                               f"split's Parquet files there (gem layout, docs/data.md; check a data set with "
+                               f"`python -m gem.data.validate {directory}`){_generated_hint(directory)}")
     return files
 
 
@@ -132,7 +133,7 @@ def schema_from_files(files: list[Path]) -> FeatureSchema:
         if schema is not None:
             schemas.append((Path(f), schema))
     if not schemas:
-        raise ValueError(f"{files[0]}: no gem.schema in the file metadata; give the schema in config (data.schema)")
+        raise DataError(f"{files[0]}: no gem.schema in the file metadata; give the schema in config (data.schema)")
     groups: list[list[tuple[Path, FeatureSchema]]] = []
     for path, schema in schemas:
         group = next((g for g in groups if not schema_differences(schema, g[0][1])), None)
@@ -145,5 +146,5 @@ def schema_from_files(files: list[Path]) -> FeatureSchema:
         (ref, ref_schema), (odd, odd_schema) = groups[0][0], groups[1][0]
         count = (f"; {len(schemas) - len(groups[0])} of {len(schemas)} files differ from the other "
                  f"{len(groups[0])}" if len(groups[0]) > len(groups[1]) else "")
-        raise ValueError(schema_mismatch_message(odd, odd_schema, ref, ref_schema) + count)
+        raise DataError(schema_mismatch_message(odd, odd_schema, ref, ref_schema) + count)
     return schemas[0][1]

@@ -39,6 +39,7 @@ import torch
 from gem.data.balance import deal_by_length
 from gem.data.batch import Batch
 from gem.data.checks import Violation, check_same_schema, error_policy, file_violations, row_violations
+from gem.data.errors import DataError
 from gem.data.parquet import OPTIONAL_COLUMNS, arrow_schema, table_to_batch
 from gem.data.schema import FeatureSchema
 
@@ -150,7 +151,7 @@ class StreamingParquetReader(torch.utils.data.IterableDataset):
             if problems:
                 first = next((p for p in problems if self.policy[p.case] == "fail"), None)
                 if first is not None:
-                    raise ValueError(f"{path}: {first}; set data.loader.on_error.{first.case}=skip to skip such files")
+                    raise DataError(f"{path}: {first}; set data.loader.on_error.{first.case}=skip to skip such files")
                 self.plan_stats["skipped_files"] += 1
                 self.plan_stats[f"skipped/{problems[0].case}"] += 1
                 logger.warning("skipping %s: %s", path, "; ".join(map(str, problems)))
@@ -239,8 +240,8 @@ class StreamingParquetReader(torch.utils.data.IterableDataset):
         for case, column, rows, message in row_violations(table, self.schema):
             if self.policy[case] == "fail":
                 path, file_row = self._locate(where, int(rows[0]))
-                raise ValueError(f"{path}, row {file_row}: column {column!r}: {message}; set "
-                                 f"data.loader.on_error.{case}=skip to skip and count such rows")
+                raise DataError(f"{path}, row {file_row}: column {column!r}: {message}; set "
+                                f"data.loader.on_error.{case}=skip to skip and count such rows")
             fresh = rows[~bad[rows]]
             case_of[fresh] = case
             bad[fresh] = True
@@ -287,8 +288,8 @@ class StreamingParquetReader(torch.utils.data.IterableDataset):
             table = table.replace_schema_metadata(None).cast(self._target)
         except (pa.ArrowException, OSError) as e:
             if self.policy["unreadable_file"] == "fail":
-                raise ValueError(f"{path}: row group {unit.row_group} is corrupt or truncated ({e}); delete or "
-                                 "regenerate the file, or set data.loader.on_error.unreadable_file=skip") from e
+                raise DataError(f"{path}: row group {unit.row_group} is corrupt or truncated ({e}); delete or "
+                                "regenerate the file, or set data.loader.on_error.unreadable_file=skip") from e
             logger.warning("skipping row group %d of %s: %s", unit.row_group, path, e)
             table = None
         self._cache = (unit, table)

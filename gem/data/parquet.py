@@ -45,6 +45,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from gem.data.batch import Batch
+from gem.data.errors import DataError, MissingDataError
 from gem.data.schema import FeatureSchema
 
 LAYOUT_VERSION = "2"
@@ -85,12 +86,12 @@ def write_parquet(table: pa.Table, path: str | Path, schema: FeatureSchema, row_
 def list_parquet_files(directory: str | Path) -> list[Path]:
     directory = Path(directory)
     if not directory.is_dir():
-        raise FileNotFoundError(f"data directory {str(directory)!r} does not exist; give a folder of *.parquet files "
-                                "(a data set's train/, val/ or test/ folder)")
+        raise MissingDataError(f"data directory {str(directory)!r} does not exist; give a folder of *.parquet files "
+                               "(a data set's train/, val/ or test/ folder)")
     files = sorted(directory.glob("*.parquet"))
     if not files:
-        raise FileNotFoundError(f"data directory {str(directory)!r} holds no *.parquet files; give a folder of "
-                                "*.parquet files in the gem layout (a data set's train/, val/ or test/ folder)")
+        raise MissingDataError(f"data directory {str(directory)!r} holds no *.parquet files; give a folder of "
+                               "*.parquet files in the gem layout (a data set's train/, val/ or test/ folder)")
     return files
 
 
@@ -186,17 +187,17 @@ class ParquetBatchReader(torch.utils.data.IterableDataset):
         try:
             file = pq.ParquetFile(path)
         except (pa.ArrowException, OSError) as e:
-            raise ValueError(f"{path}: not a readable Parquet file ({e}); delete or regenerate it") from e
+            raise DataError(f"{path}: not a readable Parquet file ({e}); delete or regenerate it") from e
         problems = file_violations(file.schema_arrow, self.schema)
         if problems:
-            raise ValueError(f"{path}: " + "; ".join(map(str, problems)))
+            raise DataError(f"{path}: " + "; ".join(map(str, problems)))
         names = file.schema_arrow.names
         target = arrow_schema(self.schema, with_weight="weight" in names, with_request_id="request_id" in names)
         target = target.remove_metadata()
         try:
             table = file.read(columns=target.names)
         except (pa.ArrowException, OSError) as e:
-            raise ValueError(f"{path}: corrupt or truncated Parquet data ({e}); delete or regenerate it") from e
+            raise DataError(f"{path}: corrupt or truncated Parquet data ({e}); delete or regenerate it") from e
         table = table.select(target.names).replace_schema_metadata(None).cast(target)
         _check_rows(table, self.schema, str(path))
         self.stats.files.append(str(path))
@@ -233,8 +234,8 @@ def _check_rows(table: pa.Table, schema: FeatureSchema, where: str) -> None:
 
     for case, column, rows, message in row_violations(table, schema):
         row = int(rows[0])
-        raise ValueError(f"{where}: {Violation(case, column, row, message)}; "
-                         f"the row holds {_cell(table, column, row)}")
+        raise DataError(f"{where}: {Violation(case, column, row, message)}; "
+                        f"the row holds {_cell(table, column, row)}")
 
 
 def _cell(table: pa.Table, column: str, row: int, limit: int = 8) -> str:

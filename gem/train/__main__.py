@@ -1,9 +1,15 @@
 """``python -m gem.train [overrides]``: compose configs/train.yaml with Hydra, then ``train(cfg)``.
 
-A configuration mistake (:class:`gem.train.config.ConfigError`: a bad key or value, an impossible
-layout, a missing optional package) prints one line naming the key and exits with status 1, as
-Hydra does for its own override errors; ``HYDRA_FULL_ERROR=1`` shows the traceback. Every other
-exception keeps its full traceback.
+A mistake the user fixes outside the code prints one line and exits with status 1, as Hydra does
+for its own override errors; ``HYDRA_FULL_ERROR=1`` shows the traceback:
+
+- :class:`gem.train.config.ConfigError`: a bad key or value, an impossible layout, a missing
+  optional package (the line names the key);
+- :class:`gem.data.DataError`: bad input data (a missing or empty split, files with different
+  schemas, a bad row or column the checks report; the line names the file and the fix);
+- :class:`gem.train.checkpoint.CheckpointError`: a checkpoint that cannot be used.
+
+Every other exception keeps its full traceback.
 """
 
 import os
@@ -13,22 +19,39 @@ import hydra
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from gem.data.errors import DataError
 from gem.train.api import config_dir
+from gem.train.checkpoint import CheckpointError
 from gem.train.config import ConfigError
 from gem.train.trainer import train
 
 CONFIG_DIR = config_dir()  # the checkout's configs/, or gem/configs in an installed wheel
+USER_ERRORS = ((ConfigError, "Error in the configuration"), (DataError, "Error in the data"),
+               (CheckpointError, "Error in the checkpoint"))
+
+
+def user_message(e: BaseException) -> str:
+    """The message of a user-facing error without the traceback text a DataLoader worker wraps
+    it in (``Caught DataError in DataLoader worker process 0. Original Traceback ...``)."""
+    text = str(e)
+    if text.startswith("Caught ") and "Original Traceback" in text:
+        cls = type(e)
+        for name in (f"{cls.__module__}.{cls.__qualname__}: ", f"{cls.__qualname__}: "):
+            if name in text:
+                return text.rsplit(name, 1)[1].strip()
+    return text
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 def main(cfg: DictConfig) -> None:
     try:
         train(cfg)
-    except ConfigError as e:
+    except tuple(cls for cls, _ in USER_ERRORS) as e:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
+        what = next(title for cls, title in USER_ERRORS if isinstance(e, cls))
         rank = f"[rank{os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
-        print(f"{rank}Error in the configuration: {e}", file=sys.stderr)
+        print(f"{rank}{what}: {user_message(e)}", file=sys.stderr)
         sys.exit(1)  # SystemExit passes through Hydra's handler, which would print a traceback
     finally:  # an orderly teardown, not the collective backend's threads torn down at interpreter exit
         if dist.is_initialized():

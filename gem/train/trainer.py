@@ -21,6 +21,7 @@ from torch import nn
 from tqdm import tqdm
 
 from gem.data.dataset import prepare_synthetic, schema_from_files, split_files
+from gem.data.errors import DataError
 from gem.data.loader import BatchLoader, build_loader
 from gem.data.schema import FeatureSchema
 from gem.data.seqrec import prepare_seqrec
@@ -198,7 +199,7 @@ def check_eval_splits(config: Config, make_loader, data_dir: Path) -> None:
                            "examples there or set trainer.eval_every=0", config.trainer.eval_every, data_dir / "val", why)
             config.trainer.eval_every = 0  # this run's typed copy of the config
     if make_loader("test").num_rows() == 0:
-        raise ValueError(f"the test split {data_dir / 'test'} has no examples; the run would end on NaN metrics")
+        raise DataError(f"the test split {data_dir / 'test'} has no examples; the run would end on NaN metrics")
 
 
 @torch.no_grad()
@@ -211,8 +212,8 @@ def evaluate(model: nn.Module, loader: BatchLoader, env: DistEnv, tasks: tuple[s
     evaluator, ranking = TaskEvaluator(tasks), RankingEvaluator(tasks)
     steps = max(loader.reader.num_batches(r) for r in range(env.world_size))
     if steps == 0:
-        raise ValueError(f"evaluation split {loader.reader.files[0].parent if loader.reader.files else ''} has no "
-                         "examples: AUC and NE would be NaN")
+        raise DataError(f"evaluation split {loader.reader.files[0].parent if loader.reader.files else ''} has no "
+                        "examples: AUC and NE would be NaN")
     if max_batches > 0:
         steps = min(steps, max_batches)
     batch = None
@@ -222,7 +223,7 @@ def evaluate(model: nn.Module, loader: BatchLoader, env: DistEnv, tasks: tuple[s
         real = nxt is not None
         batch = nxt.to(env.device, non_blocking=True) if real else batch
         if batch is None:
-            raise ValueError("evaluation split is empty; add examples to data.dir/val and data.dir/test")
+            raise DataError("evaluation split is empty; add examples to data.dir/val and data.dir/test")
         with autocast(env.device, autocast_dtype):
             logits = model(batch).float()
         if real:
