@@ -7,7 +7,9 @@ for its own override errors; ``HYDRA_FULL_ERROR=1`` shows the traceback:
   optional package (the line names the key);
 - :class:`gem.data.DataError`: bad input data (a missing or empty split, files with different
   schemas, a bad row or column the checks report; the line names the file and the fix);
-- :class:`gem.train.checkpoint.CheckpointError`: a checkpoint that cannot be used.
+- :class:`gem.train.checkpoint.CheckpointError`: a checkpoint that cannot be used;
+- :class:`gem.versions.VersionError`: torch, FBGEMM, TorchRec and Triton releases that do not work
+  together (the line names them and a combination to install; ``GEM_SKIP_VERSION_CHECK=1`` skips it).
 
 Every other exception keeps its full traceback.
 """
@@ -15,15 +17,25 @@ Every other exception keeps its full traceback.
 import os
 import sys
 
-import hydra
-import torch.distributed as dist
-from omegaconf import DictConfig
+from gem.versions import VersionError, ensure_versions
 
-from gem.data.errors import DataError
-from gem.train.api import config_dir
-from gem.train.checkpoint import CheckpointError
-from gem.train.config import ConfigError
-from gem.train.trainer import train
+try:  # before anything imports TorchRec, whose import a mismatched FBGEMM breaks obscurely
+    ensure_versions()
+except VersionError as e:
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        raise
+    print(f"Error in the installed packages: {e}", file=sys.stderr)
+    sys.exit(1)
+
+import hydra  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from gem.data.errors import DataError  # noqa: E402
+from gem.train.api import config_dir  # noqa: E402
+from gem.train.checkpoint import CheckpointError  # noqa: E402
+from gem.train.config import ConfigError  # noqa: E402
+from gem.train.trainer import train  # noqa: E402
 
 CONFIG_DIR = config_dir()  # the checkout's configs/, or gem/configs in an installed wheel
 USER_ERRORS = ((ConfigError, "Error in the configuration"), (DataError, "Error in the data"),
