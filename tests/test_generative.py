@@ -4,6 +4,7 @@ on TorchRec-sharded tables."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -79,7 +80,7 @@ def test_sampled_softmax_equals_a_loop_over_positions(generative_data, in_batch)
     sparse = model.sparse_arch(batch.sparse, batch.sequences, batch.max_seq_len)
     h = arch.encode(sparse).detach().double()
     values = sparse.sequences["hist"].values.detach().double()[:, :arch.item_dim]
-    negs = sparse.sequences["neg"].values.detach().double()
+    negs = sparse.sequences["neg"].values.detach().double()[:, :arch.item_dim]
     ids = batch.sequences.to_dict()
     items, neg_ids = ids["hist_item"].values(), ids["neg_item"].values()
     offsets = sparse.sequences["hist"].offsets.tolist()
@@ -105,6 +106,48 @@ def test_sampled_softmax_equals_a_loop_over_positions(generative_data, in_batch)
         logits = [positive] + [cos(h[r], e) - log_q(i) for e, i in cands if i != target]
         expected.append(torch.logsumexp(torch.tensor(logits), 0).item() - positive)
     assert loss.item() == pytest.approx(sum(expected) / len(expected), rel=1e-4)
+
+
+def test_item_attributes_score_an_item_alike_in_training_and_ranking(tmp_path):
+    """model.item_attributes: an item is its id row plus attr_proj(sum of its attribute rows), the
+    same whether it is a negative in training (per-slot features, id 0 for a missing attribute) or
+    a ranking row's candidate (the attribute bag)."""
+    _write_s3rec(tmp_path)
+    attrs = {str(i): [1 + i % 5] if i % 2 else [1 + i % 5, 6 + i % 3] for i in range(1, NUM_ITEMS + 1)}
+    (tmp_path / "Tiny_item2attributes.json").write_text(json.dumps(attrs))  # odd items: one attribute
+    out = tmp_path / "out"
+    write_seqrec(read_s3rec(tmp_path, "Tiny"), out, dataclasses.replace(OPTIONS, max_attrs=2))
+    schema, train_batch = _batch(out, batch_size=30)
+    assert schema.group("neg").feature_names == ["neg_item", "neg_attr0", "neg_attr1"]
+    model = _model(schema, item_attributes=True).eval()
+    arch = model.dense_arch
+    assert arch.sequence_ids == ("hist_item", "neg_item", "hist_attr0", "hist_attr1", "neg_attr0", "neg_attr1")
+    sparse = model.sparse_arch(train_batch.sparse, train_batch.sequences, train_batch.max_seq_len)
+    ids = {f: jt.values() for f, jt in train_batch.sequences.to_dict().items()}
+    as_negative = arch.item_rows(sparse.sequences["neg"].values, ids, "neg")
+    assert (ids["neg_attr1"] == 0).any() and (ids["neg_attr1"] != 0).any(), "both kinds of item among the negatives"
+    _, eval_batch = _batch(out, "test", batch_size=300)
+    pooled = model.sparse_arch(eval_batch.sparse, eval_batch.sequences, eval_batch.max_seq_len).pooled
+    as_candidate = pooled["item_id"] + arch.attr_proj(pooled["item_attr"])
+    candidate_ids = eval_batch.sparse["item_id"].values()
+    matched = 0
+    for row, item in enumerate(ids["neg_item"].tolist()):
+        where = (candidate_ids == item).nonzero()
+        if len(where):
+            torch.testing.assert_close(as_negative[row], as_candidate[where[0, 0]])
+            matched += 1
+    assert matched > 10
+    loss = model.train()(train_batch)
+    loss.sum().backward()
+    assert arch.attr_proj.weight.grad.abs().sum() > 0
+
+
+
+def test_item_attributes_need_the_bag_to_hold_what_an_event_carries(generative_data):
+    _, out = generative_data  # max_attrs 8, event_attrs 2
+    with pytest.raises(ValueError, match="holds up to 8 attributes but the events carry \\[2, 2\\]; set "
+                                         "data.seqrec.max_attrs equal to data.seqrec.event_attrs"):
+        _model(schema_from_files(split_files(out, "train")), item_attributes=True)
 
 
 @pytest.mark.parametrize("block", ["interformer", "kunlun"])

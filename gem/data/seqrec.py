@@ -46,7 +46,7 @@ from gem.data.schema import FeatureSchema
 
 logger = logging.getLogger("gem")
 
-CONVERTER_VERSION = 3
+CONVERTER_VERSION = 4
 TASK = "next_item"
 OBJECTIVES = ("pointwise", "generative")
 
@@ -112,7 +112,8 @@ def seqrec_schema(num_users: int, num_items: int, num_attributes: int, max_attrs
     """The one place the seqrec schema is made: candidate, attributes and history share the item id space.
 
     ``event_attrs`` adds per-event attribute features to the history group; ``num_generative_negatives``
-    the group ``neg`` (``neg_item``, also table ``item``) that holds a generative training row's negatives.
+    the group ``neg`` (``neg_item``, also table ``item``, and ``neg_attr<i>`` like ``hist_attr<i>``)
+    that holds a generative training row's negatives.
     """
     id_features = [
         {"name": "user_id", "cardinality": num_users + 1},
@@ -125,9 +126,10 @@ def seqrec_schema(num_users: int, num_items: int, num_attributes: int, max_attrs
     hist = [{"name": "hist_item", "cardinality": num_items + 1, "table": "item"}]
     hist += [{"name": f"hist_attr{i}", "cardinality": num_attributes + 1, "table": "attr"} for i in range(event_attrs)]
     groups = [{"name": "hist", "max_len": max_len, "features": hist}]
-    if num_generative_negatives:
-        groups.append({"name": "neg", "max_len": num_generative_negatives,
-                       "features": [{"name": "neg_item", "cardinality": num_items + 1, "table": "item"}]})
+    if num_generative_negatives:  # the negatives carry the attributes the history's events carry
+        neg = [{"name": "neg_item", "cardinality": num_items + 1, "table": "item"}]
+        neg += [{"name": f"neg_attr{i}", "cardinality": num_attributes + 1, "table": "attr"} for i in range(event_attrs)]
+        groups.append({"name": "neg", "max_len": num_generative_negatives, "features": neg})
     return FeatureSchema.from_config({
         "id_features": id_features,
         "sequence_groups": groups,
@@ -250,7 +252,8 @@ def _table(attrs: tuple[np.ndarray, np.ndarray] | None, schema: FeatureSchema, f
     """Rows: user ``users[r]`` (0-based), history ``s[:ends[r]]`` (most recent max_len), candidate ``items[r]``.
 
     ``event_attrs[i]`` maps an item to its i-th attribute (0: none) for ``hist_attr<i>``;
-    ``negatives [R, K]`` fills ``neg_item`` where the schema has the group ``neg`` (else empty lists)."""
+    ``negatives [R, K]`` fills ``neg_item`` (and ``neg_attr<i>``) where the schema has the group ``neg``
+    (else empty lists)."""
     hist_start = starts[users] + np.maximum(0, ends - max_len)
     offsets, hist = _gather_ranges(flat, hist_start, starts[users] + ends)
     num_rows = len(users)
@@ -273,6 +276,8 @@ def _table(attrs: tuple[np.ndarray, np.ndarray] | None, schema: FeatureSchema, f
         k = 0 if negatives is None else negatives.shape[1]
         values = np.zeros(0, np.int64) if negatives is None else negatives.reshape(-1).astype(np.int64)
         columns["neg_item"] = pa.ListArray.from_arrays(np.arange(num_rows + 1) * k, values)
+        for i, slot in enumerate(event_attrs):
+            columns[f"neg_attr{i}"] = pa.ListArray.from_arrays(np.arange(num_rows + 1) * k, slot[values])
     return pa.table(columns)
 
 

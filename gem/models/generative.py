@@ -71,6 +71,11 @@ class GenerativeSeqArch(nn.Module):
             ``hist`` and ``neg``); the stream's first feature is the item, whose table scores.
         candidate_features: the id features that describe a ranking row's candidate (``item_id``,
             the one scored, first); every other id feature is a user token.
+        item_attributes: score an item as its id embedding plus a linear map of the sum of its
+            attribute embeddings (the events' and negatives' attribute features, the ranking row's
+            ``candidate_features[1]`` bag), so that items seen rarely as targets share what their
+            attributes learned. Needs the bag to hold as many attributes as an event carries
+            (``data.seqrec.max_attrs == data.seqrec.event_attrs``).
         similarity / temperature: ``cosine`` (scaled by ``1 / temperature``) or ``dot``.
         in_batch_negatives: at most this many of the batch's next events are each position's
             in-batch negatives (all of them when there are fewer).
@@ -84,9 +89,9 @@ class GenerativeSeqArch(nn.Module):
                  dim: int = 32, num_layers: int = 2, num_heads: int = 2, head_dim: int = 32,
                  window: int | None = None, num_summary: int = 2, pffn_kv: int = 8, pffn_activation: str = "silu",
                  compskip: bool = True, sequence: str = "hist", negatives: str | None = "neg",
-                 candidate_features: tuple[str, ...] = ("item_id", "item_attr"), similarity: str = "cosine",
-                 temperature: float = 0.05, in_batch_negatives: int = 4096, dropout: float = 0.0,
-                 attention_backend: str | None = None) -> None:
+                 candidate_features: tuple[str, ...] = ("item_id", "item_attr"), item_attributes: bool = False,
+                 similarity: str = "cosine", temperature: float = 0.05, in_batch_negatives: int = 4096,
+                 dropout: float = 0.0, attention_backend: str | None = None) -> None:
         super().__init__()
         if block not in BLOCKS:
             raise ValueError(f"model.block={block!r} must be one of {list(BLOCKS)}")
@@ -99,6 +104,7 @@ class GenerativeSeqArch(nn.Module):
             raise ValueError(f"model.negatives={negatives!r}: the schema's sequence groups are {list(groups)}; "
                              "set model.negatives=null to train on in-batch negatives only")
         self.item_feature = groups[sequence].feature_names[0]
+        self.candidate_attrs = candidate_features[1] if len(candidate_features) > 1 else None
         self.negative_feature = groups[negatives].feature_names[0] if negatives else None
         self.candidate = candidate_features[0]
         tables = {f.name: f.table_name for f in schema.id_features}
@@ -112,7 +118,11 @@ class GenerativeSeqArch(nn.Module):
             raise ValueError(f"model.candidate_features={list(candidate_features)} leaves no user id feature "
                              "to generate the personalized FFN from")
         self.sequence, self.negatives = sequence, negatives
-        self.sequence_ids = tuple(f for f in (self.item_feature, self.negative_feature) if f is not None)
+        self.attr_slots: dict[str, list[str]] = {}  # group -> its attribute features, when items are scored with them
+        if item_attributes:
+            self.attr_slots = _attribute_slots(schema, tables, candidate_features, sequence, negatives)
+        slots = [f for names in self.attr_slots.values() for f in names]
+        self.sequence_ids = tuple(f for f in (self.item_feature, self.negative_feature, *slots) if f is not None)
         self.num_items = schema.cardinality(self.item_feature)
         self.item_dim = feature_dims[self.candidate]
         self.block, self.similarity, self.temperature = block, similarity, temperature
@@ -129,6 +139,8 @@ class GenerativeSeqArch(nn.Module):
         self.norm = nn.LayerNorm(width)
         self.out = nn.Linear(width, self.item_dim)
         self.dropout = nn.Dropout(dropout)
+        self.attr_proj = (nn.Linear(feature_dims[candidate_features[1]], self.item_dim, bias=False)
+                          if self.attr_slots else None)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -169,7 +181,10 @@ class GenerativeSeqArch(nn.Module):
             return self.next_event_loss(h, sparse, ids).view(1, 1)
         lengths = offsets_to_lengths(s.offsets)
         last = h[(s.offsets[1:] - 1).clamp_min(0)] * (lengths > 0).unsqueeze(1)  # [B, D_item]; zeros if empty
-        return self._rows(last, sparse.pooled[self.candidate]).unsqueeze(1)
+        candidates = sparse.pooled[self.candidate]
+        if self.attr_proj is not None:  # the bag of the candidate's attributes, summed by the SparseArch
+            candidates = candidates + self.attr_proj(sparse.pooled[self.candidate_attrs])
+        return self._rows(last, candidates).unsqueeze(1)
 
     def next_event_loss(self, h: torch.Tensor, sparse: SparseOutput, ids: dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean over positions that have a next event of the sampled softmax loss of that event.
@@ -187,7 +202,7 @@ class GenerativeSeqArch(nn.Module):
         pos = jagged_positions(s.offsets, total)
         has_next = pos < offsets_to_lengths(s.offsets)[segment_ids(s.offsets, total)] - 1  # [T]
         nxt = (row + 1).clamp(max=max(total - 1, 0))
-        target_emb = s.values[nxt, :self.item_dim]  # the next event's item embedding (the shared table)
+        target_emb = self.item_rows(s.values, ids, self.sequence)[nxt]  # the next event's item (the shared table)
         target_ids = ids[self.item_feature][nxt]
         weight = has_next.to(torch.float32)
 
@@ -201,7 +216,7 @@ class GenerativeSeqArch(nn.Module):
         if self.negatives is not None:
             neg = sparse.sequences[self.negatives]
             uniform = neg.values.shape[0]
-            cand_emb = torch.cat([cand_emb, neg.values[:, :self.item_dim]])
+            cand_emb = torch.cat([cand_emb, self.item_rows(neg.values, ids, self.negatives)])
             cand_ids = torch.cat([cand_ids, ids[self.negative_feature]])
             cand_ok = torch.cat([cand_ok, torch.ones(uniform, dtype=torch.bool, device=device)])
 
@@ -214,6 +229,17 @@ class GenerativeSeqArch(nn.Module):
         logits = logits.masked_fill(hidden, float("-inf"))
         loss = torch.logsumexp(torch.cat([positive, logits], dim=1), dim=1) - positive.squeeze(1)
         return (loss * weight).sum() / weight.sum().clamp_min(1.0)
+
+    def item_rows(self, values: torch.Tensor, ids: dict[str, torch.Tensor], group: str) -> torch.Tensor:
+        """``[T, D_item]``: the item of each event of ``group`` as it is scored: its id embedding (the
+        group's first columns), plus ``attr_proj`` of its attribute embeddings summed where an
+        attribute is present (id 0 marks a missing one, which the candidate's bag leaves out)."""
+        items = values[:, :self.item_dim]
+        if self.attr_proj is None:
+            return items
+        attrs = values[:, self.item_dim:].unflatten(1, (len(self.attr_slots[group]), -1))  # [T, A, D_attr]
+        present = torch.stack([ids[f] != 0 for f in self.attr_slots[group]], dim=1).unsqueeze(-1)
+        return items + self.attr_proj((attrs * present).sum(1))
 
     def _rows(self, queries: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
         """Row-wise scores ``[T]`` of ``queries[t]`` against ``items[t]``."""
@@ -235,5 +261,33 @@ class GenerativeSeqArch(nn.Module):
         num_negatives = min(rows, self.in_batch_negatives)
         if self.negatives is not None and self.negatives in lengths:
             num_negatives += int(lengths[self.negatives].sum())
+        if self.attr_proj is not None:  # the scored items' attributes: the events' and the uniform negatives'
+            fwd += linear_flops(rows + num_negatives - min(rows, self.in_batch_negatives), self.attr_proj.in_features,
+                                self.attr_proj.out_features)
         fwd += 2 * rows * (num_negatives + 1) * self.item_dim  # the scores
         return {"forward": fwd, "backward": 2 * fwd}
+
+
+def _attribute_slots(schema: FeatureSchema, tables: dict[str, str], candidate_features: tuple[str, ...],
+                     sequence: str, negatives: str | None) -> dict[str, list[str]]:
+    """The attribute features of the event and negative groups for ``item_attributes``: every feature
+    after the item, each in the table of the candidate's attribute bag ``candidate_features[1]``."""
+    if len(candidate_features) < 2 or candidate_features[1] not in tables:
+        raise ValueError(f"model.item_attributes=true needs the candidate's attribute bag as "
+                         f"model.candidate_features[1]; got {list(candidate_features)}")
+    bag = candidate_features[1]
+    slots = {}
+    for group in (g for g in (sequence, negatives) if g is not None):
+        names = schema.group(group).feature_names[1:]
+        if not names or any(tables[f] != tables[bag] for f in names):
+            raise ValueError(f"model.item_attributes=true: the features after the item in group {group!r} "
+                             f"({names}) must all be attributes in the table of {bag!r} ({tables[bag]!r}); "
+                             f"set data.seqrec.event_attrs >= 1")
+        slots[group] = names
+    counts = {len(v) for v in slots.values()}
+    max_ids = next(f.max_ids for f in schema.id_features if f.name == bag)
+    if len(counts) != 1 or max_ids != counts.pop():
+        raise ValueError(f"model.item_attributes=true: the candidate's bag {bag!r} holds up to {max_ids} attributes "
+                         f"but the events carry {[len(v) for v in slots.values()]}; set data.seqrec.max_attrs equal "
+                         f"to data.seqrec.event_attrs so that training and ranking score the same item")
+    return slots
