@@ -65,7 +65,8 @@ def _model(schema, block="interformer", **kwargs):
 
 def _batch(out, split="train", batch_size=8):
     schema = schema_from_files(split_files(out, split))
-    return schema, next(iter(build_loader(split_files(out, split), schema, batch_size, num_workers=0)))
+    options = {"balance": split == "train"}  # evaluation rows in file order, as the trainer reads them
+    return schema, next(iter(build_loader(split_files(out, split), schema, batch_size, num_workers=0, options=options)))
 
 
 @pytest.mark.parametrize("in_batch", [1000, 5])
@@ -141,6 +142,26 @@ def test_item_attributes_score_an_item_alike_in_training_and_ranking(tmp_path):
     loss.sum().backward()
     assert arch.attr_proj.weight.grad.abs().sum() > 0
 
+
+
+def test_ranking_encodes_each_users_history_once_with_the_same_scores(generative_data):
+    """A user's 1 + 9 evaluation rows share one encoding of the history; the scores equal those of
+    encoding every row."""
+    from gem.data.jagged import offsets_to_lengths
+    from gem.models.generative import _distinct_runs
+
+    _, out = generative_data
+    schema, batch = _batch(out, "test", batch_size=100)
+    model = _model(schema).eval()
+    arch = model.dense_arch
+    sparse = model.sparse_arch(batch.sparse, batch.sequences, batch.max_seq_len)
+    keep, inverse = _distinct_runs(sparse.sequences["hist"], [sparse.pooled["user_id"]])
+    assert keep.numel() == 10 and inverse.tolist() == [i // 10 for i in range(100)]
+    s = sparse.sequences["hist"]
+    h = arch.encode(sparse)  # every row
+    last = h[(s.offsets[1:] - 1).clamp_min(0)] * (offsets_to_lengths(s.offsets) > 0).unsqueeze(1)
+    expected = arch._rows(last, sparse.pooled["item_id"])
+    torch.testing.assert_close(model(batch).squeeze(1), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_item_attributes_need_the_bag_to_hold_what_an_event_carries(generative_data):

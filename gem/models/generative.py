@@ -29,11 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gem.data.jagged import offsets_to_lengths, segment_ids
+from gem.data.jagged import lengths_to_offsets, offsets_to_lengths, segment_ids
 from gem.data.schema import FeatureSchema
 from gem.models.interformer import NonSequenceSummary
 from gem.models.sequence import JaggedSelfAttention, PersonalizedFFN, jagged_positions, linear_flops, rotary_tables
-from gem.sparse.arch import SparseOutput
+from gem.sparse.arch import JaggedEmbeddings, SparseOutput
 
 BLOCKS = ("interformer", "kunlun")
 SIMILARITIES = ("cosine", "dot")
@@ -175,16 +175,35 @@ class GenerativeSeqArch(nn.Module):
 
     def forward(self, sparse: SparseOutput, dense: torch.Tensor, domain: torch.Tensor,
                 ids: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        h = self.encode(sparse)
-        s = sparse.sequences[self.sequence]
         if self.training:
-            return self.next_event_loss(h, sparse, ids).view(1, 1)
-        lengths = offsets_to_lengths(s.offsets)
-        last = h[(s.offsets[1:] - 1).clamp_min(0)] * (lengths > 0).unsqueeze(1)  # [B, D_item]; zeros if empty
+            return self.next_event_loss(self.encode(sparse), sparse, ids).view(1, 1)
+        last = self.last_states(sparse)
         candidates = sparse.pooled[self.candidate]
         if self.attr_proj is not None:  # the bag of the candidate's attributes, summed by the SparseArch
             candidates = candidates + self.attr_proj(sparse.pooled[self.candidate_attrs])
         return self._rows(last, candidates).unsqueeze(1)
+
+    def last_states(self, sparse: SparseOutput) -> torch.Tensor:
+        """``[B, D_item]``: ``H`` after each row's last event (zeros for an empty history).
+
+        Ranking rows come as runs of one user's history with one candidate each (1 + 99 rows per
+        user in gem.data.seqrec): each run of consecutive rows whose user tokens and history are
+        the same is encoded once and its state shared, which gives the same numbers."""
+        s = sparse.sequences[self.sequence]
+        keep, inverse = _distinct_runs(s, [sparse.pooled[f] for f in self.user_features])
+        if keep is not None:
+            lengths = offsets_to_lengths(s.offsets)[keep]
+            offsets = lengths_to_offsets(lengths)
+            total = int(offsets[-1])
+            rows = torch.repeat_interleave(s.offsets[:-1][keep], lengths, output_size=total)
+            rows = rows + jagged_positions(offsets, total)
+            sparse = SparseOutput({f: sparse.pooled[f][keep] for f in self.user_features},
+                                  {self.sequence: JaggedEmbeddings(s.values[rows], offsets, s.max_len)})
+            s = sparse.sequences[self.sequence]
+        h = self.encode(sparse)
+        lengths = offsets_to_lengths(s.offsets)
+        last = h[(s.offsets[1:] - 1).clamp_min(0)] * (lengths > 0).unsqueeze(1)
+        return last if keep is None else last[inverse]
 
     def next_event_loss(self, h: torch.Tensor, sparse: SparseOutput, ids: dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean over positions that have a next event of the sampled softmax loss of that event.
@@ -291,3 +310,25 @@ def _attribute_slots(schema: FeatureSchema, tables: dict[str, str], candidate_fe
                          f"but the events carry {[len(v) for v in slots.values()]}; set data.seqrec.max_attrs equal "
                          f"to data.seqrec.event_attrs so that training and ranking score the same item")
     return slots
+
+
+def _distinct_runs(s: JaggedEmbeddings, users: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Rows equal to the row before them (same length, same event embeddings, same user tokens):
+    ``keep`` (the first row of each run) and ``inverse`` (each row's run), or ``(None, None)``
+    when no two neighbours are equal."""
+    lengths = offsets_to_lengths(s.offsets)
+    num_rows, total = lengths.numel(), s.values.shape[0]
+    if num_rows < 2:
+        return None, None
+    same = torch.zeros(num_rows, dtype=torch.bool, device=lengths.device)
+    same[1:] = lengths[1:] == lengths[:-1]
+    for u in users:
+        same[1:] &= (u[1:] == u[:-1]).all(1)
+    seg = segment_ids(s.offsets, total)
+    back = (torch.arange(total, device=lengths.device) - lengths[seg]).clamp_min(0)  # the row before's event
+    differs = (s.values != s.values[back]).any(1).to(torch.int32)
+    same &= torch.zeros(num_rows, dtype=torch.int32, device=lengths.device).index_add_(0, seg, differs) == 0
+    if not bool(same.any()):
+        return None, None
+    inverse = torch.cumsum((~same).to(torch.int64), 0) - 1
+    return (~same).nonzero().squeeze(1), inverse
