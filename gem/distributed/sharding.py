@@ -111,11 +111,38 @@ def explicit_plan(sparse_arch: nn.Module, per_table: Mapping[str, str], world_si
     return ShardingPlan(plan)
 
 
-def planner_plan(sparse_arch: nn.Module, sharders: Sequence, pg: dist.ProcessGroup, world_size: int,
+def sharders() -> list:
+    """The TorchRec sharders of SparseArch's two collections (pooled bags, per-event rows)."""
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    return [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]
+
+
+def fuse_optimizer(sparse_arch: nn.Module, optimizer: str, lr: float, eps: float) -> None:
+    """Attach the in-backward optimizer to the tables (before planning: TorchRec's planner sizes the
+    optimizer state from it, and the sharded tables fuse it into FBGEMM's backward)."""
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    apply_optimizer_in_backward(_optimizer(optimizer), sparse_arch.parameters(), {"lr": lr, "eps": eps})
+
+
+def planner_plan(sparse_arch: nn.Module, sharders: Sequence, pg: dist.ProcessGroup | None, world_size: int,
                  local_size: int, device_type: str, hbm_gb: float | None,
-                 constraints: Mapping[str, Sequence[str]] | None):
+                 constraints: Mapping[str, Sequence[str]] | None, *, batch_size: int | None = None,
+                 reserved_bytes: int | None = None, intra_node_gbps: float | None = None,
+                 inter_node_gbps: float | None = None):
     """TorchRec's planner: enumerates shardings allowed by ``constraints`` (table -> sharding types),
-    fits them in ``hbm_gb`` per rank, picks the cheapest by its cost model; rank 0 plans, all receive it."""
+    fits them in ``hbm_gb`` per rank, picks the cheapest by its cost model.
+
+    With ``pg``, rank 0 plans and every rank receives its plan (training); without, this process
+    plans for ``world_size`` ranks on its own (``python -m gem.plan``: no process group, a meta
+    SparseArch). ``reserved_bytes`` per rank are kept out of the tables' budget (the dense part
+    and activations); None keeps TorchRec's default reservation (15% plus its own estimate).
+    ``batch_size`` (per rank) and the bandwidths (GB/s) feed the planner's cost model.
+    """
+    import warnings
+
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 
     names = [t.name for t in sparse_arch.tables]
@@ -125,25 +152,126 @@ def planner_plan(sparse_arch: nn.Module, sharders: Sequence, pg: dist.ProcessGro
         bad = [s for s in types if s not in SHARDING_TYPES]
         if bad:
             raise ValueError(f"sparse.constraints.{table}: {bad} not in {list(SHARDING_TYPES)}")
+    bandwidths = {}
+    for key, gbps in (("intra_host_bw", intra_node_gbps), ("inter_host_bw", inter_node_gbps)):
+        if gbps:
+            bandwidths[key] = gbps * 1e9 / 1000  # TorchRec's unit: bytes per ms
     topology = Topology(world_size=world_size, local_world_size=local_size, compute_device=device_type,
-                        hbm_cap=int(hbm_gb * 1024**3) if hbm_gb else None)
+                        hbm_cap=int(hbm_gb * 1024**3) if hbm_gb else None, **bandwidths)
+    extra = {}
+    if reserved_bytes is not None:
+        from torchrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
+
+        with warnings.catch_warnings():  # its FutureWarning is about the estimate passed here
+            warnings.simplefilter("ignore", FutureWarning)
+            extra["storage_reservation"] = HeuristicalStorageReservation(percentage=0.0,
+                                                                         dense_tensor_estimate=int(reserved_bytes))
     planner = EmbeddingShardingPlanner(
-        topology=topology,
+        topology=topology, batch_size=batch_size, debug=pg is not None,  # its stats table: in training logs only
         constraints={t: ParameterConstraints(sharding_types=list(s)) for t, s in (constraints or {}).items()} or None,
+        **extra,
     )
+    if pg is None:
+        return planner.plan(sparse_arch, list(sharders))
     return planner.collective_plan(sparse_arch, list(sharders), pg)
+
+
+# -- plan files: a plan made by `python -m gem.plan` (or saved by a run), loaded with sparse.plan_file ----------
+
+PLAN_FORMAT = "gem.sharding_plan"
+PLAN_VERSION = 1
+
+
+def plan_to_dict(plan, sparse_arch: nn.Module, world_size: int, local_size: int, device_type: str) -> dict:
+    """A TorchRec ShardingPlan as plain JSON data: per table its module, shape, sharding type,
+    compute kernel, ranks and shards (offsets, sizes, rank); device-neutral placements."""
+    specs = {t.name: t for t in sparse_arch.tables}
+    tables = {}
+    for attr in _MODULES:
+        for name, ps in (plan.plan.get(attr) or {}).items():
+            shards = [{"offsets": list(m.shard_offsets), "sizes": list(m.shard_sizes), "rank": m.placement.rank()}
+                      for m in (ps.sharding_spec.shards if ps.sharding_spec is not None else [])]
+            tables[name] = {"module": attr, "rows": specs[name].num_embeddings, "dim": specs[name].embedding_dim,
+                            "sharding_type": ps.sharding_type, "compute_kernel": ps.compute_kernel,
+                            "ranks": list(ps.ranks) if ps.ranks is not None else None, "shards": shards}
+    return {"format": PLAN_FORMAT, "version": PLAN_VERSION, "world_size": world_size,
+            "local_world_size": local_size, "device": device_type, "tables": tables}
+
+
+def plan_from_dict(data: Mapping, sparse_arch: nn.Module, world_size: int, local_size: int, device_type: str,
+                   where: str = "sparse.plan_file"):
+    """The ShardingPlan of :func:`plan_to_dict`'s data, checked against this run's tables and world."""
+    from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
+    from torchrec.distributed.sharding_plan import placement
+    from torchrec.distributed.types import EmbeddingModuleShardingPlan, ParameterSharding, ShardingPlan
+
+    if data.get("format") != PLAN_FORMAT or data.get("version") != PLAN_VERSION:
+        raise ValueError(f"{where}: not a gem sharding plan (format {data.get('format')!r} version "
+                         f"{data.get('version')!r}, expected {PLAN_FORMAT!r} {PLAN_VERSION}); write one with "
+                         f"python -m gem.plan")
+    if data["world_size"] != world_size:
+        raise ValueError(f"{where}: the plan is for {data['world_size']} ranks, this run shards over {world_size}; "
+                         f"plan again with plan.world_size={world_size}, or launch {data['world_size']} ranks")
+    if data.get("local_world_size", local_size) != local_size:
+        raise ValueError(f"{where}: the plan is for nodes of {data['local_world_size']} ranks, this run has "
+                         f"{local_size} per node; plan again with plan.gpus_per_node={local_size}")
+    specs = {t.name: t for t in sparse_arch.tables}
+    tables = data["tables"]
+    if set(tables) != set(specs):
+        raise ValueError(f"{where}: the plan's tables {sorted(tables)} are not this model's {sorted(specs)}; plan "
+                         f"again with this run's data.schema and sparse.* settings")
+    for name, t in tables.items():
+        spec = specs[name]
+        if (t["rows"], t["dim"], t["module"]) != (spec.num_embeddings, spec.embedding_dim, "ebc" if spec.pooled else "ec"):
+            raise ValueError(f"{where}: table {name} is {t['rows']} x {t['dim']} in the plan, {spec.num_embeddings} x "
+                             f"{spec.embedding_dim} in this model; plan again with this run's data.schema and sparse.*")
+    if data.get("device") != device_type:
+        logger.warning("%s was planned for %s devices, this run is on %s", where, data.get("device"), device_type)
+    plan = {}
+    for attr in _MODULES:
+        module_plan = {}
+        for name, t in tables.items():
+            if t["module"] != attr:
+                continue
+            spec = None
+            if t["shards"]:
+                spec = EnumerableShardingSpec([ShardMetadata(shard_offsets=list(s["offsets"]), shard_sizes=list(s["sizes"]),
+                                                             placement=placement(device_type, s["rank"], local_size))
+                                               for s in t["shards"]])
+            module_plan[name] = ParameterSharding(sharding_type=t["sharding_type"], compute_kernel=t["compute_kernel"],
+                                                  ranks=t["ranks"], sharding_spec=spec)
+        if module_plan:
+            plan[attr] = EmbeddingModuleShardingPlan(module_plan)
+    return ShardingPlan(plan)
+
+
+def load_plan_file(path: str, sparse_arch: nn.Module, world_size: int, local_size: int, device_type: str):
+    """The ShardingPlan in a plan file (JSON, written by ``python -m gem.plan``; its ``sharding`` key)."""
+    import json
+
+    try:
+        data = json.loads(open(path).read())
+    except OSError as e:
+        raise ValueError(f"sparse.plan_file={path!r} cannot be read ({e.strerror}); write it with python -m gem.plan "
+                         f"plan.out={path}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"sparse.plan_file={path!r} is not JSON ({e})") from None
+    return plan_from_dict(data.get("sharding", data), sparse_arch, world_size, local_size, device_type,
+                          f"sparse.plan_file={path!r}")
 
 
 def shard_sparse_arch(sparse_arch: nn.Module, device: torch.device, sparse_lr: float, sparse_eps: float,
                       sharding_type: str | None = None, pg: dist.ProcessGroup | None = None, *,
                       plan: Mapping[str, str] | None = None, hbm_gb: float | None = None,
                       constraints: Mapping[str, Sequence[str]] | None = None, optimizer: str = "rowwise_adagrad",
-                      sharding_group_size: int | None = None) -> nn.Module:
+                      sharding_group_size: int | None = None, plan_file: str | None = None) -> nn.Module:
     """Shard ``sparse_arch``'s tables over the ranks of ``pg`` with TorchRec.
 
     Args:
         sharding_type / plan: explicit plan: ``plan`` (table -> sharding string), tables not in it
             take ``sharding_type``. Neither: TorchRec's planner with ``hbm_gb`` and ``constraints``.
+        plan_file: a plan saved by ``python -m gem.plan`` (shard by shard, for this world size):
+            the dry run's placement, instead of planning again.
         optimizer: the embedding optimizer, fused into the backward pass: after ``loss.backward()``
             the sharded tables are already updated, there is no separate step (data-parallel tables
             are stepped by gem.train.optim with the same rule).
@@ -152,11 +280,8 @@ def shard_sparse_arch(sparse_arch: nn.Module, device: torch.device, sparse_lr: f
 
     The plan is logged as a table (see :func:`format_plan`).
     """
-    from torchrec.distributed.embedding import EmbeddingCollectionSharder
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv
-    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     if device.type == "cuda" and not fbgemm_has_kernels("cuda"):
         raise ValueError(f"sparse=torchrec with sparse.shard=true on CUDA runs FBGEMM's CUDA kernels, but the "
@@ -177,25 +302,31 @@ def shard_sparse_arch(sparse_arch: nn.Module, device: torch.device, sparse_lr: f
     if sharding_type is not None and sharding_type not in EXPLICIT_TYPES:
         raise ValueError(f"sparse.sharding_type={sharding_type!r}: explicit plans support {list(EXPLICIT_TYPES)}; "
                          f"leave it null and use sparse.constraints to let the planner choose")
-    lr_eps = {"lr": sparse_lr, "eps": sparse_eps}
-    apply_optimizer_in_backward(_optimizer(optimizer), sparse_arch.parameters(), lr_eps)
-    sharders = [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]
-    if plan or sharding_type is not None:
+    if plan_file and (plan or sharding_type is not None):
+        raise ValueError("sparse.plan_file and sparse.plan / sparse.sharding_type both give a plan; keep one "
+                         "(sparse.plan={} sparse.sharding_type=null to use the file)")
+    fuse_optimizer(sparse_arch, optimizer, sparse_lr, sparse_eps)
+    table_sharders = sharders()
+    if plan_file:
+        sharding_plan = load_plan_file(plan_file, sparse_arch, world_size, local_size, device.type)
+        source = f"plan file {plan_file}"
+    elif plan or sharding_type is not None:
         per_table = {t.name: (plan or {}).get(t.name, sharding_type) for t in sparse_arch.tables}
         per_table = {k: v for k, v in per_table.items() if v is not None}
         sharding_plan = explicit_plan(sparse_arch, per_table, world_size, local_size, device.type)
+        source = "explicit"
     else:
-        sharding_plan = planner_plan(sparse_arch, sharders, pg, world_size, local_size, device.type, hbm_gb,
+        sharding_plan = planner_plan(sparse_arch, table_sharders, pg, world_size, local_size, device.type, hbm_gb,
                                      constraints)
-    source = "explicit" if plan or sharding_type else "TorchRec planner"
+        source = "TorchRec planner"
     logger.info("sparse sharding plan (%s):\n%s", source, format_plan(sharding_plan, sparse_arch, world_size))
     if sharding_group_size:
         from torchrec.distributed.model_parallel import DMPCollection
 
         return DMPCollection(sparse_arch, device=device, plan=sharding_plan, world_size=dist.get_world_size(pg),
-                             sharding_group_size=sharding_group_size, global_pg=pg, sharders=sharders)
+                             sharding_group_size=sharding_group_size, global_pg=pg, sharders=table_sharders)
     return DistributedModelParallel(sparse_arch, env=ShardingEnv.from_process_group(pg), device=device,
-                                    plan=sharding_plan, sharders=sharders)
+                                    plan=sharding_plan, sharders=table_sharders)
 
 
 def plan_rows(plan, sparse_arch: nn.Module, world_size: int) -> list[dict]:

@@ -45,6 +45,7 @@ class SparseConfig:
     plan: dict[str, str] = field(default_factory=dict)  # table -> table_wise[:rank] | row_wise | column_wise | table_row_wise[:node] | data_parallel
     constraints: dict[str, list[str]] = field(default_factory=dict)  # planner only: table -> allowed sharding types
     hbm_gb: Optional[float] = None  # planner only: per-rank memory budget for the tables (None: TorchRec's default)
+    plan_file: Optional[str] = None  # a plan written by `python -m gem.plan` (its placement, shard by shard)
     sharding_group_size: Optional[int] = None  # CUDA: TorchRec DMPCollection, shard in groups, replicate across
     pipeline: Optional[bool] = None  # TorchRec's TrainPipelineSparseDist (sharded tables only); None: on CUDA
     embedding_dim: int = 16
@@ -138,6 +139,30 @@ class CheckpointConfig:
 
 
 @dataclass
+class PlanConfig:
+    """``python -m gem.plan`` (gem/plan, docs/planning.md): the cluster to plan for and the step-time
+    model's constants. Training ignores it."""
+
+    world_size: int = 8  # ranks (GPUs) to plan for
+    gpus_per_node: int = 8
+    device: str = "cuda"  # the planner's compute device: cuda | cpu
+    hbm_gb: float = 141.0  # GiB per device
+    reserve_gb: float = 6.0  # per device, kept free: CUDA context, NCCL buffers, allocator slack
+    activations: str = "probe"  # probe (a CPU forward of a few examples) | none
+    history_fill: Optional[float] = None  # mean history as a fraction of max_len; None: from the data config / files
+    out: Optional[str] = None  # the plan file; None: <trainer.run_dir>/plan.json
+    peak_tflops: float = 989.0  # dense bf16 peak per device (H200)
+    mfu: float = 0.25  # dense compute efficiency (model FLOPs / peak while computing)
+    hbm_gbps: float = 4800.0  # device memory bandwidth (H200: 4.8 TB/s)
+    embedding_efficiency: float = 0.1  # achieved share of hbm_gbps in the table lookups and updates
+    intra_node_gbps: float = 360.0  # achieved all-to-all / collective bandwidth per GPU inside a node (NVLink)
+    inter_node_gbps: float = 40.0  # achieved per GPU across nodes (e.g. 400 Gb/s InfiniBand)
+    collective_latency_ms: float = 0.05  # fixed cost per collective call
+    step_overhead_ms: float = 0.0  # per step: launch gaps, host work the pipeline does not hide
+    scaling: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096])
+
+
+@dataclass
 class Config:
     name: str = "default"
     data: DataConfig = field(default_factory=DataConfig)
@@ -148,6 +173,7 @@ class Config:
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
 
 def _one_of(key: str, value: Any, allowed: tuple) -> None:
@@ -230,7 +256,32 @@ def validate(cfg: DictConfig | dict) -> Config:
     _positive("checkpoint.every_steps", c.every_steps, allow_zero=True)
     _positive("checkpoint.keep_last", c.keep_last, allow_zero=True)
     _one_of("checkpoint.verify", c.verify, ("checksum", "size"))
+    check_plan(config.plan)
     return config
+
+
+def check_plan(p: PlanConfig) -> None:
+    """The plan.* values (``python -m gem.plan``)."""
+    _positive("plan.world_size", p.world_size)
+    _positive("plan.gpus_per_node", p.gpus_per_node)
+    if p.world_size > p.gpus_per_node and p.world_size % p.gpus_per_node:
+        raise ConfigError(f"plan.world_size={p.world_size} is not a whole number of nodes of plan.gpus_per_node="
+                          f"{p.gpus_per_node}; set plan.world_size={p.world_size // p.gpus_per_node * p.gpus_per_node}")
+    _one_of("plan.device", p.device, ("cuda", "cpu"))
+    _one_of("plan.activations", p.activations, ("probe", "none"))
+    for key in ("hbm_gb", "peak_tflops", "hbm_gbps", "intra_node_gbps", "inter_node_gbps"):
+        _positive(f"plan.{key}", getattr(p, key))
+    for key in ("reserve_gb", "collective_latency_ms", "step_overhead_ms"):
+        _positive(f"plan.{key}", getattr(p, key), allow_zero=True)
+    for key in ("mfu", "embedding_efficiency"):
+        if not 0 < getattr(p, key) <= 1:
+            raise ConfigError(f"plan.{key}={getattr(p, key)} must be in (0, 1]")
+    if p.reserve_gb >= p.hbm_gb:
+        raise ConfigError(f"plan.reserve_gb={p.reserve_gb} leaves nothing of plan.hbm_gb={p.hbm_gb}")
+    if p.history_fill is not None and not 0 <= p.history_fill <= 1:
+        raise ConfigError(f"plan.history_fill={p.history_fill} must be in [0, 1] (a fraction of max_len)")
+    if not p.scaling or any(n < 1 for n in p.scaling):
+        raise ConfigError(f"plan.scaling={p.scaling} must list GPU counts >= 1")
 
 
 # Sizes of gem's dense archs (configs/model/*.yaml), checked by name wherever a gem.models arch has them.

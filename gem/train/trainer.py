@@ -144,7 +144,8 @@ def build_model(config: Config, schema: FeatureSchema, env: DistEnv, timer: Star
             with timer.phase("sharding"):
                 sparse = shard_sparse_arch(sparse, env.device, config.optim.sparse.lr, config.optim.sparse.eps,
                                            s.sharding_type, plan=s.plan, hbm_gb=s.hbm_gb, constraints=s.constraints,
-                                           optimizer=config.optim.sparse.name, sharding_group_size=s.sharding_group_size)
+                                           optimizer=config.optim.sparse.name, sharding_group_size=s.sharding_group_size,
+                                           plan_file=s.plan_file)
         except ValueError as e:  # plan errors name the sparse.* key; every rank raises the same one
             raise ConfigError(str(e)) from None
     else:

@@ -1,0 +1,124 @@
+"""``python -m gem.plan``: TorchRec's planner for a cluster on one CPU, the memory per rank, the plan
+file a run loads with ``sparse.plan_file``, and the step-time model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from gem.plan.planner import GiB, dense_memory, make_plan, table_memory
+from gem.train.config import ConfigError, validate
+from tests.conftest import compose
+from tests.test_distributed import _errors, torchrun
+
+
+def _plan(*overrides):
+    return make_plan(validate(compose(["debug=tiny", *overrides])))
+
+
+def test_the_trainer_uses_the_placement_of_a_plan_file(tmp_path):
+    """Plan for two CPU ranks, then train on two ranks with sparse.plan_file: the logged plan is the file's."""
+    from gem.distributed.sharding import format_plan, load_plan_file
+    from gem.plan.__main__ import main
+    from gem.sparse.arch import SparseArch
+    from gem.train.config import validate as check
+
+    path = tmp_path / "plan.json"
+    overrides = ["debug=tiny", "plan.world_size=2", "plan.gpus_per_node=2", "plan.device=cpu", f"plan.out={path}"]
+    assert main(overrides) == 0
+    data = json.loads(path.read_text())
+    assert data["cluster"]["world_size"] == 2 and data["sharding"]["world_size"] == 2
+    config = check(compose(["debug=tiny"]))
+    from gem.data.schema import FeatureSchema
+
+    arch = SparseArch.from_config(FeatureSchema.from_config(config.data.schema), config.sparse.embedding_dim,
+                                  device="meta")
+    expected = format_plan(load_plan_file(str(path), arch, 2, 2, "cpu"), arch, 2)
+    run_dir = tmp_path / "run"
+    proc = torchrun(["-m", "gem.train", "debug=tiny", f"trainer.run_dir={run_dir}", f"data.cache_dir={tmp_path}",
+                     "trainer.device=cpu", f"sparse.plan_file={path}", "trainer.max_steps=4", "trainer.log_every=2",
+                     "trainer.plots=false"], nproc=2)
+    assert proc.returncode == 0, _errors(proc.stderr)
+    log = (run_dir / "train.log").read_text()
+    assert f"sparse sharding plan (plan file {path}):\n{expected}" in log, log
+
+
+def test_a_plan_file_for_another_world_or_model_is_refused(tmp_path):
+    from gem.distributed.sharding import load_plan_file
+    from gem.sparse.arch import SparseArch
+
+    plan = _plan("plan.world_size=2", "plan.gpus_per_node=2", "plan.device=cpu")
+    path = plan.save(tmp_path / "plan.json")
+    arch = SparseArch.from_config(plan.schema, plan.config.sparse.embedding_dim, device="meta")
+    with pytest.raises(ValueError, match=r"the plan is for 2 ranks, this run shards over 4; plan again with "
+                                         r"plan.world_size=4"):
+        load_plan_file(str(path), arch, 4, 4, "cpu")
+    wider = SparseArch.from_config(plan.schema, 16, device="meta")
+    with pytest.raises(ValueError, match=r"table t_user_id is 2000 x 32 in the plan, 2000 x 16 in this model"):
+        load_plan_file(str(path), wider, 2, 2, "cpu")
+    with pytest.raises(ValueError, match=r"sparse.plan_file='/nonexistent.json' cannot be read"):
+        load_plan_file("/nonexistent.json", arch, 2, 2, "cpu")
+
+
+def test_a_large_cluster_is_planned_and_grouped_by_rank(tmp_path, capsys):
+    from gem.plan.__main__ import main
+
+    path = tmp_path / "plan.json"
+    assert main(["debug=tiny", "model=gem_tiny", "parallelism=hsdp", "plan.world_size=64", f"plan.out={path}"]) == 0
+    out = capsys.readouterr().out
+    assert "plan for 64 ranks (8 nodes of 8 cuda devices, 141 GiB each)" in out
+    assert "HSDP: shard over 8, replicate 8x" in out and "shards per rank:" in out and "ranks 0-" in out
+    assert "predicted step time" in out and "every rank fits" in out
+    data = json.loads(path.read_text())
+    assert len(data["sharding"]["tables"]) == 9 and data["memory_bytes"]["total"]["max"] > 0
+    assert [r["world_size"] for r in data["step_time"]["rows"]][:3] == [1, 2, 4]
+    assert main(["debug=tiny", "plan.world_size=12"]) == 1
+    assert capsys.readouterr().err.strip() == ("Error in the configuration: plan.world_size=12 is not a whole number "
+                                               "of nodes of plan.gpus_per_node=8; set plan.world_size=8")
+
+
+def test_over_budget_ranks_are_named_with_the_fix():
+    budget = ["plan.hbm_gb=0.0132", "plan.reserve_gb=0.001"]  # 12.5 MiB for ranks that need 13-15 MiB
+    plan = _plan("model=gem_tiny", "plan.world_size=8", *budget)
+    (warning,) = [w for w in plan.warnings if "ranks need more" in w]
+    assert "8 of 8 ranks need more than the 12.5 MiB budget" in warning and "mostly activations" in warning
+    assert "parallelism.activation_checkpointing=true" in warning and "data.batch_size=" in warning
+    fits = int(warning.split("data.batch_size=")[1].split()[0])
+    again = _plan("model=gem_tiny", "plan.world_size=8", *budget, f"data.batch_size={fits}")
+    assert not again.warnings, again.warnings  # the suggested batch fits
+    checkpointed = _plan("model=gem_tiny", "plan.world_size=8", "parallelism.activation_checkpointing=true")
+    assert checkpointed.memory["activations"][0] < plan.memory["activations"][0]
+
+
+def test_table_and_dense_memory_formulas():
+    sharding = {"tables": {
+        "t_a": {"sharding_type": "row_wise", "rows": 10, "dim": 4,
+                "shards": [{"rank": 0, "sizes": [5, 4]}, {"rank": 1, "sizes": [5, 4]}]},
+        "t_b": {"sharding_type": "data_parallel", "rows": 3, "dim": 2, "shards": []}}}
+    rowwise = table_memory(sharding, 2, "rowwise_adagrad")
+    assert rowwise["tables"].tolist() == [4 * 20 + 4 * 6] * 2
+    assert rowwise["table optimizer"].tolist() == [4 * 5 + 4 * 3] * 2  # one float per row (of each shard)
+    assert rowwise["data-parallel table grads"].tolist() == [4 * 6] * 2
+    assert table_memory(sharding, 2, "adam")["table optimizer"].tolist() == [8 * 20 + 8 * 6] * 2  # 2x the weights
+    config = validate(compose(["debug=tiny", "parallelism=hsdp"]))
+    from gem.distributed.parallel_dims import ParallelDims
+
+    mem = dense_memory(config, 1000, [400, 400], ParallelDims(-1, -1, 16, 8), fsdp=True)
+    assert mem["dense params"] == 4000 / 8 and mem["dense optimizer (AdamW)"] == 8000 / 8
+    assert mem["gathered dense blocks"] == 2 * (2 * 400 + 200) + 4 * 400  # bf16: two blocks and the root
+
+
+def test_the_step_time_model_scales_down_with_communication():
+    from gem.plan.steptime import step_time_table
+
+    plan = _plan("model=gem_tiny", "parallelism=hsdp", "data.batch_size=1024", "plan.world_size=64")
+    table = step_time_table(plan)
+    rows = {r.world_size: r for r in table.rows}
+    assert rows[1].parts_ms["all-to-all"] == 0 and rows[1].parts_ms["fsdp exposed"] == 0
+    assert rows[4096].parts_ms["all-to-all"] > rows[8].parts_ms["all-to-all"] > 0
+    assert all(0 < table.efficiency(r) <= 1.0 + 1e-9 for r in table.rows)
+    assert rows[4096].examples_per_s > rows[1].examples_per_s
+    assert np.isclose(rows[1].parts_ms["dense"], plan.flops_per_step / (989e12 * plan.config.plan.mfu) * 1e3)
+    assert GiB == 2**30
