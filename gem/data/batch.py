@@ -27,6 +27,8 @@ class Batch(Pipelineable):
         weights: optional ``[B]`` float32 example weights.
         request_id: optional ``[B]`` int64 candidate group: rows with one request id are the
             candidates scored for one request (one user); ranking metrics group by it.
+        teacher: optional ``[B, num_tasks]`` float32 logits of a teacher model (Parquet columns
+            ``teacher_<task>``; NaN for a task without a column), for distillation.
 
     Example, two examples with a history group ``hist`` of two features::
 
@@ -45,6 +47,7 @@ class Batch(Pipelineable):
     domain: torch.Tensor
     weights: torch.Tensor | None = None
     request_id: torch.Tensor | None = None
+    teacher: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

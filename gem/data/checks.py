@@ -22,6 +22,7 @@ case                    unit  what
 ``label_out_of_range``  row   an observed label outside ``[0, 1]`` (or NaN)
 ``domain_out_of_range`` row   ``domain`` outside ``[0, num_domains)``
 ``bad_weight``          row   a negative or non-finite weight
+``non_finite_teacher``  row   NaN or inf in a ``teacher_<task>`` logit column
 ======================  ====  =====================================================
 
 Beside these cases, the files of one data set must carry the same ``gem.schema`` metadata
@@ -44,12 +45,12 @@ import numpy as np
 import pyarrow as pa
 
 from gem.data.errors import DataError
-from gem.data.parquet import LAYOUT_VERSION, OPTIONAL_COLUMNS, READABLE_VERSIONS, arrow_schema
+from gem.data.parquet import LAYOUT_VERSION, READABLE_VERSIONS, arrow_schema, is_optional_column
 from gem.data.schema import FeatureSchema
 
 FILE_CASES = ("unreadable_file", "layout_version", "missing_column", "schema_mismatch")
 ROW_CASES = ("null_value", "id_out_of_range", "sequence_mismatch", "dense_length", "non_finite_dense",
-             "label_out_of_range", "domain_out_of_range", "bad_weight")
+             "label_out_of_range", "domain_out_of_range", "bad_weight", "non_finite_teacher")
 CASES = FILE_CASES + ROW_CASES
 
 logger = logging.getLogger("gem")
@@ -92,10 +93,10 @@ def file_violations(file_schema: pa.Schema, schema: FeatureSchema) -> list[Viola
         out.append(Violation("layout_version", None, None,
                              f"gem.layout_version {version} is not one of {list(READABLE_VERSIONS)}; upgrade gem or "
                              f"rewrite the file as layout v{LAYOUT_VERSION}"))
-    expected = arrow_schema(schema, with_weight=True, with_request_id=True)
+    expected = arrow_schema(schema, with_weight=True, with_request_id=True, teacher_tasks=schema.tasks)
     for field in expected:
         if field.name not in file_schema.names:
-            if field.name not in OPTIONAL_COLUMNS:
+            if not is_optional_column(field.name):
                 out.append(Violation("missing_column", field.name, None,
                                      f"missing; layout v{LAYOUT_VERSION} needs it (gem/data/parquet.py)"))
             continue
@@ -185,6 +186,12 @@ def row_violations(table: pa.Table, schema: FeatureSchema) -> list[tuple[str, st
         add("bad_weight", "weight", ~np.isfinite(weight) | (weight < 0), "negative or not finite; weights are >= 0")
     if "request_id" in table.column_names:
         scalar("request_id", np.int64)
+    for task in schema.tasks:
+        if f"teacher_{task}" in table.column_names:
+            logit = scalar(f"teacher_{task}", np.float64)
+            add("non_finite_teacher", f"teacher_{task}", ~np.isfinite(logit),
+                "NaN or inf teacher logit; re-export the teacher's outputs (python -m gem.transfer.export) from a "
+                "checkpoint that trained without NaNs")
     return out
 
 

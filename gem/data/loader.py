@@ -40,7 +40,7 @@ from gem.data.balance import deal_by_length
 from gem.data.batch import Batch
 from gem.data.checks import Violation, check_same_schema, error_policy, file_violations, row_violations
 from gem.data.errors import DataError
-from gem.data.parquet import OPTIONAL_COLUMNS, arrow_schema, table_to_batch
+from gem.data.parquet import OPTIONAL_COLUMNS, arrow_schema, present_teachers, table_to_batch, teacher_columns
 from gem.data.schema import FeatureSchema
 
 logger = logging.getLogger("gem")
@@ -123,7 +123,8 @@ class StreamingParquetReader(torch.utils.data.IterableDataset):
         self.rotation = 0  # DataLoader worker i plays worker (i + rotation) % num_workers
         self.plan_stats: Counter = Counter()
         self._units, optional = self._plan_units()
-        target = arrow_schema(schema, with_weight="weight" in optional, with_request_id="request_id" in optional)
+        target = arrow_schema(schema, with_weight="weight" in optional, with_request_id="request_id" in optional,
+                              teacher_tasks=present_teachers(optional, schema))  # in every file
         self._target = target.remove_metadata()
         self._cache: tuple[_Unit, pa.Table | None] | None = None
 
@@ -131,7 +132,7 @@ class StreamingParquetReader(torch.utils.data.IterableDataset):
     def _plan_units(self) -> tuple[list[_Unit], set[str]]:
         """Row groups of every usable file; a bad file fails or is skipped (and counted) by policy."""
         units: list[_Unit] = []
-        optional = set(OPTIONAL_COLUMNS)
+        optional = set(OPTIONAL_COLUMNS) | set(teacher_columns(self.schema))
         footers: list[tuple[pa.Schema, pq.FileMetaData] | Violation] = []
         reference: tuple[Path, FeatureSchema] | None = None  # the first file with gem.schema metadata
         for path in self.files:  # every file's gem.schema first: an odd file is named as such

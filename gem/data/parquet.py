@@ -16,6 +16,8 @@ column               Arrow type                  meaning
 ``weight``           ``float32`` (optional)      example weight
 ``request_id``       ``int64`` (optional, v2)    candidate group: the rows scored together for
                                                  one request (ranking evaluation)
+``teacher_<k>``      ``float32`` (optional)      a teacher model's logit for task k
+                                                 (knowledge transfer, docs/transfer.md)
 ===================  ==========================  ==============================================
 
 Version 2 added ``request_id``; a version 1 file is a version 2 file without it.
@@ -51,9 +53,20 @@ from gem.data.schema import FeatureSchema
 LAYOUT_VERSION = "2"
 READABLE_VERSIONS = ("1", "2")
 OPTIONAL_COLUMNS = ("weight", "request_id")
+TEACHER_PREFIX = "teacher_"  # optional ``teacher_<task>`` float32 columns: a teacher's logits
 
 
-def arrow_schema(schema: FeatureSchema, with_weight: bool = False, with_request_id: bool = False) -> pa.Schema:
+def teacher_columns(schema: FeatureSchema) -> list[str]:
+    """The optional teacher-logit column of every task of ``schema``."""
+    return [f"{TEACHER_PREFIX}{t}" for t in schema.tasks]
+
+
+def is_optional_column(name: str) -> bool:
+    return name in OPTIONAL_COLUMNS or name.startswith(TEACHER_PREFIX)
+
+
+def arrow_schema(schema: FeatureSchema, with_weight: bool = False, with_request_id: bool = False,
+                 teacher_tasks: tuple[str, ...] | list[str] = ()) -> pa.Schema:
     ids = pa.list_(pa.int64())
     fields = [pa.field(n, ids) for n in schema.id_feature_names + schema.sequence_feature_names]
     fields.append(pa.field("dense", pa.list_(pa.float32())))
@@ -64,6 +77,7 @@ def arrow_schema(schema: FeatureSchema, with_weight: bool = False, with_request_
         fields.append(pa.field("weight", pa.float32()))
     if with_request_id:
         fields.append(pa.field("request_id", pa.int64()))
+    fields += [pa.field(f"{TEACHER_PREFIX}{t}", pa.float32()) for t in schema.tasks if t in teacher_tasks]
     metadata = {"gem.layout_version": LAYOUT_VERSION, "gem.schema": json.dumps(schema.to_config())}
     return pa.schema(fields, metadata=metadata)
 
@@ -73,7 +87,7 @@ def write_parquet(table: pa.Table, path: str | Path, schema: FeatureSchema, row_
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     target = arrow_schema(schema, with_weight="weight" in table.column_names,
-                          with_request_id="request_id" in table.column_names)
+                          with_request_id="request_id" in table.column_names, teacher_tasks=present_teachers(table.column_names, schema))
     missing = [n for n in target.names if n not in table.column_names]
     if missing:
         raise ValueError(f"write_parquet: the table lacks columns {missing} of the gem layout v{LAYOUT_VERSION}")
@@ -81,6 +95,11 @@ def write_parquet(table: pa.Table, path: str | Path, schema: FeatureSchema, row_
     tmp = path.with_name(path.name + ".tmp")
     pq.write_table(table, tmp, row_group_size=row_group_size)
     tmp.replace(path)
+
+
+def present_teachers(names, schema: FeatureSchema) -> tuple[str, ...]:
+    """The tasks of ``schema`` whose ``teacher_<task>`` column is among ``names``."""
+    return tuple(t for t in schema.tasks if f"{TEACHER_PREFIX}{t}" in names)
 
 
 def list_parquet_files(directory: str | Path) -> list[Path]:
@@ -192,7 +211,8 @@ class ParquetBatchReader(torch.utils.data.IterableDataset):
         if problems:
             raise DataError(f"{path}: " + "; ".join(map(str, problems)))
         names = file.schema_arrow.names
-        target = arrow_schema(self.schema, with_weight="weight" in names, with_request_id="request_id" in names)
+        target = arrow_schema(self.schema, with_weight="weight" in names, with_request_id="request_id" in names,
+                              teacher_tasks=present_teachers(names, self.schema))
         target = target.remove_metadata()
         try:
             table = file.read(columns=target.names)
@@ -289,6 +309,10 @@ def table_to_batch(table: pa.Table, schema: FeatureSchema) -> tuple[Batch, int]:
         optional["weights"] = torch.from_numpy(table.column("weight").to_numpy().astype(np.float32))
     if "request_id" in table.column_names:
         optional["request_id"] = torch.from_numpy(table.column("request_id").to_numpy().astype(np.int64))
+    if any(f"{TEACHER_PREFIX}{t}" in table.column_names for t in tasks):  # absent tasks: NaN
+        optional["teacher"] = torch.from_numpy(np.stack(
+            [table.column(f"{TEACHER_PREFIX}{t}").to_numpy().astype(np.float32) if f"{TEACHER_PREFIX}{t}" in
+             table.column_names else np.full(num_rows, np.nan, np.float32) for t in tasks], axis=1))
     batch = Batch(
         sparse=sparse,
         sequences=sequences,
