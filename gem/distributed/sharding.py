@@ -119,12 +119,22 @@ def sharders() -> list:
     return [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]
 
 
-def fuse_optimizer(sparse_arch: nn.Module, optimizer: str, lr: float, eps: float) -> None:
+def fuse_optimizer(sparse_arch: nn.Module, optimizer: str, lr: float, eps: float,
+                   frozen_tables: Sequence[str] = ()) -> None:
     """Attach the in-backward optimizer to the tables (before planning: TorchRec's planner sizes the
-    optimizer state from it, and the sharded tables fuse it into FBGEMM's backward)."""
+    optimizer state from it, and the sharded tables fuse it into FBGEMM's backward).
+
+    ``frozen_tables`` (checkpoint.init_frozen) get learning rate 0: other optimizer arguments put
+    them in an FBGEMM kernel group of their own, so their weights stay bit-identical."""
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-    apply_optimizer_in_backward(_optimizer(optimizer), sparse_arch.parameters(), {"lr": lr, "eps": eps})
+    frozen = {id(sparse_arch.table_weight(t)) for t in frozen_tables}
+    params = list(sparse_arch.parameters())
+    apply_optimizer_in_backward(_optimizer(optimizer), [p for p in params if id(p) not in frozen],
+                                {"lr": lr, "eps": eps})
+    if frozen:
+        apply_optimizer_in_backward(_optimizer(optimizer), [p for p in params if id(p) in frozen],
+                                    {"lr": 0.0, "eps": eps})
 
 
 def planner_plan(sparse_arch: nn.Module, sharders: Sequence, pg: dist.ProcessGroup | None, world_size: int,
@@ -264,7 +274,8 @@ def shard_sparse_arch(sparse_arch: nn.Module, device: torch.device, sparse_lr: f
                       sharding_type: str | None = None, pg: dist.ProcessGroup | None = None, *,
                       plan: Mapping[str, str] | None = None, hbm_gb: float | None = None,
                       constraints: Mapping[str, Sequence[str]] | None = None, optimizer: str = "rowwise_adagrad",
-                      sharding_group_size: int | None = None, plan_file: str | None = None) -> nn.Module:
+                      sharding_group_size: int | None = None, plan_file: str | None = None,
+                      frozen_tables: Sequence[str] = ()) -> nn.Module:
     """Shard ``sparse_arch``'s tables over the ranks of ``pg`` with TorchRec.
 
     Args:
@@ -277,6 +288,7 @@ def shard_sparse_arch(sparse_arch: nn.Module, device: torch.device, sparse_lr: f
             are stepped by gem.train.optim with the same rule).
         sharding_group_size: TorchRec's 2-D sparse parallelism (DMPCollection, CUDA only): tables
             are sharded inside groups of this many ranks and replicated across the groups.
+        frozen_tables: tables trained with learning rate 0 (see :func:`fuse_optimizer`).
 
     The plan is logged as a table (see :func:`format_plan`).
     """
@@ -305,7 +317,7 @@ def shard_sparse_arch(sparse_arch: nn.Module, device: torch.device, sparse_lr: f
     if plan_file and (plan or sharding_type is not None):
         raise ValueError("sparse.plan_file and sparse.plan / sparse.sharding_type both give a plan; keep one "
                          "(sparse.plan={} sparse.sharding_type=null to use the file)")
-    fuse_optimizer(sparse_arch, optimizer, sparse_lr, sparse_eps)
+    fuse_optimizer(sparse_arch, optimizer, sparse_lr, sparse_eps, frozen_tables)
     table_sharders = sharders()
     if plan_file:
         sharding_plan = load_plan_file(plan_file, sparse_arch, world_size, local_size, device.type)

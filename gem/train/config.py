@@ -87,6 +87,17 @@ class ProfileConfig:
 
 
 @dataclass
+class DistillConfig:
+    """``trainer.distill`` (docs/transfer.md): mix each task's true labels with a teacher's soft labels."""
+
+    weight: float = 0.0  # w in (1 - w) * BCE(z, y) + w * T^2 * BCE(z / T, sigmoid(t / T)); 0: off
+    temperature: float = 1.0  # T, on the logits of both
+    tasks: list[str] = field(default_factory=list)  # the distilled tasks; empty: every task
+    source: str = "data"  # data: Parquet columns teacher_<task> (python -m gem.transfer.export) | model
+    checkpoint: Optional[str] = None  # source=model: the teacher's step_<N> folder (or a folder of them)
+
+
+@dataclass
 class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda
     epochs: int = 1
@@ -105,6 +116,7 @@ class TrainerConfig:
     num_threads: Optional[int] = None  # torch intra-op threads; None: available CPUs less DataLoader workers
     loggers: list[str] = field(default_factory=lambda: ["jsonl"])  # jsonl (metrics.jsonl) | tensorboard
     plots: bool = True  # curves.png at the end (needs matplotlib; skipped with a log line without it)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 @dataclass
@@ -136,6 +148,9 @@ class CheckpointConfig:
     load_from: Optional[str] = None  # a step_<N> folder (or a folder of them) to start from instead
     fallback: bool = True  # a truncated / corrupted newest checkpoint -> the previous one
     verify: str = "checksum"  # checksum | size
+    init_from: Optional[str] = None  # another run's step_<N> folder: start the tensors under init_modules from it
+    init_modules: list[str] = field(default_factory=list)  # name prefixes, e.g. sparse_arch.ebc.embedding_bags.t_ad_id
+    init_frozen: list[str] = field(default_factory=list)  # name prefixes of tensors not trained (docs/transfer.md)
 
 
 @dataclass
@@ -256,6 +271,18 @@ def validate(cfg: DictConfig | dict) -> Config:
     _positive("checkpoint.every_steps", c.every_steps, allow_zero=True)
     _positive("checkpoint.keep_last", c.keep_last, allow_zero=True)
     _one_of("checkpoint.verify", c.verify, ("checksum", "size"))
+    if c.init_from and not c.init_modules:
+        raise ConfigError(f"checkpoint.init_from={c.init_from!r} needs checkpoint.init_modules: the name prefixes to "
+                          "load, e.g. [sparse_arch.ebc.embedding_bags.t_ad_id] or [sparse_arch]")
+    if c.init_modules and not c.init_from:
+        raise ConfigError("checkpoint.init_modules is set but checkpoint.init_from is not; give the teacher's step_<N>")
+    dd = t.distill
+    if not 0 <= dd.weight <= 1:
+        raise ConfigError(f"trainer.distill.weight={dd.weight} must be in [0, 1] (0: off, 1: soft labels only)")
+    _positive("trainer.distill.temperature", dd.temperature)
+    _one_of("trainer.distill.source", dd.source, ("data", "model"))
+    if dd.weight > 0 and dd.source == "model" and not dd.checkpoint:
+        raise ConfigError("trainer.distill.source=model needs trainer.distill.checkpoint=<the teacher's step_<N> folder>")
     check_plan(config.plan)
     return config
 

@@ -145,7 +145,7 @@ def build_model(config: Config, schema: FeatureSchema, env: DistEnv, timer: Star
                 sparse = shard_sparse_arch(sparse, env.device, config.optim.sparse.lr, config.optim.sparse.eps,
                                            s.sharding_type, plan=s.plan, hbm_gb=s.hbm_gb, constraints=s.constraints,
                                            optimizer=config.optim.sparse.name, sharding_group_size=s.sharding_group_size,
-                                           plan_file=s.plan_file)
+                                           plan_file=s.plan_file, frozen_tables=_frozen_tables(config, sparse))
         except ValueError as e:  # plan errors name the sparse.* key; every rank raises the same one
             raise ConfigError(str(e)) from None
     else:
@@ -174,6 +174,74 @@ def build_model(config: Config, schema: FeatureSchema, env: DistEnv, timer: Star
                            reduce_dtype=dtype_from_name("parallelism.reduce_dtype", p.reduce_dtype),
                            activation_checkpointing=p.activation_checkpointing, compile=p.compile,
                            reshard_after_forward=p.reshard_after_forward)
+
+
+def _frozen_tables(config: Config, sparse: SparseArch) -> list[str]:
+    if not config.checkpoint.init_frozen:
+        return []
+    from gem.transfer.params import frozen_tables
+
+    return frozen_tables(sparse, config.checkpoint.init_frozen)
+
+
+def apply_transfer(config: Config, model: nn.Module, ckpt_dir: Path) -> None:
+    """Parameter sharing (``checkpoint.init_from`` / ``init_modules``) and freezing (``init_frozen``),
+    before the optimizers are built. Resuming the run's own checkpoint takes precedence: then the
+    shared tensors come from that checkpoint and ``init_from`` is not read."""
+    c = config.checkpoint
+    if not (c.init_from or c.init_frozen):
+        return
+    from gem.train.checkpoint import list_checkpoints
+    from gem.transfer.params import freeze, init_from_checkpoint
+
+    resuming = c.enabled and (c.load_from or (c.resume and list_checkpoints(ckpt_dir)))
+    if c.init_from and resuming:
+        logger.info("checkpoint.init_from: not read, the run resumes from its own checkpoint")
+    elif c.init_from:
+        init_from_checkpoint(model, c.init_from, c.init_modules)
+    freeze(model, c.init_frozen)
+
+
+def distill_loss(config: Config, schema: FeatureSchema, env: DistEnv, data_dir: Path, task_weights: torch.Tensor,
+                 group):
+    """The loss function with ``trainer.distill`` (None when it is off): true labels mixed with a
+    teacher's logits, from the batch's ``teacher_<task>`` columns or from a frozen teacher model."""
+    dd = config.trainer.distill
+    if dd.weight <= 0:
+        return None
+    tasks = list(dd.tasks) or list(schema.tasks)
+    unknown = [k for k in tasks if k not in schema.tasks]
+    if unknown:
+        raise ConfigError(f"trainer.distill.tasks: {unknown} are not tasks of the data ({list(schema.tasks)})")
+    weights = torch.tensor([dd.weight if k in tasks else 0.0 for k in schema.tasks], device=env.device)
+    if dd.source == "data":
+        import pyarrow.parquet as pq
+
+        for path in split_files(data_dir, "train"):
+            names = pq.read_schema(path).names
+            missing = [f"teacher_{k}" for k in tasks if f"teacher_{k}" not in names]
+            if missing:
+                raise DataError(f"trainer.distill.source=data: {path} has no column(s) {missing}; write the teacher's "
+                                f"outputs with `python -m gem.transfer.export ... transfer.checkpoint=<teacher step_N> "
+                                f"transfer.out=<dir>` and train on data.dir=<dir>, or use trainer.distill.source=model")
+
+        def teacher_of(b):
+            return b.teacher
+    else:
+        from gem.transfer.teacher import load_teacher
+
+        teacher = load_teacher(dd.checkpoint, schema, tuple(tasks), env.device)
+        index = torch.tensor([schema.tasks.index(k) for k in tasks], device=env.device)
+        logger.info("trainer.distill: online teacher %s (%s) for %s", dd.checkpoint,
+                    type(teacher.model.dense_arch).__name__, ", ".join(tasks))
+
+        def teacher_of(b):
+            out = torch.zeros(b.batch_size, len(schema.tasks), device=env.device)
+            return out.index_copy_(1, index, teacher.logits(b))
+    logger.info("trainer.distill: weight %g, temperature %g, tasks %s, teacher outputs from %s", dd.weight,
+                dd.temperature, tasks, dd.source)
+    return lambda logits, b: multitask_bce(logits, b.labels, b.label_mask, task_weights, b.weights, group=group,  # noqa: E731
+                                           teacher=teacher_of(b), distill_weight=weights, temperature=dd.temperature)
 
 
 def split_loader(config: Config, env: DistEnv, schema: FeatureSchema, data_dir: Path, split: str,
@@ -274,6 +342,7 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
                           f"({train_loader.num_rows()} rows); lower data.batch_size")
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * steps_per_epoch
     check_eval_splits(config, lambda split: loader(split, d.eval_batch_size, False), data_dir)
+    apply_transfer(config, model, Path(config.checkpoint.dir or run_dir / "checkpoints"))
     dense_opt, sparse_opt, scheduler = build_optimizers(model, config.optim, total_steps)
     progress, ckpt = Progress(), None
     if config.checkpoint.enabled:
@@ -294,7 +363,8 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
     if getattr(model.dense_arch, "returns_loss", False):  # e.g. gem.models.generative: its own objective
         loss_fn = lambda loss, b: (loss.sum(), loss.detach().reshape(1).expand(len(schema.tasks)))  # noqa: E731
     else:
-        loss_fn = lambda logits, b: multitask_bce(logits, b.labels, b.label_mask, task_weights, b.weights, group=group)  # noqa: E731
+        loss_fn = distill_loss(config, schema, env, data_dir, task_weights, group) or (
+            lambda logits, b: multitask_bce(logits, b.labels, b.label_mask, task_weights, b.weights, group=group))
     # (the fused table optimizer's zero_grad / step only hand the scheduled learning rate to FBGEMM)
     optimizers = OptimizerSet((dense_opt, sparse_opt, fused), list(model.dense_arch.parameters()), config.optim.grad_clip)
     want = config.sparse.pipeline if config.sparse.pipeline is not None else env.device.type == "cuda"

@@ -1,0 +1,11 @@
+"""Knowledge transfer from a large model (GEM) to smaller ones (docs/transfer.md).
+
+- :mod:`gem.transfer.params`: parameter sharing, ``checkpoint.init_from`` / ``init_modules`` /
+  ``init_frozen`` (load some tensors of another run's checkpoint, freeze some);
+- :mod:`gem.transfer.teacher`: a checkpoint rebuilt as a frozen teacher (per-task logits, the
+  representation its heads read), for online distillation;
+- :mod:`gem.transfer.export`: ``python -m gem.transfer.export``, the teacher's outputs written as
+  ``teacher_<task>`` columns of a copy of a data set (offline distillation).
+
+The distillation loss itself is :func:`gem.train.losses.multitask_bce` with ``teacher=``.
+"""

@@ -1,0 +1,133 @@
+"""A trained model, rebuilt from its checkpoint, as a frozen teacher: per-task logits (and the
+representation its heads read) for a student's batches.
+
+The teacher is rebuilt from the ``config.yaml`` its checkpoint carries (model, sparse tables,
+schema), with plain (unsharded) tables on this process's device, every tensor loaded by DCP
+(which reshards: a checkpoint written by N ranks with TorchRec-sharded tables loads here). It runs
+under ``torch.no_grad()`` in eval mode, in bfloat16 autocast on CUDA. Each rank holds a whole
+copy: meant for teachers whose tables fit one device (larger ones: export their outputs once,
+``python -m gem.transfer.export``, and train on those).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from gem.data.batch import Batch
+from gem.data.schema import FeatureSchema
+from gem.train.checkpoint import CheckpointError
+from gem.transfer.params import resolve_checkpoint
+
+
+def checkpoint_config(path: Path):
+    """The typed config of the run that wrote the checkpoint ``path`` (its ``config.yaml``)."""
+    from gem.train.config import validate
+
+    file = path / "config.yaml"
+    if not file.is_file():
+        raise CheckpointError(f"checkpoint {path}: no config.yaml, so the teacher's model cannot be rebuilt")
+    return validate(OmegaConf.create(file.read_text()))
+
+
+def _inputs(schema: FeatureSchema) -> dict:
+    cfg = schema.to_config()
+    return {k: v for k, v in cfg.items() if k != "tasks"}
+
+
+def check_inputs(teacher: FeatureSchema, student: FeatureSchema, where: str) -> None:
+    """The teacher reads the student's batches: the same id / sequence features, dense width and domains."""
+    a, b = _inputs(teacher), _inputs(student)
+    if a != b:
+        diff = [f"{k}: {a.get(k)!r} (teacher) vs {b.get(k)!r} (student)" for k in sorted(set(a) | set(b))
+                if a.get(k) != b.get(k)]
+        raise CheckpointError(f"{where}: the teacher was trained on another feature schema than the student's data "
+                              f"(tasks may differ, inputs may not): " + "; ".join(d[:300] for d in diff))
+
+
+class Teacher(nn.Module):
+    """``logits(batch) -> [B, len(tasks)]``: the teacher's logit of each of ``tasks`` (the student's
+    task names; a task the teacher never learned is an error at construction).
+
+    ``representation(batch) -> [B, R]``: the input of the teacher's heads (the shared top MLP's
+    output: one vector per example, user + history + candidate)."""
+
+    def __init__(self, model: nn.Module, teacher_tasks: tuple[str, ...], tasks: tuple[str, ...],
+                 device: torch.device, where: str) -> None:
+        super().__init__()
+        unknown = [t for t in tasks if t not in teacher_tasks]
+        if unknown:
+            raise CheckpointError(f"{where}: the teacher never learned task(s) {unknown}; it has {list(teacher_tasks)}; "
+                                  f"distil only those (trainer.distill.tasks) or use a teacher trained on them")
+        self.tasks = tuple(tasks)
+        self.model = model.eval().requires_grad_(False)
+        self.index = torch.tensor([teacher_tasks.index(t) for t in tasks], device=device)
+        self.device = device
+        self._repr: torch.Tensor | None = None
+        heads = getattr(model.dense_arch, "heads", None)
+        if heads is not None:
+            heads.register_forward_pre_hook(self._keep_repr)
+
+    def _keep_repr(self, module, args) -> None:
+        self._repr = args[0]
+
+    def _autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def train(self, mode: bool = True) -> "Teacher":
+        return super().train(False)  # always eval
+
+    @torch.no_grad()
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self._repr = None
+        with self._autocast():
+            logits = self.model(batch)
+        rep = self._repr.float() if self._repr is not None else None
+        return logits.float().index_select(1, self.index), rep
+
+    def logits(self, batch: Batch) -> torch.Tensor:
+        return self(batch)[0]
+
+
+def load_teacher(path: str | Path, student: FeatureSchema, tasks: tuple[str, ...] | None, device: torch.device,
+                 key: str = "trainer.distill.checkpoint") -> Teacher:
+    """Rebuild and load the model of checkpoint ``path`` as a frozen :class:`Teacher` over the
+    student's ``tasks`` (None: every task the teacher has)."""
+    import torch.distributed.checkpoint as dcp
+    from hydra.utils import instantiate
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    from gem.models.gem import GEMModel
+    from gem.sparse.arch import SparseArch
+
+    path = resolve_checkpoint(path, key)
+    config = checkpoint_config(path)
+    schema = FeatureSchema.from_config(config.data.schema) if config.data.schema else student
+    check_inputs(schema, student, f"{key}={path}")
+    s = config.sparse
+    sparse = SparseArch.from_config(schema, s.embedding_dim, s.init_scale, s.dims, s.backend, device=device)
+    arch = sparse
+    feature_dims = {f: arch.pooled_dim(f) for f in schema.id_feature_names}
+    feature_dims.update({g.name: arch.sequence_dim(g.name) for g in schema.sequence_groups})
+    model_cfg = OmegaConf.create(config.model)
+    if "attention_backend" in model_cfg and device.type != "cuda":
+        model_cfg.attention_backend = None
+    dense = instantiate(model_cfg, _partial_=True, _convert_="all")(schema=schema, feature_dims=feature_dims)
+    dense.to(device)
+    model = GEMModel(sparse, dense)
+    state = {f"model.sparse.{k}": v for k, v in sparse.state_dict().items()}
+    state |= {f"model.dense.{k}": v for k, v in dense.state_dict().items()}
+    try:
+        dcp.load(state, checkpoint_id=str(path),
+                 planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+    except Exception as e:
+        raise CheckpointError(f"{key}={path}: could not load the teacher ({type(e).__name__}: {str(e)[:500]})") from None
+    sparse.load_state_dict({k.removeprefix("model.sparse."): v for k, v in state.items() if k.startswith("model.sparse.")})
+    dense.load_state_dict({k.removeprefix("model.dense."): v for k, v in state.items() if k.startswith("model.dense.")})
+    return Teacher(model, schema.tasks, tuple(tasks) if tasks is not None else schema.tasks, device, f"{key}={path}")

@@ -1,0 +1,243 @@
+"""Knowledge transfer (gem/transfer, docs/transfer.md): shared parameters, frozen parameters, the
+distillation loss, a checkpoint as an online teacher, teacher outputs exported as Parquet columns."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from gem.data.errors import DataError
+from gem.train.checkpoint import CheckpointError, list_checkpoints
+from gem.train.losses import multitask_bce
+from tests.conftest import compose
+
+BASE = ["debug=tiny", "data=parquet", "trainer.device=cpu", "trainer.plots=false", "data.batch_size=64",
+        "data.num_workers=0"]
+
+
+def _data(tiny_dataset, *extra):
+    return [*BASE, f"data.dir={tiny_dataset}", *extra]
+
+
+@pytest.fixture(scope="module")
+def teacher_ckpt(tiny_dataset, tmp_path_factory):
+    """A small GEM model trained 6 steps on the tiny data set, its checkpoint written at the end."""
+    from gem.train.trainer import train
+
+    run_dir = tmp_path_factory.mktemp("teacher")
+    train(compose(_data(tiny_dataset, "model=gem_tiny", "trainer.max_steps=6", "checkpoint.enabled=true",
+                        f"trainer.run_dir={run_dir}", "data.eval_batch_size=512")))
+    return list_checkpoints(run_dir / "checkpoints")[-1]
+
+
+def _student(tiny_dataset, *extra):
+    import gem
+
+    data = gem.build_data(compose(_data(tiny_dataset, *extra)))
+    return data, gem.build_model(data)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a one-process ShardedTensor (table-wise: one shard) or a plain tensor."""
+    if hasattr(t, "local_shards"):
+        (shard,) = t.local_shards()
+        assert list(shard.tensor.shape) == list(t.size())
+        return shard.tensor
+    return t
+
+
+@pytest.mark.parametrize("backend", ["torchrec", "native"])
+def test_shared_tables_load_bit_exact_from_the_teacher(tiny_dataset, teacher_ckpt, backend):
+    from gem.transfer.params import init_from_checkpoint, model_state
+    from gem.transfer.teacher import load_teacher
+
+    data, model = _student(tiny_dataset, f"sparse={backend}", "model=dlrm")
+    before = {k: _full(v).clone() for k, v in model_state(model).items()}
+    loaded = init_from_checkpoint(model, teacher_ckpt, ["sparse_arch.ebc.embedding_bags.t_ad_id", "sparse_arch.ec"])
+    assert "sparse_arch.ebc.embedding_bags.t_ad_id.weight" in loaded and "sparse_arch.ec.embeddings.t_hist_item.weight" in loaded
+    teacher = load_teacher(teacher_ckpt, data.schema, None, torch.device("cpu")).model
+    want = {f"sparse_arch.{k}": v for k, v in teacher.sparse_arch.state_dict().items()}
+    after = model_state(model)
+    for name, t in after.items():
+        if name in loaded:
+            assert torch.equal(_full(t), want[name]), name
+        else:  # the rest untouched (the dense arch is a DLRM, the teacher's a GEM one)
+            assert torch.equal(_full(t), before[name]), name
+    assert not torch.equal(before["sparse_arch.ebc.embedding_bags.t_ad_id.weight"], want["sparse_arch.ebc.embedding_bags.t_ad_id.weight"])
+
+
+def test_init_from_of_another_shape_or_a_missing_key_names_it(tiny_dataset, teacher_ckpt):
+    from gem.transfer.params import init_from_checkpoint
+
+    _, model = _student(tiny_dataset, "sparse.embedding_dim=8")
+    with pytest.raises(CheckpointError, match=r"t_ad_id.weight: \[80, 32\] float32 in the checkpoint, \[80, 8\] float32"):
+        init_from_checkpoint(model, teacher_ckpt, ["sparse_arch.ebc.embedding_bags.t_ad_id"])
+    _, model = _student(tiny_dataset, "model=dlrm")
+    with pytest.raises(CheckpointError, match=r"dense_arch.bottom.*not in the checkpoint"):
+        init_from_checkpoint(model, teacher_ckpt, ["dense_arch.bottom"])  # a GEM teacher has no DLRM bottom MLP
+    with pytest.raises(CheckpointError, match="'sparse_arch.nope' matches no tensor"):
+        init_from_checkpoint(model, teacher_ckpt, ["sparse_arch.nope"])
+    with pytest.raises(CheckpointError, match="does not exist"):
+        init_from_checkpoint(model, teacher_ckpt.parent / "step_999", ["sparse_arch"])
+
+
+@pytest.mark.parametrize("backend", ["torchrec", "native"])
+def test_frozen_parameters_are_unchanged_after_steps(tiny_dataset, backend):
+    import gem
+    from gem.transfer.params import freeze, model_state
+
+    frozen_prefixes = ["sparse_arch.ebc.embedding_bags.t_ad_id", "dense_arch.bottom"]
+    # the config gives the sharding the frozen tables: a fused one trains at learning rate 0 in a kernel group of its own
+    data, model = _student(tiny_dataset, f"sparse={backend}", f"checkpoint.init_frozen=[{','.join(frozen_prefixes)}]")
+    frozen = freeze(model, frozen_prefixes)
+    assert "sparse_arch.ebc.embedding_bags.t_ad_id.weight" in frozen and "dense_arch.bottom.net.0.weight" in frozen
+    before = {k: _full(v).clone() for k, v in model_state(model).items()}
+    opt = gem.build_optimizers(model, data, 10)
+    for _, batch in zip(range(4), data.loader("train")):
+        opt.zero_grad()
+        loss, _ = data.loss(model(batch), batch)
+        loss.backward()
+        opt.step()
+    after = model_state(model)
+    for name in before:
+        same = torch.equal(before[name], _full(after[name]))
+        assert same == (name in frozen), name
+
+
+def test_distillation_loss_matches_a_hand_computation():
+    torch.manual_seed(0)
+    z, t = torch.randn(6, 2), torch.randn(6, 2)
+    y = torch.randint(0, 2, (6, 2)).float()
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1], [1, 0], [1, 1], [1, 1]], dtype=torch.bool)
+    w, temp = torch.tensor([0.5, 0.25]), 2.0
+    loss, per_task = multitask_bce(z, y, mask, torch.tensor([1.0, 2.0]), teacher=t, distill_weight=w, temperature=temp)
+    want = []
+    for k in range(2):
+        rows = mask[:, k]
+        hard = -(y[rows, k] * torch.log(torch.sigmoid(z[rows, k])) + (1 - y[rows, k]) * torch.log(1 - torch.sigmoid(z[rows, k])))
+        p, q = torch.sigmoid(t[rows, k] / temp), torch.sigmoid(z[rows, k] / temp)
+        soft = -(p * torch.log(q) + (1 - p) * torch.log(1 - q))
+        want.append(((1 - w[k]) * hard + w[k] * temp ** 2 * soft).mean())
+    assert torch.allclose(per_task, torch.stack(want), atol=1e-6)
+    assert torch.allclose(loss, want[0] + 2 * want[1], atol=1e-6)
+    # weight 0: the plain loss, and a NaN teacher column of an undistilled task is ignored
+    t[:, 1] = float("nan")
+    loss0, _ = multitask_bce(z, y, mask, torch.ones(2), teacher=t, distill_weight=torch.tensor([0.0, 0.0]))
+    plain, _ = multitask_bce(z, y, mask, torch.ones(2))
+    assert torch.equal(loss0, plain)
+    assert torch.isfinite(multitask_bce(z, y, mask, torch.ones(2), teacher=t, distill_weight=torch.tensor([0.3, 0.0]))[0])
+
+
+def test_a_task_the_teacher_never_learned_is_named(tiny_dataset, teacher_ckpt):
+    from gem.data.schema import FeatureSchema
+    from gem.transfer.teacher import load_teacher
+
+    schema = FeatureSchema.from_config(pq.read_schema(next((tiny_dataset / "val").glob("*.parquet"))).metadata
+                                       and __import__("json").loads(pq.read_schema(next((tiny_dataset / "val").glob(
+                                           "*.parquet"))).metadata[b"gem.schema"]))
+    with pytest.raises(CheckpointError, match=r"never learned task\(s\) \['like'\]"):
+        load_teacher(teacher_ckpt, schema, ("click", "like"), torch.device("cpu"))
+
+
+def test_export_writes_teacher_columns_resumably_and_the_loader_reads_them(tiny_dataset, teacher_ckpt, tmp_path):
+    from gem.data.loader import build_loader
+    from gem.transfer.export import parse, run
+    from gem.transfer.teacher import load_teacher
+
+    out = tmp_path / "out"
+    args = _data(tiny_dataset) + [f"transfer.checkpoint={teacher_ckpt.parent}", f"transfer.out={out}",
+                                  "transfer.splits=[train,val]", "transfer.representation=true", "transfer.batch_size=128"]
+    cfg, overrides = parse(args)
+    first = run(cfg, overrides)
+    assert len(first["written"]) == 4 and not first["skipped"]  # 3 train files of <= 300 rows, 1 val file
+    second = run(cfg, overrides)
+    assert not second["written"] and len(second["skipped"]) == 4
+    src = sorted((tiny_dataset / "val").glob("*.parquet"))[0]
+    table = pq.read_table(out / "val" / src.name)
+    assert table.num_rows == pq.read_metadata(src).num_rows
+    assert {"teacher_click", "teacher_conversion", "teacher_repr"} <= set(table.column_names)
+    assert table.schema.metadata[b"gem.schema"] == pq.read_schema(src).metadata[b"gem.schema"]
+    # the columns are the teacher's logits of those rows, in order; the loader hands them out as batch.teacher
+    from gem.data.schema import FeatureSchema
+    import json
+
+    schema = FeatureSchema.from_config(json.loads(table.schema.metadata[b"gem.schema"]))
+    teacher = load_teacher(teacher_ckpt, schema, None, torch.device("cpu"))
+    loader = build_loader([out / "val" / src.name], schema, 1000)
+    (batch,) = list(loader)
+    assert torch.allclose(batch.teacher, teacher.logits(batch), atol=1e-5)
+    assert torch.equal(batch.teacher[:, 0], torch.from_numpy(table.column("teacher_click").to_numpy()))
+
+
+def test_non_finite_teacher_columns_are_a_data_error(tiny_dataset, tmp_path):
+    from gem.data.loader import build_loader
+    from gem.data.parquet import ParquetBatchReader
+    import json
+    from gem.data.schema import FeatureSchema
+
+    src = sorted((tiny_dataset / "val").glob("*.parquet"))[0]
+    table = pq.read_table(src)
+    logits = np.zeros(table.num_rows, np.float32)
+    logits[7] = np.nan
+    table = table.append_column("teacher_click", pa.array(logits))
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(table, bad)
+    schema = FeatureSchema.from_config(json.loads(table.schema.metadata[b"gem.schema"]))
+    with pytest.raises(DataError, match=r"teacher_click.*NaN or inf teacher logit"):
+        list(build_loader([bad], schema, 64))
+    with pytest.raises(DataError, match=r"row 7.*teacher_click"):
+        list(ParquetBatchReader([bad], schema, 64))
+    # a file without teacher columns: no batch.teacher; with only some tasks: NaN for the others
+    batch = next(iter(build_loader([src], schema, 64)))
+    assert batch.teacher is None
+    logits[7] = 1.0
+    table = table.drop_columns(["teacher_click"]).append_column("teacher_click", pa.array(logits))
+    pq.write_table(table, bad)
+    batch = next(iter(build_loader([bad], schema, 64)))
+    assert batch.teacher.shape[1] == 2 and torch.isnan(batch.teacher[:, 1]).all()
+
+
+def test_a_fused_table_frozen_without_its_own_kernel_group_is_refused(tiny_dataset):
+    from gem.transfer.params import freeze
+
+    _, model = _student(tiny_dataset)  # built without checkpoint.init_frozen: t_ad_id shares its FBGEMM kernel
+    with pytest.raises(CheckpointError, match="share one FBGEMM kernel"):
+        freeze(model, ["sparse_arch.ebc.embedding_bags.t_ad_id"])
+
+
+def test_train_a_student_with_shared_frozen_tables_and_an_online_teacher(tiny_dataset, teacher_ckpt, tmp_path):
+    from gem.train.trainer import train
+
+    shared = "sparse_arch.ebc.embedding_bags.t_ad_id"
+    run_dir = tmp_path / "student"
+    args = _data(tiny_dataset, "model=dlrm", "trainer.max_steps=4", f"trainer.run_dir={run_dir}",
+                 f"checkpoint.init_from={teacher_ckpt}", f"checkpoint.init_modules=[{shared},sparse_arch.ec]",
+                 f"checkpoint.init_frozen=[{shared}]", "checkpoint.enabled=true", "trainer.distill.weight=0.5",
+                 "trainer.distill.temperature=2", "trainer.distill.source=model", f"trainer.distill.checkpoint={teacher_ckpt}")
+    result = train(compose(args))
+    assert np.isfinite(result["click/auc"])
+    import torch.distributed.checkpoint as dcp
+
+    def table(path, name):
+        from gem.transfer.params import manifest_shapes
+
+        shape = manifest_shapes(path)[f"model.sparse.{name}"][0]
+        out = {f"model.sparse.{name}": torch.zeros(shape)}
+        dcp.load(out, checkpoint_id=str(path))
+        return out[f"model.sparse.{name}"]
+
+    mine = list_checkpoints(run_dir / "checkpoints")[-1]
+    assert torch.equal(table(mine, "ebc.embedding_bags.t_ad_id.weight"), table(teacher_ckpt, "ebc.embedding_bags.t_ad_id.weight"))
+    # shared but trained on: moved away from the teacher's values
+    assert not torch.equal(table(mine, "ec.embeddings.t_hist_item.weight"), table(teacher_ckpt, "ec.embeddings.t_hist_item.weight"))
+
+
+def test_distillation_from_data_without_teacher_columns_names_them(tiny_dataset, tmp_path):
+    from gem.train.trainer import train
+
+    with pytest.raises(DataError, match=r"has no column\(s\) \['teacher_click'\].*gem.transfer.export"):
+        train(compose(_data(tiny_dataset, "trainer.max_steps=1", f"trainer.run_dir={tmp_path}",
+                            "trainer.distill.weight=0.5", "trainer.distill.tasks=[click]")))
