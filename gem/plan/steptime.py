@@ -65,6 +65,8 @@ class Row:
     world_size: int
     parts_ms: dict[str, float]
     batch: int
+    memory: float = 0.0  # bytes per GPU, roughly (the tables spread evenly): see memory_at
+    fits: bool = True
 
     @property
     def step_ms(self) -> float:
@@ -86,19 +88,23 @@ class StepTimeTable:
 
     def text(self) -> str:
         parts = list(self.rows[0].parts_ms)
-        head = ["GPUs", "step ms", *[p + " ms" for p in parts], "examples/s", "efficiency"]
+        head = ["GPUs", "step ms", *[p + " ms" for p in parts], "examples/s", "efficiency", "GiB/GPU"]
         table = [head] + [[str(r.world_size), f"{r.step_ms:.1f}", *[f"{r.parts_ms[p]:.1f}" for p in parts],
-                           f"{r.examples_per_s:,.0f}", f"{self.efficiency(r):.1%}"] for r in self.rows]
+                           f"{r.examples_per_s:,.0f}", f"{self.efficiency(r):.1%}",
+                           f"{r.memory / 2**30:.1f}" + ("" if r.fits else " *")] for r in self.rows]
         widths = [max(len(t[i]) for t in table) for i in range(len(head))]
         lines = ["predicted step time (gem/plan/steptime.py; efficiency = examples/s over GPUs x the smallest "
                  "row's per GPU):"]
         lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(t, widths)) for t in
                   [table[0], ["-" * w for w in widths], *table[1:]]]
+        if not all(r.fits for r in self.rows):
+            lines.append("  * over the memory budget at that size (tables spread evenly; the step time assumes it fits)")
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
 
     def to_json(self) -> dict:
         return {"rows": [{"world_size": r.world_size, "step_ms": r.step_ms, "examples_per_s": r.examples_per_s,
-                          "efficiency": self.efficiency(r), "parts_ms": r.parts_ms} for r in self.rows],
+                          "efficiency": self.efficiency(r), "parts_ms": r.parts_ms, "memory_bytes": r.memory,
+                          "fits": r.fits} for r in self.rows],
                 "notes": self.notes}
 
 
@@ -228,6 +234,34 @@ def predict(plan: Plan, t: Traffic) -> Row:
                               "fsdp exposed": fsdp, "overhead": cp.step_overhead_ms}, c.data.batch_size)
 
 
+def memory_at(plan: Plan, world: int) -> float:
+    """Bytes per GPU at ``world`` ranks, roughly: the sharded tables (and their optimizer state) spread
+    evenly, data-parallel tables whole, the dense part under the layout at that size, the plan's
+    activations, embedding I/O (none on one GPU) and reserve."""
+    from gem.distributed.parallel_dims import ParallelDims
+    from gem.plan.planner import SPARSE_STATE, dense_memory
+
+    c = plan.config
+    state = SPARSE_STATE[c.optim.sparse.name]
+    sharded = replicated = 0.0
+    for t in plan.sharding["tables"].values():
+        size = 4 * t["rows"] * t["dim"] + state(t["rows"], t["dim"])
+        if t["sharding_type"] == "data_parallel":
+            replicated += size + 4 * t["rows"] * t["dim"]  # + the gradient
+        else:
+            sharded += size
+    replicate, shard = _layout(plan, world) or (1, world)
+    dims = ParallelDims(replicate, shard, world, min(c.plan.gpus_per_node, world))
+    dense = sum(dense_memory(c, plan.dense_params, plan.block_params, dims, plan.fsdp or world > 1).values())
+    io = float(plan.memory["embedding I/O"].max())
+    if plan.world_size == 1 and world > 1:
+        from gem.plan.planner import embedding_io_bytes, meta_model
+
+        io = embedding_io_bytes(plan.schema, meta_model(c, plan.schema)[0], c.data.batch_size, plan.lengths)
+    return (sharded / world + replicated + dense + float(plan.memory["activations"].max()) + (io if world > 1 else 0.0)
+            + c.plan.reserve_gb * 2**30)
+
+
 def step_time_table(plan: Plan) -> StepTimeTable:
     """The scaling table for ``plan.scaling`` GPU counts (and the plan's own world size)."""
     sizes = sorted(set(plan.config.plan.scaling) | {plan.world_size})
@@ -237,7 +271,10 @@ def step_time_table(plan: Plan) -> StepTimeTable:
         if t is None:
             skipped.append(w)
             continue
-        rows.append(predict(plan, t))
+        row = predict(plan, t)
+        row.memory = memory_at(plan, w)
+        row.fits = row.memory <= plan.config.plan.hbm_gb * 2**30
+        rows.append(row)
     if skipped:
         notes.append(f"skipped {skipped}: parallelism.dp_replicate x dp_shard does not tile them")
     if not plan.flops_per_step:
@@ -248,3 +285,103 @@ def step_time_table(plan: Plan) -> StepTimeTable:
 
 def examples_per_s(plan: Plan, world: int | None = None) -> float:
     return predict(plan, traffic(plan, world or plan.world_size)).examples_per_s
+
+
+# -- calibration against measured H200 runs -----------------------------------------------------------
+
+
+@dataclass
+class Check:
+    """One measured run against the model: ``fitted`` runs set a constant, the others test it."""
+
+    run: str
+    source: str
+    measured_ms: float
+    predicted_ms: float
+    fitted: str | None = None  # the constant this run fitted
+
+    @property
+    def error(self) -> float:
+        return self.predicted_ms / self.measured_ms - 1
+
+
+def _result(path, name=None, nproc=None) -> dict:
+    import json
+
+    for r in json.loads(path.read_text())["results"]:
+        if (name is None or r.get("name") == name) and (nproc is None or r.get("nproc") == nproc):
+            return r
+    raise KeyError(f"{path}: no result {name or nproc}")
+
+
+def _gem_base_plan(world: int, *overrides: str) -> Plan:
+    from gem.plan.planner import make_plan
+    from gem.train.api import compose
+    from gem.train.config import validate
+
+    return make_plan(validate(compose(["experiment=gem_base_h200", "sparse=torchrec", f"plan.world_size={world}",
+                                       f"plan.gpus_per_node={world}", "plan.activations=none", *overrides])))
+
+
+def _as_data_parallel(plan: Plan) -> Plan:
+    """The scaling runs' tables: native, replicated under DDP (gradients all-reduced)."""
+    for t in plan.sharding["tables"].values():
+        t["sharding_type"], t["shards"], t["ranks"] = "data_parallel", [], None
+    return plan
+
+
+def calibrate(results: "str | Path" = None) -> tuple[dict[str, float], list[Check]]:
+    """Fit ``plan.mfu``, ``plan.embedding_efficiency`` and ``plan.collective_latency_ms`` to the H200
+    runs of gem_base (``experiment=gem_base_h200``, batch 1024, bf16) and predict the others.
+
+    - ``embedding_efficiency``: the embedding kernels' 1.50 ms per step of the sharded run
+      (FBGEMM, TorchRec's pipeline; e2e-h200-fbgemm.json, profiler) against the modelled bytes;
+    - ``mfu``: the rest of that run's 59.9 ms step is dense compute;
+    - ``collective_latency_ms``: what FSDP's all-gathers add on two GPUs (scaling-h200.json) beyond
+      their bandwidth time, per all-gather. Those runs were made two days earlier, with code at half
+      the speed of the e2e runs, so each 2-GPU prediction starts from the measured 1-GPU step of its
+      own file and predicts only what the second GPU adds.
+    """
+    from pathlib import Path
+
+    root = Path(results) if results else Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    fb = _result(root / "e2e-h200-fbgemm.json", "fbgemm-interformer")
+    base = _gem_base_plan(1)
+    cp = base.config.plan
+    t1 = traffic(base, 1)
+    emb_ms = fb["breakdown"]["ms_per_step_by_kind"]["embedding"]
+    eff = t1.embedding_bytes / (emb_ms * 1e-3 * cp.hbm_gbps * 1e9)
+    mfu = base.flops_per_step / ((fb["step_ms"] - emb_ms) * 1e-3 * cp.peak_tflops * 1e12)
+    fitted = {"mfu": mfu, "embedding_efficiency": eff}
+
+    def with_constants(plan: Plan, **extra) -> Plan:
+        for key, value in {**fitted, **extra}.items():
+            setattr(plan.config.plan, key, value)
+        return plan
+
+    checks = [Check("gem_base InterFormer, sharded tables (FBGEMM, pipeline), 1 GPU", "e2e-h200-fbgemm.json",
+                    fb["step_ms"], predict(with_constants(base), t1).step_ms, "mfu, embedding_efficiency")]
+    for name, block in (("interformer", "interformer"), ("kunlun", "kunlun")):
+        r = _result(root / "e2e-h200.json", name)
+        plan = with_constants(_gem_base_plan(1, f"model.block={block}"))
+        checks.append(Check(f"gem_base {block}, native tables, 1 GPU (another machine)", "e2e-h200.json",
+                            r["step_ms"], predict(plan, traffic(plan, 1)).step_ms))
+    # FSDP on two GPUs: the latency per all-gather, then the other two layouts
+    runs = {"fsdp": ("scaling-h200.json", ["parallelism=fsdp"]),
+            "fsdp, reshard_after_forward=false": ("scaling-h200-fsdp-gathered.json",
+                                                  ["parallelism=fsdp", "parallelism.reshard_after_forward=false"]),
+            "replicate": ("scaling-h200-replicate.json", ["parallelism=replicate"])}
+    latency = None
+    for label, (file, overrides) in runs.items():
+        one, two = _result(root / file, nproc=1)["step_ms"], _result(root / file, nproc=2)["step_ms"]
+        plan = with_constants(_as_data_parallel(_gem_base_plan(2, *overrides)), collective_latency_ms=0.0)
+        added0 = predict(plan, traffic(plan, 2)).step_ms - predict(plan, traffic(plan, 1)).step_ms
+        gathers = traffic(plan, 2).gathers
+        if latency is None:
+            latency = (two - one - added0) / gathers
+            fitted["collective_latency_ms"] = latency
+        plan.config.plan.collective_latency_ms = latency
+        added = predict(plan, traffic(plan, 2)).step_ms - predict(plan, traffic(plan, 1)).step_ms
+        checks.append(Check(f"gem_base InterFormer, {label}, 2 GPUs (from the file's 1-GPU step {one:.1f} ms)",
+                            file, two, one + added, "collective_latency_ms" if label == "fsdp" else None))
+    return fitted, checks

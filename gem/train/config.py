@@ -167,12 +167,12 @@ class PlanConfig:
     history_fill: Optional[float] = None  # mean history as a fraction of max_len; None: from the data config / files
     out: Optional[str] = None  # the plan file; None: <trainer.run_dir>/plan.json
     peak_tflops: float = 989.0  # dense bf16 peak per device (H200)
-    mfu: float = 0.25  # dense compute efficiency (model FLOPs / peak while computing)
+    mfu: float = 0.212  # dense compute efficiency (model FLOPs / peak); calibrated: benchmarks/plan_model.py
     hbm_gbps: float = 4800.0  # device memory bandwidth (H200: 4.8 TB/s)
-    embedding_efficiency: float = 0.1  # achieved share of hbm_gbps in the table lookups and updates
+    embedding_efficiency: float = 0.225  # achieved share of hbm_gbps in the table lookups and updates (calibrated)
     intra_node_gbps: float = 360.0  # achieved all-to-all / collective bandwidth per GPU inside a node (NVLink)
     inter_node_gbps: float = 40.0  # achieved per GPU across nodes (e.g. 400 Gb/s InfiniBand)
-    collective_latency_ms: float = 0.05  # fixed cost per collective call
+    collective_latency_ms: float = 0.71  # exposed per collective call (calibrated on FSDP's all-gathers)
     step_overhead_ms: float = 0.0  # per step: launch gaps, host work the pipeline does not hide
     scaling: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096])
 
