@@ -90,6 +90,8 @@ def test_over_budget_ranks_are_named_with_the_fix():
     assert not again.warnings, again.warnings  # the suggested batch fits
     checkpointed = _plan("model=gem_tiny", "plan.world_size=8", "parallelism.activation_checkpointing=true")
     assert checkpointed.memory["activations"][0] < plan.memory["activations"][0]
+    again = _plan("model=gem_tiny", "plan.world_size=8", *budget)  # the probe counts the same bytes every time
+    assert again.memory["activations"][0] == plan.memory["activations"][0]
 
 
 def test_table_and_dense_memory_formulas():

@@ -271,6 +271,7 @@ def probe_activations(config: Config, schema: FeatureSchema, lengths: Lengths,
     saved = [0.0] * (len(blocks) + 1)  # the last: outside every block
     inputs = [0.0] * len(blocks)
     seen: set[int] = set()
+    kept: list[torch.Tensor] = []  # alive until the end, so that no other tensor reuses a counted address
     current = [len(blocks)]
 
     def count(t: torch.Tensor) -> None:
@@ -279,6 +280,7 @@ def probe_activations(config: Config, schema: FeatureSchema, lengths: Lengths,
         if ptr in params or ptr in seen or t.device.type == "meta":
             return
         seen.add(ptr)
+        kept.append(t)
         saved[current[0]] += storage.nbytes()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -292,6 +294,7 @@ def probe_activations(config: Config, schema: FeatureSchema, lengths: Lengths,
             for t in tree_leaves((args, kwargs)):
                 if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in done:
                     done.add(t.untyped_storage().data_ptr())
+                    kept.append(t)
                     inputs[index] += t.untyped_storage().nbytes()
         return hook
 
