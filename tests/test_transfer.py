@@ -241,3 +241,12 @@ def test_distillation_from_data_without_teacher_columns_names_them(tiny_dataset,
     with pytest.raises(DataError, match=r"has no column\(s\) \['teacher_click'\].*gem.transfer.export"):
         train(compose(_data(tiny_dataset, "trainer.max_steps=1", f"trainer.run_dir={tmp_path}",
                             "trainer.distill.weight=0.5", "trainer.distill.tasks=[click]")))
+
+
+def test_synthetic_drift_moves_the_world_and_zero_is_the_default(tiny_schema):
+    from gem.data.synthetic import SyntheticConfig, generate
+
+    base = generate(tiny_schema, 300, 1, SyntheticConfig(num_clusters=5), world_seed=3)
+    assert base.equals(generate(tiny_schema, 300, 1, SyntheticConfig(num_clusters=5, drift=0.0), world_seed=3))
+    later = generate(tiny_schema, 300, 1, SyntheticConfig(num_clusters=5, drift=0.5), world_seed=3)
+    assert later.schema == base.schema and not later.column("ad_id").equals(base.column("ad_id"))

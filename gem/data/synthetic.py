@@ -37,6 +37,10 @@ class SyntheticConfig:
     in_cluster_rate: float = 0.7
     signal_strength: float = 4.0
     latent_dim: int = 8
+    # A later time of the same world (knowledge transfer: a teacher trained on drift 0, students on a
+    # later period): each item's latent vector moves this far towards a second draw near its cluster's
+    # centre, and the popularity ranking is partly reshuffled (the same share of ids). 0: none; 1: a new draw.
+    drift: float = 0.0
 
 
 def _zipf_sampler(rng: np.random.Generator, n: int, exponent: float):
@@ -66,10 +70,19 @@ def generate(schema: FeatureSchema, num_examples: int, seed: int, cfg: Synthetic
     centres /= np.linalg.norm(centres, axis=1, keepdims=True)
     item_cluster = world.integers(0, k, size=num_items)
     latents = centres[item_cluster] + 0.35 * world.normal(size=(num_items, cfg.latent_dim))
+    later = np.random.default_rng([world_seed, 1])  # the drifted world: its own stream, the base world unchanged
+    if cfg.drift:
+        latents = (1 - cfg.drift) * latents + cfg.drift * (centres[item_cluster] + 0.35 * later.normal(
+            size=(num_items, cfg.latent_dim)))
     user_cluster = world.integers(0, k, size=num_users)
     dense_w = world.normal(scale=0.5, size=(2, schema.num_dense))
     domain_bias = world.normal(scale=0.5, size=(2, schema.num_domains))
     popular = _zipf_sampler(world, num_items, cfg.zipf_exponent)
+    if cfg.drift:
+        base, moved = popular, later.random(num_items) < cfg.drift  # these ids swap popularity among themselves
+        remap = np.arange(num_items)
+        remap[moved] = later.permutation(np.flatnonzero(moved))
+        popular = lambda size: remap[base(size)]  # noqa: E731
     members = [np.flatnonzero(item_cluster == c) for c in range(k)]
 
     rng = np.random.default_rng(seed)
@@ -172,7 +185,8 @@ def write_dataset(directory, schema: FeatureSchema, num_examples: dict[str, int]
     tmp = directory.with_name(directory.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     for i, (split, n) in enumerate(num_examples.items()):
-        table = generate(schema, n, seed=seed * 1000 + i + 1, cfg=cfg, world_seed=seed)
+        # a drifted (later) period of the same world draws its own examples too
+        table = generate(schema, n, seed=seed * 1000 + i + 1 + (500 if cfg.drift else 0), cfg=cfg, world_seed=seed)
         for j, start in enumerate(range(0, max(n, 1), rows_per_file)):
             write_parquet(table.slice(start, rows_per_file), tmp / split / f"part-{j:05d}.parquet", schema)
     tmp.rename(directory)
