@@ -56,7 +56,7 @@ def validate_file(path: str | Path, schema: FeatureSchema | None = None) -> list
 def _layout_columns(schema: FeatureSchema) -> list[str]:
     from gem.data.parquet import arrow_schema
 
-    return arrow_schema(schema, with_weight=True, with_request_id=True).names
+    return arrow_schema(schema, with_weight=True, with_request_id=True, teacher_tasks=schema.tasks).names
 
 
 def main(argv: list[str] | None = None) -> int:
