@@ -123,6 +123,10 @@ def test_the_step_time_model_scales_down_with_communication():
     assert all(0 < table.efficiency(r) <= 1.0 + 1e-9 for r in table.rows)
     assert rows[4096].examples_per_s > rows[1].examples_per_s
     assert np.isclose(rows[1].parts_ms["dense"], plan.flops_per_step / (989e12 * plan.config.plan.mfu) * 1e3)
+    checkpointed = _plan("model=gem_tiny", "parallelism=hsdp", "data.batch_size=1024", "plan.world_size=64",
+                         "parallelism.activation_checkpointing=true", "plan.activations=none")
+    recompute = 1 + plan.forward_flops / plan.flops_per_step  # the forward runs again in backward
+    assert np.isclose(step_time_table(checkpointed).rows[0].parts_ms["dense"], rows[1].parts_ms["dense"] * recompute)
     assert GiB == 2**30
 
 

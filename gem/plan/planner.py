@@ -99,6 +99,7 @@ class Plan:
     activation_note: str
     warnings: list[str]
     step_time: Any = None  # gem.plan.steptime.StepTimeTable, filled by __main__
+    forward_flops: float | None = None  # the forward's share (recomputed under activation checkpointing)
 
     @property
     def budget(self) -> float:
@@ -225,17 +226,19 @@ def meta_model(config: Config, schema: FeatureSchema):
     return sparse, dense, dims
 
 
-def dense_flops(dense: nn.Module, batch_size: int, lengths: Lengths) -> tuple[float | None, str]:
-    """Forward + backward FLOPs of one rank's step: the arch's own ``flops()`` on ``batch_size``
-    sampled lengths, else 6 x parameters x examples (each weight used once per example)."""
+def dense_flops(dense: nn.Module, batch_size: int, lengths: Lengths) -> tuple[float, float, str]:
+    """Forward + backward FLOPs of one rank's step and the forward's alone: the arch's own
+    ``flops()`` on ``batch_size`` sampled lengths, else 6 (forward: 2) x parameters x examples
+    (each weight used once per example)."""
     count = getattr(dense, "flops", None)
     if count is not None:
         sample = {g: torch.from_numpy(v[:batch_size] if v.size >= batch_size else np.resize(v, batch_size))
                   for g, v in lengths.sample.items()}
         f = count(batch_size, sample)
-        return float(f["forward"] + f["backward"]), f"{type(dense).__name__}.flops() on sampled lengths"
+        return (float(f["forward"] + f["backward"]), float(f["forward"]),
+                f"{type(dense).__name__}.flops() on sampled lengths")
     params = sum(p.numel() for p in dense.parameters())
-    return 6.0 * params * batch_size, "6 x dense parameters x examples (the arch has no flops())"
+    return 6.0 * params * batch_size, 2.0 * params * batch_size, "6 x dense parameters x examples (the arch has no flops())"
 
 
 # -- activation probe ------------------------------------------------------------------------------
@@ -416,7 +419,7 @@ def make_plan(config: Config) -> Plan:
     params = sum(t.numel() for t in dense.parameters())
     block_params = [sum(t.numel() for t in b.parameters()) for b in dense_blocks(dense)]
     batch = config.data.batch_size
-    flops, flops_source = dense_flops(dense, batch, lengths)
+    flops, forward_flops, flops_source = dense_flops(dense, batch, lengths)
     warnings: list[str] = []
 
     activations, note = None, "not estimated (plan.activations=none)"
@@ -470,7 +473,7 @@ def make_plan(config: Config) -> Plan:
         memory[k] = np.full(world, v)
     memory["activations"] = np.full(world, act)
     result = Plan(config, world, local, schema, sharding, lengths, params, block_params, dims, fsdp, memory,
-                  flops, flops_source, activations, note, warnings)
+                  flops, flops_source, activations, note, warnings, forward_flops=forward_flops)
     warnings += budget_warnings(result)
     return result
 

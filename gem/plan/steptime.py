@@ -6,7 +6,8 @@ nodes of ``G``::
     step = dense compute + embedding traffic + sparse all-to-all + exposed FSDP collectives + overhead
 
 - **dense compute**: the arch's forward + backward FLOPs on the sampled history lengths
-  (``flops()``, gem/train/flops.py) over ``plan.peak_tflops x plan.mfu``.
+  (``flops()``, gem/train/flops.py; with activation checkpointing the forward once more) over
+  ``plan.peak_tflops x plan.mfu``.
 - **embedding traffic**: each lookup reads a row in forward and, with the fused optimizer,
   reads the gradient and the row and writes the row back in backward: ``16 x dim`` bytes, over
   ``plan.hbm_gbps x plan.embedding_efficiency``, on the rank with the most lookups (a
@@ -221,7 +222,10 @@ def traffic(plan: Plan, world: int) -> Traffic | None:
 def predict(plan: Plan, t: Traffic) -> Row:
     """Milliseconds per step by part, for one world size."""
     cp, c = plan.config.plan, plan.config
-    dense = plan.flops_per_step / (cp.peak_tflops * 1e12 * cp.mfu) * 1e3 if plan.flops_per_step else 0.0
+    flops = plan.flops_per_step or 0.0
+    if c.parallelism.activation_checkpointing:  # every checkpointed block runs its forward again in backward
+        flops += plan.forward_flops or 0.0
+    dense = flops / (cp.peak_tflops * 1e12 * cp.mfu) * 1e3
     emb = t.embedding_bytes / (cp.hbm_gbps * 1e9 * cp.embedding_efficiency) * 1e3
     intra, inter = cp.intra_node_gbps * 1e9, cp.inter_node_gbps * 1e9
     a2a = max(t.a2a_intra / intra, t.a2a_inter / inter) * 1e3 + t.a2a_collectives * cp.collective_latency_ms
