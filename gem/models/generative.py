@@ -20,7 +20,8 @@ would let a position see its future.
 
 ``forward`` returns the mean next-event loss ``[1, 1]`` in training mode (``returns_loss = True``
 tells the trainer) and ranking logits ``[B, 1]`` in eval mode, so evaluation rows (a history and
-one candidate each, gem.data.seqrec) run through the usual ranking metrics.
+one candidate each, gem.data.seqrec) run through the usual ranking metrics. With
+``objective="ranking"`` it returns ranking logits in training too, for labelled rows.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from gem.sparse.arch import JaggedEmbeddings, SparseOutput
 
 BLOCKS = ("interformer", "kunlun")
 SIMILARITIES = ("cosine", "dot")
+OBJECTIVES = ("next_event", "ranking")
 
 
 class CausalSequenceLayer(nn.Module):
@@ -81,9 +83,11 @@ class GenerativeSeqArch(nn.Module):
             in-batch negatives (all of them when there are fewer).
         dropout: on the event embeddings and on ``H``.
         attention_backend: ``kernels.jagged_attention`` backend.
+        objective: ``next_event`` (the sampled softmax above) or ``ranking``: the ranking logits in
+            training too, for labelled (history, candidate) rows and the trainer's task loss, e.g.
+            to fine-tune a next-event model (``checkpoint.init_from``) on a ranking task.
     """
 
-    returns_loss = True  # forward returns the training loss in training mode (see the module docstring)
 
     def __init__(self, schema: FeatureSchema, feature_dims: dict[str, int], block: str = "interformer",
                  dim: int = 32, num_layers: int = 2, num_heads: int = 2, head_dim: int = 32,
@@ -91,8 +95,13 @@ class GenerativeSeqArch(nn.Module):
                  compskip: bool = True, sequence: str = "hist", negatives: str | None = "neg",
                  candidate_features: tuple[str, ...] = ("item_id", "item_attr"), item_attributes: bool = False,
                  similarity: str = "cosine", temperature: float = 0.05, in_batch_negatives: int = 4096,
-                 dropout: float = 0.0, attention_backend: str | None = None) -> None:
+                 dropout: float = 0.0, attention_backend: str | None = None, objective: str = "next_event") -> None:
         super().__init__()
+        if objective not in OBJECTIVES:
+            raise ValueError(f"model.objective={objective!r} must be one of {list(OBJECTIVES)}")
+        # next_event: forward returns the training loss in training mode (the module docstring);
+        # ranking: ranking logits always, for the trainer's task loss on labelled rows
+        self.returns_loss = objective == "next_event"
         if block not in BLOCKS:
             raise ValueError(f"model.block={block!r} must be one of {list(BLOCKS)}")
         if similarity not in SIMILARITIES:
@@ -175,7 +184,7 @@ class GenerativeSeqArch(nn.Module):
 
     def forward(self, sparse: SparseOutput, dense: torch.Tensor, domain: torch.Tensor,
                 ids: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        if self.training:
+        if self.training and self.returns_loss:
             return self.next_event_loss(self.encode(sparse), sparse, ids).view(1, 1)
         last = self.last_states(sparse)
         candidates = sparse.pooled[self.candidate]
