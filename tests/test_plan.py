@@ -143,3 +143,10 @@ def test_the_step_time_defaults_are_the_h200_calibration_and_predict_the_other_r
     held_out = [c for c in checks if not c.fitted]
     assert len(held_out) == 4 and max(abs(c.error) for c in held_out) < 0.10, [(c.run, c.error) for c in held_out]
     assert all(abs(c.error) < 1e-6 for c in checks if c.fitted)
+
+
+def test_a_parquet_data_set_gives_its_schema_and_history_lengths(tiny_dataset):
+    plan = _plan("data=parquet", f"data.dir={tiny_dataset}", "plan.world_size=4", "plan.gpus_per_node=4",
+                 "plan.activations=none")
+    assert plan.lengths.source.endswith(f"{tiny_dataset / 'train'}") and plan.schema.cardinality("ad_id") == 80
+    assert 0 < plan.lengths.mean("hist") <= 12  # the tiny data set's max_len
