@@ -140,6 +140,16 @@ def test_a_task_the_teacher_never_learned_is_named(tiny_dataset, teacher_ckpt):
                                            "*.parquet"))).metadata[b"gem.schema"]))
     with pytest.raises(CheckpointError, match=r"never learned task\(s\) \['like'\]"):
         load_teacher(teacher_ckpt, schema, ("click", "like"), torch.device("cpu"))
+    # NaN teacher outputs (a broken teacher) are named too
+    from gem.data.loader import build_loader
+
+    teacher = load_teacher(teacher_ckpt, schema, ("conversion",), torch.device("cpu"))
+    with torch.no_grad():
+        for p in teacher.model.dense_arch.heads.parameters():
+            p.fill_(float("nan"))
+    batch = next(iter(build_loader(sorted((tiny_dataset / "val").glob("*.parquet")), schema, 32)))
+    with pytest.raises(FloatingPointError, match=r"\['conversion'\] logits are NaN or inf"):
+        teacher.logits(batch)
 
 
 def test_export_writes_teacher_columns_resumably_and_the_loader_reads_them(tiny_dataset, teacher_ckpt, tmp_path):

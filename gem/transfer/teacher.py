@@ -64,6 +64,7 @@ class Teacher(nn.Module):
             raise CheckpointError(f"{where}: the teacher never learned task(s) {unknown}; it has {list(teacher_tasks)}; "
                                   f"distil only those (trainer.distill.tasks) or use a teacher trained on them")
         self.tasks = tuple(tasks)
+        self.where = where
         self.model = model.eval().requires_grad_(False)
         self.index = torch.tensor([teacher_tasks.index(t) for t in tasks], device=device)
         self.device = device
@@ -91,8 +92,18 @@ class Teacher(nn.Module):
         rep = self._repr.float() if self._repr is not None else None
         return logits.float().index_select(1, self.index), rep
 
-    def logits(self, batch: Batch) -> torch.Tensor:
-        return self(batch)[0]
+    def logits(self, batch: Batch, check: bool = True) -> torch.Tensor:
+        """The teacher's logits ``[B, len(tasks)]``; with ``check`` a NaN / inf one raises, naming the task
+        (one device sync)."""
+        out = self(batch)[0]
+        if check:
+            finite = torch.isfinite(out).all(0)
+            if not bool(finite.all()):
+                bad = [t for t, ok in zip(self.tasks, finite.tolist()) if not ok]
+                raise FloatingPointError(f"{self.where}: the teacher's {bad} logits are NaN or inf on this batch; "
+                                         "its checkpoint is broken (trained into NaN?) or the batch is outside "
+                                         "what it can read")
+        return out
 
 
 def load_teacher(path: str | Path, student: FeatureSchema, tasks: tuple[str, ...] | None, device: torch.device,
