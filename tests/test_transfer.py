@@ -260,3 +260,18 @@ def test_synthetic_drift_moves_the_world_and_zero_is_the_default(tiny_schema):
     assert base.equals(generate(tiny_schema, 300, 1, SyntheticConfig(num_clusters=5, drift=0.0), world_seed=3))
     later = generate(tiny_schema, 300, 1, SyntheticConfig(num_clusters=5, drift=0.5), world_seed=3)
     assert later.schema == base.schema and not later.column("ad_id").equals(base.column("ad_id"))
+
+
+def test_resuming_the_runs_own_checkpoint_takes_precedence_over_init_from(tiny_dataset, teacher_ckpt, tmp_path):
+    from gem.train.trainer import apply_transfer
+    from gem.transfer.params import model_state
+
+    data, model = _student(tiny_dataset, "checkpoint.enabled=true", f"checkpoint.init_from={teacher_ckpt}",
+                           "checkpoint.init_modules=[sparse_arch]")
+    before = {k: _full(v).clone() for k, v in model_state(model).items()}
+    (tmp_path / "step_000000004").mkdir()  # the run's own checkpoint: the restore loads every tensor from it
+    apply_transfer(data.config, model, tmp_path)
+    assert all(torch.equal(before[k], _full(v)) for k, v in model_state(model).items())
+    apply_transfer(data.config, model, tmp_path / "empty")  # nothing to resume: the teacher's tables
+    assert not torch.equal(before["sparse_arch.ec.embeddings.t_hist_item.weight"],
+                           _full(model_state(model)["sparse_arch.ec.embeddings.t_hist_item.weight"]))
