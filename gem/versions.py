@@ -80,11 +80,13 @@ def release(version: str | None) -> tuple[int, int] | None:
 def installed() -> dict[str, str | None]:
     """The installed version of each distribution gem checks (None: not installed)."""
     out: dict[str, str | None] = {}
-    for name in ("torch", *FBGEMM_BUILDS, "torchrec", "triton"):
+    for name in ("torch", *FBGEMM_BUILDS, "torchrec", "triton", "pytorch-triton"):
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             out[name] = None
+    out["triton"] = out["triton"] or out.pop("pytorch-triton")  # torch's nightlies ship it as pytorch-triton
+    out.pop("pytorch-triton", None)
     return out
 
 

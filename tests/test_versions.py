@@ -41,6 +41,8 @@ def test_the_known_good_combinations_pass(fake):
         assert versions.check_versions() is None, dists
     fake(CPU_PINS | {"torch": "2.13.1+cpu", "triton": "3.7.0"})  # patch releases do not matter
     assert versions.check_versions() is None
+    fake({k: v for k, v in CPU_PINS.items() if k != "triton"} | {"pytorch-triton": "3.7.1"})  # torch nightlies' name
+    assert versions.installed()["triton"] == "3.7.1" and versions.check_versions() is None
 
 
 def test_fbgemm_built_for_another_torch_names_the_versions_and_what_to_install(fake):
