@@ -150,3 +150,16 @@ def test_a_parquet_data_set_gives_its_schema_and_history_lengths(tiny_dataset):
                  "plan.activations=none")
     assert plan.lengths.source.endswith(f"{tiny_dataset / 'train'}") and plan.schema.cardinality("ad_id") == 80
     assert 0 < plan.lengths.mean("hist") <= 12  # the tiny data set's max_len
+
+
+def test_an_explicit_plan_or_a_plan_file_is_dry_run_as_training_would_build_it(tmp_path):
+    common = ["plan.world_size=4", "plan.gpus_per_node=4", "plan.device=cpu", "plan.activations=none"]
+    plan = _plan("sparse.sharding_type=table_wise", "+sparse.plan.t_hist_item=column_wise", *common)
+    types = {name: t["sharding_type"] for name, t in plan.sharding["tables"].items()}
+    assert types.pop("t_hist_item") == "column_wise" and set(types.values()) == {"table_wise"}
+    assert "tables (explicit: sparse.plan / sparse.sharding_type):" in plan.text()
+    with pytest.raises(ConfigError, match=r"sparse.plan.t_hist_surface=row_wise: 3 rows over 4 ranks"):
+        _plan("sparse.sharding_type=row_wise", *common)
+    path = plan.save(tmp_path / "plan.json")
+    again = _plan(f"sparse.plan_file={path}", *common)
+    assert again.sharding == plan.sharding and f"tables (plan file {path}):" in again.text()

@@ -403,7 +403,8 @@ def make_plan(config: Config) -> Plan:
     """Plan ``config`` (a validated gem.train.config.Config) for ``plan.world_size`` ranks."""
     from gem.distributed.parallel_dims import ParallelDims, ParallelLayoutError
     from gem.distributed.parallelize import dense_blocks
-    from gem.distributed.sharding import fuse_optimizer, plan_to_dict, planner_plan, sharders
+    from gem.distributed.sharding import (explicit_plan, fuse_optimizer, load_plan_file, plan_to_dict, planner_plan,
+                                          sharders)
 
     p, s = config.plan, config.sparse
     world = p.world_size
@@ -449,9 +450,17 @@ def make_plan(config: Config) -> Plan:
     from torchrec.distributed.planner.types import PlannerError
 
     try:
-        plan = planner_plan(sparse, sharders(), None, world, local, p.device, p.hbm_gb, s.constraints,
-                            batch_size=batch, reserved_bytes=int(reserved), intra_node_gbps=p.intra_node_gbps,
-                            inter_node_gbps=p.inter_node_gbps)
+        if s.plan_file:  # an existing plan file: check it and report its memory
+            plan = load_plan_file(s.plan_file, sparse, world, local, p.device)
+        elif s.plan or s.sharding_type is not None:  # an explicit plan, as training would build it
+            per_table = {t.name: s.plan.get(t.name, s.sharding_type) for t in sparse.tables}
+            plan = explicit_plan(sparse, {k: v for k, v in per_table.items() if v is not None}, world, local, p.device)
+        else:
+            plan = planner_plan(sparse, sharders(), None, world, local, p.device, p.hbm_gb, s.constraints,
+                                batch_size=batch, reserved_bytes=int(reserved), intra_node_gbps=p.intra_node_gbps,
+                                inter_node_gbps=p.inter_node_gbps)
+    except ValueError as e:  # explicit plan / plan file errors name the sparse.* key
+        raise ConfigError(str(e)) from None
     except PlannerError as e:
         total = sum(t.num_bytes for t in sparse.tables)
         raise ConfigError(f"TorchRec's planner found no placement of the tables ({_human(total)} of fp32 "
@@ -582,7 +591,9 @@ def format_report(plan: Plan) -> str:
              f"{plan.dims.describe() if plan.fsdp else 'not sharded'}; "
              + (f"{_flops(plan.flops_per_step)} per rank per step ({plan.flops_source})"
                 if plan.flops_per_step else "FLOPs unknown"),
-             "", "tables (TorchRec planner):"]
+             "", "tables (" + ("plan file " + c.sparse.plan_file if c.sparse.plan_file else
+                           "explicit: sparse.plan / sparse.sharding_type" if c.sparse.plan or c.sparse.sharding_type
+                           else "TorchRec planner") + "):"]
     rows = [["table", "rows", "dim", "sharding", "shards", "ranks", "fp32 weights"]]
     for name, t in plan.sharding["tables"].items():
         ranks = t["ranks"] or list(range(w))
