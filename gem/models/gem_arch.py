@@ -29,7 +29,7 @@ from gem.data.schema import FeatureSchema
 from gem.models.heads import MultiDomainHeads
 from gem.models.interformer import InterFormerLayer, NonSequenceSummary, SequenceSummary
 from gem.models.kunlun import KunlunLayer, SeedPooling
-from gem.models.layers import MLP
+from gem.models.layers import MLP, init_module_tree
 from gem.models.sequence import jagged_prepend, linear_flops, rotary_tables
 from gem.sparse.arch import JaggedEmbeddings, SparseOutput
 
@@ -106,28 +106,9 @@ class GEMDenseArch(nn.Module):
         self.top = MLP(rep_dim, tuple(top_mlp))
         self.heads = MultiDomainHeads(self.top.out_dim, schema.num_tasks, schema.num_domains, tuple(tower_mlp), domain_mode)
 
-    @torch.no_grad()
     def init_weights(self) -> None:
         """Initialize every parameter (after ``to_empty``); fails if a parameter has no rule."""
-        done: set[int] = set()
-        for module in self.modules():
-            if hasattr(module, "init_own_parameters"):
-                module.init_own_parameters()
-            elif isinstance(module, nn.Linear):
-                nn.init.xavier_uniform_(module.weight)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, std=0.05)
-            else:
-                continue
-            done.update(id(p) for p in module.parameters())
-        missing = [n for n, p in self.named_parameters() if id(p) not in done]
-        if missing:
-            raise RuntimeError(f"init_weights has no rule for {missing}")
+        init_module_tree(self)
 
     def forward(self, sparse: SparseOutput, dense: torch.Tensor, domain: torch.Tensor) -> torch.Tensor:
         tokens = [self.id_proj[f](sparse.pooled[f]) for f in self.schema.id_feature_names]

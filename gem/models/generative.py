@@ -33,6 +33,7 @@ from torch import nn
 from gem.data.jagged import lengths_to_offsets, offsets_to_lengths, segment_ids
 from gem.data.schema import FeatureSchema
 from gem.models.interformer import NonSequenceSummary
+from gem.models.layers import init_module_tree
 from gem.models.sequence import JaggedSelfAttention, PersonalizedFFN, jagged_positions, linear_flops, rotary_tables
 from gem.sparse.arch import JaggedEmbeddings, SparseOutput
 
@@ -151,19 +152,9 @@ class GenerativeSeqArch(nn.Module):
         self.attr_proj = (nn.Linear(feature_dims[candidate_features[1]], self.item_dim, bias=False)
                           if self.attr_slots else None)
 
-    @torch.no_grad()
     def init_weights(self) -> None:
-        """Initialize every parameter (after ``to_empty``)."""
-        for module in self.modules():
-            if hasattr(module, "init_own_parameters"):
-                module.init_own_parameters()
-            elif isinstance(module, nn.Linear):
-                nn.init.xavier_uniform_(module.weight)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                nn.init.zeros_(module.bias)
+        """Initialize every parameter (after ``to_empty``); fails if a parameter has no rule."""
+        init_module_tree(self)
 
     def encode(self, sparse: SparseOutput) -> torch.Tensor:
         """``H [T, D_item]``: the representation after each event of the stream."""
