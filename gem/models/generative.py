@@ -277,12 +277,10 @@ class GenerativeSeqArch(nn.Module):
         fwd += self.user_summary.flops(b) + linear_flops(rows, self.event_proj.in_features, self.event_proj.out_features)
         fwd += sum(layer.flops(n, max_len, padded) for layer in self.layers)
         fwd += linear_flops(rows, self.out.in_features, self.out.out_features)
-        num_negatives = min(rows, self.in_batch_negatives)
-        if self.negatives is not None and self.negatives in lengths:
-            num_negatives += int(lengths[self.negatives].sum())
+        uniform = int(lengths[self.negatives].sum()) if self.negatives is not None and self.negatives in lengths else 0
+        num_negatives = min(rows, self.in_batch_negatives) + uniform
         if self.attr_proj is not None:  # the scored items' attributes: the events' and the uniform negatives'
-            fwd += linear_flops(rows + num_negatives - min(rows, self.in_batch_negatives), self.attr_proj.in_features,
-                                self.attr_proj.out_features)
+            fwd += linear_flops(rows + uniform, self.attr_proj.in_features, self.attr_proj.out_features)
         fwd += 2 * rows * (num_negatives + 1) * self.item_dim  # the scores
         return {"forward": fwd, "backward": 2 * fwd}
 
