@@ -74,6 +74,8 @@ def test_a_large_cluster_is_planned_and_grouped_by_rank(tmp_path, capsys):
     data = json.loads(path.read_text())
     assert len(data["sharding"]["tables"]) == 9 and data["memory_bytes"]["total"]["max"] > 0
     assert [r["world_size"] for r in data["step_time"]["rows"]][:3] == [1, 2, 4]
+    png = tmp_path / "scaling.png"  # the scaling table as a plot, beside the plan file
+    assert f"scaling plot: {png}" in out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["debug=tiny", "plan.world_size=12"]) == 1
     assert capsys.readouterr().err.strip() == ("Error in the configuration: plan.world_size=12 is not a whole number "
                                                "of nodes of plan.gpus_per_node=8; set plan.world_size=8")
@@ -163,3 +165,12 @@ def test_an_explicit_plan_or_a_plan_file_is_dry_run_as_training_would_build_it(t
     path = plan.save(tmp_path / "plan.json")
     again = _plan(f"sparse.plan_file={path}", *common)
     assert again.sharding == plan.sharding and f"tables (plan file {path}):" in again.text()
+
+
+def test_without_matplotlib_the_scaling_plot_is_skipped(tmp_path, monkeypatch, caplog):
+    from gem.plan.steptime import Row, StepTimeTable, plot_scaling
+
+    table = StepTimeTable([Row(1, {"dense": 1.0}, 8), Row(2, {"dense": 1.2}, 8)])
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert plot_scaling(table, tmp_path / "scaling.png") is None and not (tmp_path / "scaling.png").exists()
+    assert "matplotlib is not installed: no scaling plot" in caplog.text

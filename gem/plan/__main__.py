@@ -5,7 +5,8 @@ cluster, on this machine (a CPU is enough), and save the plan file for ``sparse.
 
 The overrides are gem.train's (the same Hydra config tree) plus ``plan.*`` (configs/plan/default.yaml).
 Prints the report (tables and their shards per rank, memory per rank with warnings and fixes, the
-step-time model's table) and writes ``plan.out`` (default ``<trainer.run_dir>/plan.json``). A
+step-time model's table) and writes ``plan.out`` (default ``<trainer.run_dir>/plan.json``) and,
+with matplotlib, the scaling table as a plot beside it (``scaling.png``). A
 configuration or data mistake prints one line and exits 1 (``HYDRA_FULL_ERROR=1``: the traceback).
 """
 
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from gem.data.errors import DataError
     from gem.plan.planner import make_plan
-    from gem.plan.steptime import step_time_table
+    from gem.plan.steptime import plot_scaling, step_time_table
     from gem.train.api import compose
     from gem.train.config import ConfigError, validate
 
@@ -53,6 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     print(plan.text())
     path = plan.save(out)
     print(f"\nplan file: {path}  (train with sparse.plan_file={path})")
+    name = "scaling.png" if path.stem == "plan" else f"{path.stem}-scaling.png"
+    model = str(config.model.get("_target_", "")).rsplit(".", 1)[-1]
+    png = plot_scaling(plan.step_time, path.with_name(name),
+                       f"{model}, batch {config.data.batch_size} per GPU: predicted scaling")
+    if png is not None:
+        print(f"scaling plot: {png}")
     return 0
 
 

@@ -287,6 +287,51 @@ def step_time_table(plan: Plan) -> StepTimeTable:
     return StepTimeTable(rows, notes)
 
 
+def plot_scaling(table: StepTimeTable, path: "str | Path", title: str = "") -> "Path | None":
+    """The scaling table as a PNG: predicted examples/s (log-log, with linear scaling from the
+    smallest row dashed) and scaling efficiency against GPUs; rows over the memory budget hollow.
+    None (and one log line) when matplotlib is not installed (it is optional)."""
+    import logging
+    from pathlib import Path
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logging.getLogger(__name__).warning("matplotlib is not installed: no scaling plot (pip install matplotlib)")
+        return None
+    rows = table.rows
+    gpus = np.array([r.world_size for r in rows])
+    rate = np.array([r.examples_per_s for r in rows])
+    eff = np.array([table.efficiency(r) for r in rows]) * 100
+    fits = np.array([r.fits for r in rows])
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    a.plot(gpus, rate, "-", color="C0")
+    a.plot(gpus, gpus / gpus[0] * rate[0], "--", color="grey", label="linear")
+    for ax, y in ((a, rate), (b, eff)):
+        ax.plot(gpus[fits], y[fits], "o", color="C0", label="fits")
+        if (~fits).any():
+            ax.plot(gpus[~fits], y[~fits], "o", mfc="none", color="C3", label="over the memory budget")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("GPUs")
+        ax.grid(alpha=0.3)
+    a.set_yscale("log")
+    a.set_ylabel("predicted examples/s")
+    a.legend()
+    b.plot(gpus, eff, "-", color="C0")
+    b.set_ylabel("scaling efficiency (%)")
+    b.set_ylim(0, 105)
+    fig.suptitle(title or "predicted scaling (gem/plan/steptime.py)")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def examples_per_s(plan: Plan, world: int | None = None) -> float:
     return predict(plan, traffic(plan, world or plan.world_size)).examples_per_s
 
