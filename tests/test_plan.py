@@ -174,3 +174,42 @@ def test_without_matplotlib_the_scaling_plot_is_skipped(tmp_path, monkeypatch, c
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # import matplotlib raises ImportError
     assert plot_scaling(table, tmp_path / "scaling.png") is None and not (tmp_path / "scaling.png").exists()
     assert "matplotlib is not installed: no scaling plot" in caplog.text
+
+
+def test_2d_sparse_parallelism_plans_a_group_and_compares_group_sizes(tmp_path, capsys):
+    """sparse.sharding_group_size=4 at 16 ranks: the planner plans for 4, global rank r holds group rank
+    r // 4's shards, the all-to-all spans the group, the replicas sync, and group sizes are compared."""
+    from gem.plan.__main__ import main
+    from gem.plan.steptime import compare_group_sizes, step_time_table, traffic
+
+    common = ["model=gem_tiny", "plan.world_size=16", "plan.activations=none"]
+    flat, grouped = _plan(*common), _plan(*common, "sparse.sharding_group_size=4")
+    assert grouped.sharding["world_size"] == 4 and grouped.sharding_world == 4 and flat.sharding_world == 16
+    tables = grouped.memory["tables"]
+    assert tables.shape == (16,) and (tables.reshape(4, 4) == tables[::4, None]).all()  # ranks 0-3: group rank 0
+    assert tables.max() > flat.memory["tables"].max()  # a quarter of the ranks hold every table
+    t_flat, t_grouped = traffic(flat, 16), traffic(grouped, 16)
+    assert t_grouped.group == 4 and t_flat.group == 16 and t_flat.replica_table_bytes == 0
+    assert t_grouped.replica_table_bytes > 0 and t_grouped.replica_intra  # 4 replicas: consecutive ranks, one node
+    assert t_grouped.a2a_intra + t_grouped.a2a_inter < t_flat.a2a_intra + t_flat.a2a_inter
+    rows = {r.world_size: r for r in step_time_table(grouped).rows}
+    assert rows[2].parts_ms["replica sync"] == rows[4].parts_ms["replica sync"] == 0  # no replicas below 4 ranks
+    assert rows[16].parts_ms["replica sync"] > 0
+    comparison = compare_group_sizes(grouped)
+    assert [c.group_size for c in comparison.choices] == [4, 8, 16] and comparison.configured == 4
+    assert comparison.best is not None and "recommended: sparse.sharding_group_size=" in comparison.text()
+    with pytest.raises(ConfigError, match=r"sparse.sharding_group_size=3 does not divide plan.world_size=16"):
+        _plan(*common, "sparse.sharding_group_size=3")
+    path = tmp_path / "plan.json"
+    assert main(["debug=tiny", *common, "sparse.sharding_group_size=4", "plan.device=cpu", f"plan.out={path}"]) == 0
+    out = capsys.readouterr().out
+    assert "tables sharded inside 4 groups of 4 ranks (group i: ranks i, i+4, i+8, ...)" in out
+    assert "shards per rank of a group:" in out and "2-D sparse parallelism at 16 GPUs" in out
+    data = json.loads(path.read_text())
+    assert data["cluster"]["sharding_group_size"] == 4 and data["sharding"]["world_size"] == 4
+    assert data["sharding_groups"]["recommended"] in (4, 8, 16)
+    from gem.distributed.sharding import load_plan_file
+    from gem.sparse.arch import SparseArch
+
+    arch = SparseArch.from_config(grouped.schema, grouped.config.sparse.embedding_dim, device="meta")
+    load_plan_file(str(path), arch, 4, 4, "cpu")  # what training loads for a group of 4 ranks

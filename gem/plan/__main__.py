@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from gem.data.errors import DataError
     from gem.plan.planner import make_plan
-    from gem.plan.steptime import plot_scaling, step_time_table
+    from gem.plan.steptime import compare_group_sizes, plot_scaling, step_time_table
     from gem.train.api import compose
     from gem.train.config import ConfigError, validate
 
@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(str(e).strip().splitlines()[0]) from e
         plan = make_plan(config)
         plan.step_time = step_time_table(plan)
+        plan.groups = compare_group_sizes(plan)
     except (ConfigError, DataError) as e:
         if full:
             raise

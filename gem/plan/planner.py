@@ -100,6 +100,13 @@ class Plan:
     warnings: list[str]
     step_time: Any = None  # gem.plan.steptime.StepTimeTable, filled by __main__
     forward_flops: float | None = None  # the forward's share (recomputed under activation checkpointing)
+    group_size: int | None = None  # sparse.sharding_group_size: tables sharded in groups of this many ranks
+    groups: Any = None  # gem.plan.steptime.GroupComparison, filled by __main__
+
+    @property
+    def sharding_world(self) -> int:
+        """Ranks the tables are sharded over: the sharding group's, else the world's."""
+        return self.group_size or self.world_size
 
     @property
     def budget(self) -> float:
@@ -127,8 +134,11 @@ class Plan:
                "memory_bytes": mem, "memory_bytes_per_rank": {k: v.tolist() for k, v in self.memory.items()}
                if self.world_size <= 64 else None,
                "warnings": self.warnings}
+        out["cluster"]["sharding_group_size"] = self.group_size
         if self.step_time is not None:
             out["step_time"] = self.step_time.to_json()
+        if self.groups is not None:
+            out["sharding_groups"] = self.groups.to_json()
         return out
 
     def save(self, path: str | Path) -> Path:
@@ -399,8 +409,14 @@ def dense_memory(config: Config, params: int, block_params: list[int], dims, fsd
 # -- the plan ----------------------------------------------------------------------------------------------
 
 
-def make_plan(config: Config) -> Plan:
-    """Plan ``config`` (a validated gem.train.config.Config) for ``plan.world_size`` ranks."""
+def make_plan(config: Config, probe: "tuple[Activations | None, str] | None" = None) -> Plan:
+    """Plan ``config`` (a validated gem.train.config.Config) for ``plan.world_size`` ranks.
+
+    With ``sparse.sharding_group_size=G`` (2-D sparse parallelism, TorchRec's DMPCollection) the
+    tables are planned for a group of ``G`` ranks, as training shards them; the group of global
+    rank ``r`` is ``r mod (W / G)`` and its rank in the group ``r // (W / G)`` (DMPCollection's
+    strided groups: the replicas of a shard are ``W / G`` consecutive ranks). ``probe``: the
+    activations (and note) of an earlier plan of the same model and batch, not measured again."""
     from gem.distributed.parallel_dims import ParallelDims, ParallelLayoutError
     from gem.distributed.parallelize import dense_blocks
     from gem.distributed.sharding import (explicit_plan, fuse_optimizer, load_plan_file, plan_to_dict, planner_plan,
@@ -414,6 +430,14 @@ def make_plan(config: Config) -> Plan:
     except ParallelLayoutError as e:
         raise ConfigError(f"{e} (plan.world_size={world})") from None
     fsdp = config.parallelism.fully_shard if config.parallelism.fully_shard is not None else world > 1
+    group = s.sharding_group_size
+    if group is not None and (group < 1 or world % group):
+        raise ConfigError(f"sparse.sharding_group_size={group} does not divide plan.world_size={world}; set a "
+                          f"divisor (e.g. sparse.sharding_group_size="
+                          f"{max(d for d in range(1, max(group, 1) + 1) if world % d == 0)}) or null")
+    group = None if group == world else group
+    plan_world = group or world
+    plan_local = min(local, plan_world)  # as gem.distributed.sharding.shard_sparse_arch plans a group
     schema, directory = plan_schema(config)
     lengths = history_lengths(config, schema, directory)
     sparse, dense, _ = meta_model(config, schema)
@@ -425,7 +449,9 @@ def make_plan(config: Config) -> Plan:
 
     activations, note = None, "not estimated (plan.activations=none)"
     compute_bytes = 2 if (fsdp and config.parallelism.param_dtype != "float32") or config.trainer.autocast else 4
-    if p.activations == "probe":
+    if probe is not None:
+        activations, note = probe
+    elif p.activations == "probe":
         try:
             activations = probe_activations(config, schema, lengths)
             note = (f"probe: {PROBE_EXAMPLES} examples at history length {activations.probe_length}, "
@@ -451,12 +477,13 @@ def make_plan(config: Config) -> Plan:
 
     try:
         if s.plan_file:  # an existing plan file: check it and report its memory
-            plan = load_plan_file(s.plan_file, sparse, world, local, p.device)
+            plan = load_plan_file(s.plan_file, sparse, plan_world, plan_local, p.device)
         elif s.plan or s.sharding_type is not None:  # an explicit plan, as training would build it
             per_table = {t.name: s.plan.get(t.name, s.sharding_type) for t in sparse.tables}
-            plan = explicit_plan(sparse, {k: v for k, v in per_table.items() if v is not None}, world, local, p.device)
+            plan = explicit_plan(sparse, {k: v for k, v in per_table.items() if v is not None}, plan_world,
+                                 plan_local, p.device)
         else:
-            plan = planner_plan(sparse, sharders(), None, world, local, p.device, p.hbm_gb, s.constraints,
+            plan = planner_plan(sparse, sharders(), None, plan_world, plan_local, p.device, p.hbm_gb, s.constraints,
                                 batch_size=batch, reserved_bytes=int(reserved), intra_node_gbps=p.intra_node_gbps,
                                 inter_node_gbps=p.inter_node_gbps)
     except ValueError as e:  # explicit plan / plan file errors name the sparse.* key
@@ -465,24 +492,31 @@ def make_plan(config: Config) -> Plan:
         total = sum(t.num_bytes for t in sparse.tables)
         raise ConfigError(f"TorchRec's planner found no placement of the tables ({_human(total)} of fp32 "
                           f"weights) in the {_human(p.hbm_gb * GiB - reserved)} per rank the dense part "
-                          f"leaves of plan.hbm_gb={p.hbm_gb:g} on {world} ranks; raise plan.world_size, lower "
+                          f"leaves of plan.hbm_gb={p.hbm_gb:g} on {plan_world} ranks"
+                          + (f" (sparse.sharding_group_size={group})" if group else "")
+                          + "; raise plan.world_size" + (" or sparse.sharding_group_size" if group else "") + ", lower "
                           f"sparse.embedding_dim / sparse.dims, or shrink the dense part "
                           f"(parallelism.activation_checkpointing=true, data.batch_size) "
                           f"[{type(e).__name__}: {str(e).splitlines()[0][:200]}]") from None
-    sharding = plan_to_dict(plan, sparse, world, local, p.device)
+    sharding = plan_to_dict(plan, sparse, plan_world, plan_local, p.device)
     for name, t in sharding["tables"].items():
         empty = sum(1 for shard in t["shards"] if shard["sizes"][0] == 0)
         if empty and p.device == "cpu":  # measured with fbgemm-gpu-cpu 1.8 (gem/distributed/sharding.py)
             warnings.append(f"{name}: {empty} ranks hold empty row-wise shards ({t['rows']:,} rows over "
                             f"{len(t['shards'])} ranks), on which FBGEMM's CPU row-wise Adagrad fails now and then; "
                             f"fix: +sparse.constraints.{name}=[table_wise,data_parallel]")
-    memory = table_memory(sharding, world, config.optim.sparse.name)
+    memory = table_memory(sharding, plan_world, config.optim.sparse.name)
+    if group:  # global rank r holds the shards of group rank r // (W / G)
+        memory = {k: np.repeat(v, world // group) for k, v in memory.items()}
+        if p.device != "cuda":
+            warnings.append("sparse.sharding_group_size: TorchRec's DMPCollection runs on CUDA only; training "
+                            "on CPU refuses it")
     memory["embedding I/O"] = np.full(world, io)
     for k, v in memory_dense.items():
         memory[k] = np.full(world, v)
     memory["activations"] = np.full(world, act)
     result = Plan(config, world, local, schema, sharding, lengths, params, block_params, dims, fsdp, memory,
-                  flops, flops_source, activations, note, warnings, forward_flops=forward_flops)
+                  flops, flops_source, activations, note, warnings, forward_flops=forward_flops, group_size=group)
     warnings += budget_warnings(result)
     return result
 
@@ -522,6 +556,9 @@ def budget_warnings(plan: Plan) -> list[str]:
         if c.optim.sparse.name != "rowwise_adagrad":
             fixes.append("optim.sparse.name=rowwise_adagrad (one float of state per row, not per weight)")
         heavy = sorted(plan.sharding["tables"].items(), key=lambda kv: -kv[1]["rows"] * kv[1]["dim"])[0][0]
+        if plan.group_size:
+            fixes.append(f"a larger sparse.sharding_group_size (now {plan.group_size}: each rank holds 1/"
+                         f"{plan.group_size} of the tables)")
         fixes.append(f"more ranks (plan.world_size), a smaller sparse.embedding_dim / sparse.dims, or spreading "
                      f"the largest table: +sparse.constraints.{heavy}=[row_wise]")
     if biggest == "embedding I/O":
@@ -590,19 +627,27 @@ def format_report(plan: Plan) -> str:
              f"dense arch: {plan.dense_params / 1e6:.2f}M parameters in {len(plan.block_params)} blocks, "
              f"{plan.dims.describe() if plan.fsdp else 'not sharded'}; "
              + (f"{_flops(plan.flops_per_step)} per rank per step ({plan.flops_source})"
-                if plan.flops_per_step else "FLOPs unknown"),
-             "", "tables (" + ("plan file " + c.sparse.plan_file if c.sparse.plan_file else
+                if plan.flops_per_step else "FLOPs unknown")]
+    n = plan.sharding_world
+    if plan.group_size:
+        step = w // n
+        lines.append(f"2-D sparse parallelism (sparse.sharding_group_size={n}, TorchRec DMPCollection): tables "
+                     f"sharded inside {step} groups of {n} ranks (group i: ranks i, i+{step}, i+{2 * step}, ...), "
+                     f"replicated across them (each shard's {step} replicas on consecutive ranks); ranks below are "
+                     f"ranks in a group")
+    lines += ["", "tables (" + ("plan file " + c.sparse.plan_file if c.sparse.plan_file else
                            "explicit: sparse.plan / sparse.sharding_type" if c.sparse.plan or c.sparse.sharding_type
                            else "TorchRec planner") + "):"]
     rows = [["table", "rows", "dim", "sharding", "shards", "ranks", "fp32 weights"]]
     for name, t in plan.sharding["tables"].items():
-        ranks = t["ranks"] or list(range(w))
+        ranks = t["ranks"] or list(range(n))
         rows.append([name, f"{t['rows']:,}", str(t["dim"]), t["sharding_type"], str(max(1, len(t["shards"]))),
                      _ranks(ranks), _human(4 * t["rows"] * t["dim"])])
     lines += _table(rows, right=(1, 2, 4, 6))
-    lines += ["", "shards per rank:"]
-    for ranks, items in rank_groups(plan.sharding, w):
-        lines.append(f"  rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)}: " + ("; ".join(items) or "no tables"))
+    lines += ["", "shards per rank" + (" of a group:" if plan.group_size else ":")]
+    for ranks, items in rank_groups(plan.sharding, n):
+        lines.append(f"  {'group ' if plan.group_size else ''}rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)}: "
+                     + ("; ".join(items) or "no tables"))
     lines += ["", f"memory per rank (budget {_human(plan.budget)} = plan.hbm_gb {p.hbm_gb:g} - plan.reserve_gb "
                   f"{p.reserve_gb:g}):"]
     rows = [["part", "min", "max", "max at rank"]]
@@ -612,6 +657,8 @@ def format_report(plan: Plan) -> str:
     lines.append(f"activations: {plan.activation_note}")
     if plan.step_time is not None:
         lines += ["", *plan.step_time.text().splitlines()]
+    if plan.groups is not None:
+        lines += ["", *plan.groups.text().splitlines()]
     lines.append("")
     if plan.warnings:
         lines += [f"WARNING: {m}" for m in plan.warnings]

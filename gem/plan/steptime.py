@@ -25,6 +25,12 @@ nodes of ``G``::
   but every all-gather waits ``plan.collective_latency_ms``: calibrated on two H200s, where
   FSDP's 34 all-gathers per step added 26 ms that bandwidth does not explain.
 - **data-parallel tables**: an all-reduce of their full gradient.
+- **2-D sparse parallelism** (``sparse.sharding_group_size=n``, TorchRec's DMPCollection): the
+  all-to-all spans a sharding group of ``n`` ranks (strided: ranks ``i, i + W/n, ...``, so
+  ``G / (W/n)`` of them share a node), and the ``W/n`` replicas of each shard (consecutive ranks)
+  all-reduce the gradients of the rows the group's examples looked up, every step, not overlapped
+  (an approximation: DMPCollection's ``sync()`` averages weights and optimizer state instead).
+  :func:`compare_group_sizes` plans the tables again for a few group sizes at ``plan.world_size``.
 
 Other world sizes than the plan's keep each table's sharding type (row-wise over all ranks,
 table-wise on one, column-wise over its shard count, table-row-wise over a node), with the
@@ -59,6 +65,9 @@ class Traffic:
     replica_bytes: float  # HSDP / replicate: all-reduce across replicas
     gathers: int  # blocking all-gathers per step
     dims: tuple[int, int]  # (dp_replicate, dp_shard)
+    group: int = 0  # ranks the tables are sharded over (sparse.sharding_group_size, else the world)
+    replica_table_bytes: float = 0.0  # 2-D: all-reduce of the looked-up rows' gradients across the replicas
+    replica_intra: bool = True  # ... whose ranks are in one node
 
 
 @dataclass
@@ -146,25 +155,42 @@ def _layout(plan: Plan, world: int) -> tuple[int, int] | None:
     return d.dp_replicate, d.dp_shard
 
 
+def sharding_group(plan: Plan, world: int) -> int | None:
+    """Ranks the tables are sharded over at ``world`` ranks: ``sparse.sharding_group_size`` (the world
+    below it), else the world; None where the group size does not divide it."""
+    group = plan.group_size
+    if not group or world <= group:
+        return world
+    return group if world % group == 0 else None
+
+
 def traffic(plan: Plan, world: int) -> Traffic | None:
-    """The per-step bytes of ``plan`` at ``world`` ranks (module docstring)."""
+    """The per-step bytes of ``plan`` at ``world`` ranks (module docstring). With 2-D sparse
+    parallelism the all-to-all spans a sharding group of ``n`` ranks (DMPCollection's strided
+    groups: ``g / (world / n)`` of them share a node), and the replicas of each shard (``world / n``
+    consecutive ranks) all-reduce the gradients of the rows the group's examples looked up."""
     c, cp = plan.config, plan.config.plan
     layout = _layout(plan, world)
-    if layout is None:
+    n = sharding_group(plan, world)
+    if layout is None or n is None:
         return None
     b = c.data.batch_size
     g = min(cp.gpus_per_node, world)
+    step = world // n  # replicas of each shard
+    in_node = max(1, min(n, g // step))  # members of a sharding group inside one node
+    g_plan = min(cp.gpus_per_node, n)  # the planner's "node" for table_row_wise (group ranks)
     lookups = _lookups_per_example(plan)
-    emb = np.zeros(world)
-    sent = np.zeros(world)  # bytes leaving each rank (embeddings forward; gradients come back the same way)
-    recv = np.zeros(world)
+    emb = np.zeros(n)
+    sent = np.zeros(n)  # bytes leaving each rank (embeddings forward; gradients come back the same way)
+    recv = np.zeros(n)
+    touched = np.zeros(n)  # bytes of the rows each rank's shards looked up (their gradients, for the replicas)
     intra_rs = 0.0  # table-row-wise: the intra-node reduce-scatter of partial sums, per rank
     groups, dp_bytes, ids = set(), 0.0, 0.0
-    same_size = world == plan.world_size
+    same_size = n == plan.sharding_world
     for name, t in plan.sharding["tables"].items():
         pooled, dim, kind = t["module"] == "ebc", t["dim"], t["sharding_type"]
         per_example = lookups.get(name, 0.0)
-        total_lookups = world * b * per_example
+        total_lookups = n * b * per_example
         if kind == "data_parallel":
             emb += 16 * dim * b * per_example
             dp_bytes += 4 * t["rows"] * dim
@@ -175,35 +201,38 @@ def traffic(plan: Plan, world: int) -> Traffic | None:
             shards = [(s["rank"], s["sizes"][0] / t["rows"] if kind in ("row_wise", "table_row_wise") else 1.0,
                        s["sizes"][1]) for s in t["shards"]]
         elif kind == "row_wise":
-            shards = [(r, 1.0 / world, dim) for r in range(world)]
+            shards = [(r, 1.0 / n, dim) for r in range(n)]
         elif kind == "table_row_wise":
-            shards = [(r, 1.0 / g, dim) for r in range(g)]
+            shards = [(r, 1.0 / g_plan, dim) for r in range(g_plan)]
         elif kind in ("column_wise", "table_column_wise"):
-            k = min(len(t["shards"]), world)
-            shards = [(r % world, 1.0, dim / k) for r in range(k)]
+            k = min(len(t["shards"]), n)
+            shards = [(r % n, 1.0, dim / k) for r in range(k)]
         else:  # table_wise
-            shards = [(t["shards"][0]["rank"] % world, 1.0, dim)]
+            shards = [(t["shards"][0]["rank"] % n, 1.0, dim)]
         for rank, share, cols in shards:
             emb[rank] += 16 * cols * total_lookups * share
+            touched[rank] += 4 * cols * min(total_lookups * share, t["rows"] * share)
             if pooled and kind == "row_wise":  # partial sums of every example, reduce-scattered
-                sent[rank] += 4 * cols * world * b * (world - 1) / world
+                sent[rank] += 4 * cols * n * b * (n - 1) / n
             elif pooled and kind == "table_row_wise":  # reduce-scatter inside the node, then out of it
-                intra_rs = max(intra_rs, 4 * cols * world * b * (g - 1) / g)
-                sent[rank] += 4 * cols * world * b / g * (world - 1) / world
+                intra_rs = max(intra_rs, 4 * cols * n * b * (g_plan - 1) / g_plan)
+                sent[rank] += 4 * cols * n * b / g_plan * (n - 1) / n
             elif pooled:  # the shard's pooled outputs of every example
-                sent[rank] += 4 * cols * world * b * (world - 1) / world
+                sent[rank] += 4 * cols * n * b * (n - 1) / n
             else:  # sequence rows: the rows this shard looked up go to the examples' ranks
-                sent[rank] += 4 * cols * total_lookups * share * (world - 1) / world
+                sent[rank] += 4 * cols * total_lookups * share * (n - 1) / n
         if pooled and kind == "row_wise":  # every rank receives its examples' partial sums from all others
-            recv += 4 * dim * b * (world - 1)
+            recv += 4 * dim * b * (n - 1)
         elif pooled:
-            recv += 4 * dim * b * (world - 1) / world
+            recv += 4 * dim * b * (n - 1) / n
         else:
-            recv += 4 * dim * b * per_example * (world - 1) / world
-        ids += 8 * b * per_example * (world - 1) / world  # the ids' all-to-all (values; lengths are small)
-    busiest = float(np.maximum(sent, recv).max()) if world > 1 else 0.0
-    a2a = 2 * busiest + ids if world > 1 else 0.0  # forward embeddings + backward gradients
-    intra_share = (g - 1) / (world - 1) if world > 1 else 0.0
+            recv += 4 * dim * b * per_example * (n - 1) / n
+        ids += 8 * b * per_example * (n - 1) / n  # the ids' all-to-all (values; lengths are small)
+    busiest = float(np.maximum(sent, recv).max()) if n > 1 else 0.0
+    a2a = 2 * busiest + ids if n > 1 else 0.0  # forward embeddings + backward gradients
+    intra_share = (in_node - 1) / (n - 1) if n > 1 else 0.0
+    if in_node < g_plan:  # the group's "node" of table_row_wise spans nodes (strided groups)
+        a2a, intra_rs = a2a + 2 * intra_rs / (1 - intra_share), 0.0
     replicate, shard = layout
     p = c.parallelism
     compute = DTYPE_BYTES[p.param_dtype] if plan.fsdp else 4
@@ -214,9 +243,11 @@ def traffic(plan: Plan, world: int) -> Traffic | None:
     scatter = reduce * params * (shard - 1) / shard if shard > 1 else 0.0
     replica = 2 * reduce * params / shard * (replicate - 1) / replicate if replicate > 1 else 0.0
     blocks = len(plan.block_params) + 1
+    replica_tables = 2 * float(touched.max()) * (step - 1) / step if step > 1 else 0.0
     return Traffic(world, float(emb.max()), a2a * intra_share + 2 * intra_rs, a2a * (1 - intra_share),
-                   3 * len(groups) if world > 1 else 0, 2 * dp_bytes * (world - 1) / world if world > 1 else 0.0,
-                   gather, scatter, shard <= g, replica, blocks * passes if shard > 1 else 0, layout)
+                   3 * len(groups) if n > 1 else 0, 2 * dp_bytes * (world - 1) / world if world > 1 else 0.0,
+                   gather, scatter, shard <= g, replica, blocks * passes if shard > 1 else 0, layout,
+                   n, replica_tables, step <= g)
 
 
 def predict(plan: Plan, t: Traffic) -> Row:
@@ -234,8 +265,12 @@ def predict(plan: Plan, t: Traffic) -> Row:
     fsdp_bw = (t.fsdp_gather_bytes + t.fsdp_reduce_bytes) / (intra if t.fsdp_intra else inter) * 1e3
     fsdp_bw += t.replica_bytes / (inter if multi_node else intra) * 1e3
     fsdp = max(0.0, fsdp_bw - dense) + t.gathers * cp.collective_latency_ms
-    return Row(t.world_size, {"dense": dense, "embedding": emb, "all-to-all": a2a + dp_tables,
-                              "fsdp exposed": fsdp, "overhead": cp.step_overhead_ms}, c.data.batch_size)
+    parts = {"dense": dense, "embedding": emb, "all-to-all": a2a + dp_tables}
+    if plan.group_size:  # 2-D: the replicas' all-reduce of table gradients, not overlapped
+        parts["replica sync"] = (t.replica_table_bytes / (intra if t.replica_intra else inter) * 1e3
+                                 + (cp.collective_latency_ms if t.replica_table_bytes else 0.0))
+    parts.update({"fsdp exposed": fsdp, "overhead": cp.step_overhead_ms})
+    return Row(t.world_size, parts, c.data.batch_size)
 
 
 def memory_at(plan: Plan, world: int) -> float:
@@ -262,7 +297,8 @@ def memory_at(plan: Plan, world: int) -> float:
         from gem.plan.planner import embedding_io_bytes, meta_model
 
         io = embedding_io_bytes(plan.schema, meta_model(c, plan.schema)[0], c.data.batch_size, plan.lengths)
-    return (sharded / world + replicated + dense + float(plan.memory["activations"].max()) + (io if world > 1 else 0.0)
+    sharded /= sharding_group(plan, world) or world  # 2-D: spread over a group
+    return (sharded + replicated + dense + float(plan.memory["activations"].max()) + (io if world > 1 else 0.0)
             + c.plan.reserve_gb * 2**30)
 
 
@@ -280,10 +316,16 @@ def step_time_table(plan: Plan) -> StepTimeTable:
         row.fits = row.memory <= plan.config.plan.hbm_gb * 2**30
         rows.append(row)
     if skipped:
-        notes.append(f"skipped {skipped}: parallelism.dp_replicate x dp_shard does not tile them")
+        notes.append(f"skipped {skipped}: parallelism.dp_replicate x dp_shard"
+                     + (f" or sparse.sharding_group_size={plan.group_size}" if plan.group_size else "")
+                     + " does not tile them")
     if not plan.flops_per_step:
         notes.append("no dense FLOP count: dense compute is left out")
-    notes.append(f"tables keep the sharding types planned for {plan.world_size} ranks at every size")
+    if plan.group_size:
+        notes.append(f"tables sharded in groups of {plan.group_size} ranks (all ranks below that) and replicated "
+                     f"across groups; replica sync: an all-reduce of the looked-up rows' gradients every step (an "
+                     f"approximation: DMPCollection itself averages weights and optimizer state in sync())")
+    notes.append(f"tables keep the sharding types planned for {plan.sharding_world} ranks at every size")
     return StepTimeTable(rows, notes)
 
 
@@ -330,6 +372,105 @@ def plot_scaling(table: StepTimeTable, path: "str | Path", title: str = "") -> "
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+@dataclass
+class GroupChoice:
+    group_size: int  # ranks the tables are sharded over (the world: 1-D)
+    memory: float  # bytes on the fullest rank
+    fits: bool
+    row: Row | None  # the step-time model at the plan's world size
+    error: str = ""  # the planner found no placement
+    uvm: list[str] = field(default_factory=list)  # tables TorchRec put in host memory (UVM caching kernels)
+
+
+@dataclass
+class GroupComparison:
+    """2-D sparse parallelism: a few ``sparse.sharding_group_size`` values at the plan's world size."""
+
+    world_size: int
+    choices: list[GroupChoice]
+    configured: int
+
+    @property
+    def best(self) -> GroupChoice | None:
+        ok = [c for c in self.choices if c.fits and c.row is not None]
+        return max(ok, key=lambda c: (c.row.examples_per_s, -c.memory)) if ok else None
+
+    def _override(self, c: GroupChoice) -> str:
+        return f"sparse.sharding_group_size={'null' if c.group_size == self.world_size else c.group_size}"
+
+    def text(self) -> str:
+        from gem.plan.planner import _human, _table
+
+        rows = [["group size", "groups", "memory/GPU (max)", "all-to-all ms", "replica sync ms", "step ms",
+                 "examples/s"]]
+        for c in self.choices:
+            mark = " (configured)" if c.group_size == self.configured else ""
+            if c.row is None:
+                rows.append([f"{c.group_size}{mark}", str(self.world_size // c.group_size), c.error, "", "", "", ""])
+                continue
+            p = c.row.parts_ms
+            rows.append([f"{c.group_size}{mark}", str(self.world_size // c.group_size),
+                         _human(c.memory) + ("" if c.fits else " *") + (" +" if c.uvm else ""),
+                         f"{p['all-to-all']:.1f}",
+                         f"{p.get('replica sync', 0.0):.1f}", f"{c.row.step_ms:.1f}", f"{c.row.examples_per_s:,.0f}"])
+        lines = [f"2-D sparse parallelism at {self.world_size} GPUs (tables sharded in groups, replicated across "
+                 f"them; TorchRec's planner run for each group size):", *_table(rows, right=(1, 2, 3, 4, 5, 6))]
+        if any(not c.fits for c in self.choices if c.row is not None):
+            lines.append("  * over the memory budget")
+        for c in self.choices:
+            if c.uvm:
+                lines.append(f"  + group size {c.group_size}: TorchRec's planner put {', '.join(c.uvm)} in host memory "
+                             f"(UVM caching kernels), which the memory and step-time model count as in HBM")
+        best = self.best
+        lines.append(f"  recommended: {self._override(best)} (the most examples/s that fits)" if best else
+                     "  recommended: none fits; see the memory warnings")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {"world_size": self.world_size, "configured": self.configured,
+                "recommended": self.best.group_size if self.best else None,
+                "choices": [{"group_size": c.group_size, "memory_bytes": c.memory, "fits": c.fits, "error": c.error,
+                             "step_ms": c.row.step_ms if c.row else None,
+                             "examples_per_s": c.row.examples_per_s if c.row else None} for c in self.choices]}
+
+
+def compare_group_sizes(plan: Plan) -> GroupComparison | None:
+    """Plan the tables again for each ``plan.group_sizes`` (default: the world and 1, 2, 4 and 8 x
+    ``gpus_per_node``) that divides the world, with the plan's activations, and predict each at the world size.
+    None for one rank, a plan file (its placement is for one group size) or fewer than two sizes."""
+    import copy
+
+    from gem.plan.planner import make_plan
+    from gem.train.config import ConfigError
+
+    c, w = plan.config, plan.world_size
+    wanted = c.plan.group_sizes
+    if wanted is None:
+        wanted = [w] + [k * c.plan.gpus_per_node for k in (1, 2, 4, 8)]
+    sizes = sorted({g for g in [*wanted, plan.sharding_world] if 1 <= g <= w and w % g == 0})
+    if w == 1 or c.sparse.plan_file or len(sizes) < 2:
+        return None
+    choices = []
+    for g in sizes:
+        if g == plan.sharding_world:
+            other = plan
+        else:
+            config = copy.deepcopy(c)
+            config.sparse.sharding_group_size = None if g == w else g
+            try:
+                other = make_plan(config, probe=(plan.activations, plan.activation_note))
+            except ConfigError as e:
+                choices.append(GroupChoice(g, 0.0, False, None, "no placement" if "planner" in str(e)
+                                           else str(e).split(";")[0][:60]))
+                continue
+        t = traffic(other, w)
+        total = other.total()
+        uvm = [n for n, tb in other.sharding["tables"].items() if "uvm" in str(tb.get("compute_kernel"))]
+        choices.append(GroupChoice(g, float(total.max()), bool(total.max() <= other.budget),
+                                   predict(other, t) if t is not None else None, uvm=uvm))
+    return GroupComparison(w, choices, plan.sharding_world)
 
 
 def examples_per_s(plan: Plan, world: int | None = None) -> float:

@@ -175,6 +175,9 @@ class PlanConfig:
     collective_latency_ms: float = 0.71  # exposed per collective call (calibrated on FSDP's all-gathers)
     step_overhead_ms: float = 0.0  # per step: launch gaps, host work the pipeline does not hide
     scaling: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096])
+    # sparse.sharding_group_size values to compare at world_size (2-D sparse parallelism); None: the world
+    # and 1, 2, 4, 8 x gpus_per_node; []: no comparison
+    group_sizes: Optional[list[int]] = None
 
 
 @dataclass
@@ -309,6 +312,8 @@ def check_plan(p: PlanConfig) -> None:
         raise ConfigError(f"plan.history_fill={p.history_fill} must be in [0, 1] (a fraction of max_len)")
     if not p.scaling or any(n < 1 for n in p.scaling):
         raise ConfigError(f"plan.scaling={p.scaling} must list GPU counts >= 1")
+    if p.group_sizes is not None and any(n < 1 for n in p.group_sizes):
+        raise ConfigError(f"plan.group_sizes={p.group_sizes} must list group sizes >= 1")
 
 
 # Sizes of gem's dense archs (configs/model/*.yaml), checked by name wherever a gem.models arch has them.
