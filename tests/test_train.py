@@ -197,3 +197,38 @@ def test_profile_kinds(name, kind):
     from gem.train.profile import kind_of
 
     assert kind_of(name) == kind
+
+
+def test_table_replicas_are_synced_after_every_step():
+    """A sparse arch with sync() (TorchRec's DMPCollection under sparse.sharding_group_size, CUDA
+    only) has its per-group table copies averaged after each optimizer step."""
+    from torch import nn
+
+    from gem.train.step import OptimizerSet, TrainStep
+
+    class Replicated(nn.Module):
+        calls: list[float] = []
+
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(1))
+
+        def sync(self):
+            self.calls.append(float(self.weight))  # the weight after the step it follows
+
+    class Batch:
+        batch_size, x = 1, torch.ones(1)
+
+        def to(self, *args, **kwargs):
+            return self
+
+    model = nn.Module()
+    model.sparse_arch = Replicated()
+    model.forward = lambda batch: model.sparse_arch.weight * batch.x
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    step = TrainStep(model, lambda out, batch: (out.sum(), out.detach()), OptimizerSet((optimizer,), [], 0.0),
+                     torch.device("cpu"), pipelined=False)
+    batches = iter([Batch(), Batch()])
+    step(batches)
+    step(batches)
+    assert Replicated.calls == [0.5, 0.0]

@@ -100,6 +100,9 @@ class TrainStep:
         self._pending: list[Batch] = []  # batches a detached pipeline had in flight
         self._source: Iterator[Batch] | None = None
         self._base: Iterator[Batch] | None = None
+        # TorchRec's DMPCollection (sparse.sharding_group_size) holds a copy of the tables per group
+        # of ranks; its sync() averages the copies' weights and optimizer state, after every step
+        self._sync_replicas = getattr(getattr(model, "sparse_arch", None), "sync", None)
 
     def _forward(self, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, int]]:
         self.last_batch = batch
@@ -118,12 +121,15 @@ class TrainStep:
             if batches is not self._base:
                 self._source, self._base = itertools.chain(self._pending, batches), batches
                 self._pending = []
-            return self.pipeline.progress(self._source)
-        batch = next(batches).to(self.device, non_blocking=True)
-        self.optimizers.zero_grad()
-        loss, out = self._forward(batch)
-        loss.backward()
-        self.optimizers.step()
+            out = self.pipeline.progress(self._source)
+        else:
+            batch = next(batches).to(self.device, non_blocking=True)
+            self.optimizers.zero_grad()
+            loss, out = self._forward(batch)
+            loss.backward()
+            self.optimizers.step()
+        if self._sync_replicas is not None:
+            self._sync_replicas()
         return out
 
     def detach(self) -> None:
