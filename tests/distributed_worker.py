@@ -156,6 +156,7 @@ def main() -> None:
         results[case["name"]] = run_case(case, Path(args.data), args.batch, world_size, device)
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(results))
+    dist.barrier()  # no rank tears its groups down while another still uses them (seen: a rank aborting at exit)
     dist.destroy_process_group()
 
 
