@@ -385,11 +385,8 @@ def _human(num_bytes: int) -> str:
 
 
 def _fbgemm_build() -> str:
-    from importlib import metadata
+    """The installed fbgemm-gpu build and version, as gem.versions reads them."""
+    from gem.versions import FBGEMM_BUILDS, installed
 
-    for name in ("fbgemm-gpu", "fbgemm-gpu-cpu"):
-        try:
-            return f"{name} {metadata.version(name)}"
-        except metadata.PackageNotFoundError:
-            continue
-    return "no fbgemm-gpu distribution found"
+    found = installed()
+    return next((f"{name} {found[name]}" for name in FBGEMM_BUILDS if found[name]), "no fbgemm-gpu distribution found")
