@@ -11,8 +11,9 @@ true jagged lengths, also for the padded runs: no credit for padding), and the p
 ``startup.json`` gives the time to first step by phase; ``trainer.profile`` records six steps after
 the warm-up and gives the device time by kind (windows holding a profiled step are left out).
 ``fbgemm-<block>`` / ``fbgemm-nopipe-<block>`` shard the tables on FBGEMM's CUDA kernels
-(``sparse=torchrec``) with and without TorchRec's pipeline. ``cold-<block>`` and ``warm-<block>`` run a block for a few steps, on a machine without and then
-with the caches (data, Inductor, Triton), for the time to first step.
+(``sparse=torchrec``) with and without TorchRec's pipeline. ``cold-<block>`` and ``warm-<block>``
+run a block for a few steps, on a machine without and then with the caches (data, Inductor,
+Triton), for the time to first step.
 
 **The padded baseline** (``padded-<block>``) is the model a user would write without gem's jagged
 kernels: :class:`PaddedGEMDenseArch` pads every history to the batch's ``max_len`` (right-padded),
@@ -152,9 +153,8 @@ def collect(name: str, run_dir: Path, warmup: int) -> dict:
     result["losses"] = {r["step"]: r["loss"] for r in train}
     result["test"] = next((r for r in rows if r["kind"] == "test"), None)
     log = run_dir / "train.log"
-    if log.exists():  # the sharding plan's table and optimizer bytes, the pipeline's state
-        lines = log.read_text().splitlines()
-        result["log"] = [line for line in lines if "pipeline" in line or " total " in line or "tables" in line][:8]
+    if log.exists():  # the model line (sparse backend, tables with the fused optimizer) and the pipeline's state
+        result["log"] = [line for line in log.read_text().splitlines() if "pipeline" in line or "tables" in line][:8]
     for key, file in (("startup", "startup.json"), ("breakdown", "profile/breakdown_rank0.json")):
         if (run_dir / file).exists():
             result[key] = json.loads((run_dir / file).read_text())
