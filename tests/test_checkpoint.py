@@ -24,10 +24,10 @@ from gem.data.dataset import split_files, synthetic_dir
 from gem.data.schema import FeatureSchema
 from gem.train.checkpoint import Checkpointer, CheckpointError, Progress, list_checkpoints
 from gem.train.config import ConfigError, validate
-from gem.train.fault_injection import example_ids
 from gem.train.optim import build_optimizers
 from gem.train.trainer import build_model, init_distributed, load_data, train
 from tests.conftest import ROOT, compose
+from tests.faults import example_ids
 
 RUN = ["debug=tiny", "trainer.deterministic=true", "trainer.log_every=1", "checkpoint.enabled=true",
        "checkpoint.every_steps=5", "checkpoint.keep_last=3"]
@@ -49,11 +49,13 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
 
 
-def _torchrun(cache_dir, run_dir, *extra, env=None, max_restarts=0):
+def _torchrun(cache_dir, run_dir, *extra, faults=(), max_restarts=0):
+    """``python -m gem.train`` on two ranks; with ``faults`` (tests/faults.py flags), tests/faults.py instead."""
+    entry = [str(ROOT / "tests" / "faults.py"), *faults, "--"] if faults else ["-m", "gem.train"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           f"--max-restarts={max_restarts}", "-m", "gem.train", *_overrides(cache_dir, run_dir, *extra),
+           f"--max-restarts={max_restarts}", *entry, *_overrides(cache_dir, run_dir, *extra),
            "trainer.progress_bar=false"]
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
@@ -132,7 +134,7 @@ def test_sigkilled_rank_restarts_and_resumes_with_no_example_lost_or_repeated(ca
     surviving history (per rank and step, the last attempt) holds each example once per epoch."""
     log_dir = tmp_path / "examples"
     log_dir.mkdir()
-    proc = _torchrun(cache_dir, tmp_path / "run", env={"GEM_TEST_KILL_AT": "12:1", "GEM_TEST_EXAMPLE_LOG": str(log_dir)},
+    proc = _torchrun(cache_dir, tmp_path / "run", faults=["--kill-at", "12:1", "--example-log", str(log_dir)],
                      max_restarts=1)
     records = {rank: [json.loads(line) for line in (log_dir / f"rank{rank}.jsonl").read_text().splitlines()]
                for rank in (0, 1)}

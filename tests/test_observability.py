@@ -118,12 +118,13 @@ def test_resume_after_a_kill_during_an_async_save_leaves_one_row_per_step(cache_
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    cmd = [sys.executable, "-m", "gem.train", "debug=tiny", f"data.cache_dir={cache_dir}", f"trainer.run_dir={tmp_path}",
+    overrides = ["debug=tiny", f"data.cache_dir={cache_dir}", f"trainer.run_dir={tmp_path}",
            "trainer.log_every=1", "checkpoint.enabled=true", "checkpoint.every_steps=5", "checkpoint.async_save=true",
            "sparse=native", "trainer.loggers=[jsonl,tensorboard]", "trainer.plots=false"]
+    cmd = [sys.executable, "-m", "gem.train", *overrides]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    killed = subprocess.run(cmd, cwd=ROOT, env={**env, "GEM_TEST_KILL_AT": "11:0"}, capture_output=True, text=True,
-                            timeout=180)
+    killed = subprocess.run([sys.executable, "tests/faults.py", "--kill-at", "11:0", "--", *overrides], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=180)
     assert killed.returncode == -9, killed.stderr[-3000:]
     first = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in first if r["kind"] == "train"] == list(range(1, 11))

@@ -8,6 +8,7 @@ import math
 import os
 import random
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -20,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from tqdm import tqdm
 
+from gem.data.batch import Batch
 from gem.data.dataset import prepare_synthetic, schema_from_files, split_files
 from gem.data.errors import DataError
 from gem.data.loader import BatchLoader, build_loader
@@ -27,7 +29,6 @@ from gem.data.schema import FeatureSchema
 from gem.data.seqrec import prepare_seqrec
 from gem.models.gem import GEMModel
 from gem.sparse.arch import SparseArch
-from gem.train import fault_injection
 from gem.train.checkpoint import Checkpointer, Progress
 from gem.train.config import Config, ConfigError, check_schema_refs, validate
 from gem.train.flops import default_peak_tflops, mfu, step_flops
@@ -38,6 +39,9 @@ from gem.train.optim import build_optimizers
 from gem.train.profile import StepProfiler
 from gem.train.startup import StartupTimer, configure_threads
 from gem.train.step import OptimizerSet, TimedIterator, TrainStep, autocast
+
+
+StepHook = Callable[[int, int, Batch], None]  # (step, rank, the batch it trained on), after each training step
 
 
 @dataclass
@@ -303,10 +307,12 @@ def evaluate(model: nn.Module, loader: BatchLoader, env: DistEnv, tasks: tuple[s
     return evaluator.compute() | (ranking.compute() if ranking.has_groups() else {})
 
 
-def train(cfg: DictConfig | dict) -> dict[str, float]:
+def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, float]:
     """Train and evaluate as configured; returns the final test metrics.
 
-    ``cfg`` is the composed Hydra config (configs/train.yaml) or an equivalent dict.
+    ``cfg`` is the composed Hydra config (configs/train.yaml) or an equivalent dict. Each of
+    ``hooks`` is called after every training step as ``hook(step, rank, batch)`` with the batch that
+    step trained on (tests use them to log examples or to kill a rank; see tests/faults.py).
     """
     start = time.perf_counter()
     timer = StartupTimer()
@@ -397,7 +403,8 @@ def train(cfg: DictConfig | dict) -> dict[str, float]:
             if step == progress.step + 1:
                 timer.phases["first batch"] = batches.waited - waited
                 _log_startup(timer, time.perf_counter() - tick - (batches.waited - waited), metrics, run_dir, env)
-            fault_injection.after_step(step, env.rank, train_step.last_batch)
+            for hook in hooks:
+                hook(step, env.rank, train_step.last_batch)
             profiler.step()
             if ckpt is not None:
                 seen = progress.examples + (step - progress.step) * d.batch_size * env.world_size
