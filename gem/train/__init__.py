@@ -6,11 +6,12 @@ _API = ("compose", "config_dir", "build_data", "build_model", "build_optimizers"
 __all__ = ["train", *_API]
 
 
-def train(cfg):
-    """Train and evaluate as ``cfg`` (a composed config, see :func:`compose`) says; returns the test metrics."""
+def train(cfg, hooks=()):
+    """Train and evaluate as ``cfg`` (a composed config, see :func:`compose`) says; returns the test metrics.
+    ``hooks``: callables run after every training step as ``hook(step, rank, batch)``."""
     from gem.train.trainer import train as _train
 
-    return _train(cfg)
+    return _train(cfg, hooks)
 
 
 def __getattr__(name):
