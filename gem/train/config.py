@@ -38,6 +38,17 @@ class DataConfig:
 
 
 @dataclass
+class IdSpaceConfig:
+    """``sparse.ids.<table>`` (gem/sparse/ids.py, docs/streaming.md "Unbounded ids"): raw ids from a space
+    larger than the table (the schema's cardinality) and how they are mapped to its rows."""
+
+    raw_space: int = 2**63  # raw ids lie in [0, raw_space); an id outside is an error naming the feature
+    policy: str = "mch"  # mch (TorchRec's managed collisions: a learned id -> row map) | hash | modulo (naive baseline)
+    eviction: str = "lru"  # mch: which mapped id gives up its row to a new one: lru (least recent) | lfu (least frequent)
+    eviction_interval: int = 1  # mch: training steps between admissions of new ids (and evictions)
+
+
+@dataclass
 class SparseConfig:
     backend: str = "torchrec"  # torchrec | native
     shard: bool = True  # torchrec backend: shard with DistributedModelParallel (fused optimizer)
@@ -51,6 +62,7 @@ class SparseConfig:
     embedding_dim: int = 16
     init_scale: float = 0.05
     dims: dict[str, int] = field(default_factory=dict)
+    ids: dict[str, IdSpaceConfig] = field(default_factory=dict)  # table (t_<name>) -> raw id space and mapping
 
 
 @dataclass
@@ -235,6 +247,8 @@ def validate(cfg: DictConfig | dict) -> Config:
                 ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"))
     _positive("sparse.embedding_dim", s.embedding_dim)
     _positive("sparse.init_scale", s.init_scale)
+    for table, ids in s.ids.items():
+        check_id_space(f"sparse.ids.{table}", ids)
     _positive("optim.dense.lr", o.dense.lr)
     _positive("optim.sparse.lr", o.sparse.lr)
     _one_of("optim.sparse.name", o.sparse.name, ("rowwise_adagrad", "adagrad"))
@@ -288,6 +302,17 @@ def validate(cfg: DictConfig | dict) -> Config:
         raise ConfigError("trainer.distill.source=model needs trainer.distill.checkpoint=<the teacher's step_<N> folder>")
     check_plan(config.plan)
     return config
+
+
+def check_id_space(key: str, ids: IdSpaceConfig) -> None:
+    """One ``sparse.ids.<table>`` entry; the table names are checked against the schema when the
+    SparseArch is built (gem.sparse.ids.build_id_mappers)."""
+    if not 1 <= ids.raw_space <= 2**63:
+        raise ConfigError(f"{key}.raw_space={ids.raw_space} must be in [1, 2**63] (ids are int64); "
+                          f"e.g. {key}.raw_space=9223372036854775808")
+    _one_of(f"{key}.policy", ids.policy, ("mch", "hash", "modulo"))
+    _one_of(f"{key}.eviction", ids.eviction, ("lru", "lfu"))
+    _positive(f"{key}.eviction_interval", ids.eviction_interval)
 
 
 def check_plan(p: PlanConfig) -> None:
