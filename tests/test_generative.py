@@ -69,11 +69,11 @@ def _batch(out, split="train", batch_size=8):
     return schema, next(iter(build_loader(split_files(out, split), schema, batch_size, num_workers=0, options=options)))
 
 
-@pytest.mark.parametrize("in_batch", [1000, 5])
-def test_sampled_softmax_equals_a_loop_over_positions(generative_data, in_batch):
+@pytest.mark.parametrize("in_batch, logq", [(1000, True), (5, True), (1000, False)])
+def test_sampled_softmax_equals_a_loop_over_positions(generative_data, in_batch, logq):
     _, out = generative_data
     schema, batch = _batch(out)
-    model = _model(schema, in_batch_negatives=in_batch)
+    model = _model(schema, in_batch_negatives=in_batch, logq_correction=logq)
     arch = model.dense_arch
     seed = torch.random.get_rng_state()
     loss = model(batch)  # training mode: the loss
@@ -98,7 +98,8 @@ def test_sampled_softmax_equals_a_loop_over_positions(generative_data, in_batch)
              for p in pool if p in has_next]
     cands += [(negs[j], int(neg_ids[j])) for j in range(negs.shape[0])]
     num_items = schema.cardinality("hist_item")
-    log_q = lambda item: math.log(count.get(item, 0) * len(pool) / total + negs.shape[0] / (num_items - 1))  # noqa: E731
+    log_q = lambda item: (math.log(count.get(item, 0) * len(pool) / total + negs.shape[0] / (num_items - 1))  # noqa: E731
+                          if logq else 0.0)
     cos = lambda a, b: float(a @ b / (a.norm() * b.norm())) / 0.05  # noqa: E731
     expected = []
     for r, t in rows:
@@ -171,11 +172,12 @@ def test_item_attributes_need_the_bag_to_hold_what_an_event_carries(generative_d
         _model(schema_from_files(split_files(out, "train")), item_attributes=True)
 
 
-@pytest.mark.parametrize("block", ["interformer", "kunlun"])
-def test_each_position_sees_only_its_past(generative_data, block):
+@pytest.mark.parametrize("block, pffn", [("interformer", True), ("kunlun", True), ("interformer", False)])
+def test_each_position_sees_only_its_past(generative_data, block, pffn):
     _, out = generative_data
     schema, batch = _batch(out)
-    model = _model(schema, block, num_layers=3, window=2 if block == "kunlun" else None).eval()
+    model = _model(schema, block, num_layers=3, window=2 if block == "kunlun" else None, pffn=pffn).eval()
+    assert all((layer.pffn is not None) == pffn for layer in model.dense_arch.layers[::2])
     sparse = model.sparse_arch(batch.sparse, batch.sequences, batch.max_seq_len)
     h = model.dense_arch.encode(sparse)
     s = sparse.sequences["hist"]

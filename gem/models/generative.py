@@ -82,6 +82,9 @@ class GenerativeSeqArch(nn.Module):
         similarity / temperature: ``cosine`` (scaled by ``1 / temperature``) or ``dot``.
         in_batch_negatives: at most this many of the batch's next events are each position's
             in-batch negatives (all of them when there are fewer).
+        logq_correction: subtract each candidate's log expected count from its logit (an item drawn
+            often as an in-batch negative is not pushed down for being popular); False for ablations.
+        pffn: the personalized FFN in the layers (False: attention only, for ablations).
         dropout: on the event embeddings and on ``H``.
         attention_backend: ``kernels.jagged_attention`` backend.
         objective: ``next_event`` (the sampled softmax above) or ``ranking``: the ranking logits in
@@ -96,7 +99,8 @@ class GenerativeSeqArch(nn.Module):
                  compskip: bool = True, sequence: str = "hist", negatives: str | None = "neg",
                  candidate_features: tuple[str, ...] = ("item_id", "item_attr"), item_attributes: bool = False,
                  similarity: str = "cosine", temperature: float = 0.05, in_batch_negatives: int = 4096,
-                 dropout: float = 0.0, attention_backend: str | None = None, objective: str = "next_event") -> None:
+                 logq_correction: bool = True, pffn: bool = True, dropout: float = 0.0,
+                 attention_backend: str | None = None, objective: str = "next_event") -> None:
         super().__init__()
         if objective not in OBJECTIVES:
             raise ValueError(f"model.objective={objective!r} must be one of {list(OBJECTIVES)}")
@@ -137,6 +141,7 @@ class GenerativeSeqArch(nn.Module):
         self.item_dim = feature_dims[self.candidate]
         self.block, self.similarity, self.temperature = block, similarity, temperature
         self.in_batch_negatives, self.num_heads, self.head_dim = in_batch_negatives, num_heads, head_dim
+        self.logq_correction = logq_correction
         width = num_heads * head_dim
 
         self.user_proj = nn.ModuleDict({f: nn.Linear(feature_dims[f], dim) for f in self.user_features})
@@ -144,7 +149,7 @@ class GenerativeSeqArch(nn.Module):
         self.event_proj = nn.Linear(feature_dims[sequence], width)
         self.layers = nn.ModuleList(
             CausalSequenceLayer(width, num_heads, dim, num_summary, pffn_kv, pffn_activation, window,
-                                not (block == "kunlun" and compskip and i % 2 == 1), attention_backend)
+                                pffn and not (block == "kunlun" and compskip and i % 2 == 1), attention_backend)
             for i in range(num_layers))
         self.norm = nn.LayerNorm(width)
         self.out = nn.Linear(width, self.item_dim)
@@ -241,7 +246,7 @@ class GenerativeSeqArch(nn.Module):
 
         counts = torch.zeros(self.num_items, device=device).index_add_(0, target_ids, weight)  # next-event counts
         expected = counts * (num_drawn / max(total, 1)) + uniform / max(self.num_items - 1, 1)
-        log_q = torch.log(expected.clamp_min(1e-12))
+        log_q = torch.log(expected.clamp_min(1e-12)) if self.logq_correction else torch.zeros_like(expected)
         positive = (self._rows(h, target_emb) - log_q[target_ids]).unsqueeze(1)  # [T, 1]
         logits = self.score(h, cand_emb) - log_q[cand_ids][None, :]  # [T, C]
         hidden = ~cand_ok[None, :] | (cand_ids[None, :] == target_ids[:, None])
