@@ -22,6 +22,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from gem.data.jagged import jagged_sum, lengths_to_offsets
 from gem.data.schema import FeatureSchema
+from gem.sparse.ids import IdMapper, build_id_spaces
 from gem.sparse.tables import TableSpec, build_tables
 
 
@@ -61,6 +62,9 @@ class SparseArch(nn.Module):
         backend: "torchrec" or "native".
         device: where to build the tables; "meta" defers allocation (TorchRec sharding or
             ``to_empty`` + ``init_weights`` materialize them).
+        ids: ``sparse.ids`` (table -> raw id space and mapping, gem/sparse/ids.py): those tables'
+            raw ids are mapped to rows before the lookups, by ``self.ids`` (an IdMapper, or None).
+        ids_device: where the mapping state lives when ``device`` is "meta" (default: the CPU).
 
     ``forward(sparse, sequences, max_seq_len) -> SparseOutput``: id features are sum-pooled to
     ``[B, D_f]``; each sequence group's per-event embeddings are concatenated per event into
@@ -69,7 +73,8 @@ class SparseArch(nn.Module):
     """
 
     def __init__(self, schema: FeatureSchema, tables: list[TableSpec], backend: str = "torchrec",
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, ids: dict | None = None,
+                 ids_device: torch.device | str | None = None) -> None:
         super().__init__()
         if backend not in ("torchrec", "native"):
             raise ValueError(f"sparse.backend must be 'torchrec' or 'native', got {backend!r}")
@@ -91,12 +96,15 @@ class SparseArch(nn.Module):
         else:
             self.ebc = _NativeTables("embedding_bags", pooled, device)
             self.ec = _NativeTables("embeddings", per_row, device)
+        meta = device is not None and torch.device(device).type == "meta"
+        self.ids = IdMapper(build_id_spaces(tables, ids), ids_device if meta else device) if ids else None
 
     @classmethod
     def from_config(cls, schema: FeatureSchema, embedding_dim: int, init_scale: float = 0.05,
                     dims: dict[str, int] | None = None, backend: str = "torchrec",
-                    device: torch.device | str | None = None) -> "SparseArch":
-        return cls(schema, build_tables(schema, embedding_dim, init_scale, dims), backend, device)
+                    device: torch.device | str | None = None, ids: dict | None = None,
+                    ids_device: torch.device | str | None = None) -> "SparseArch":
+        return cls(schema, build_tables(schema, embedding_dim, init_scale, dims), backend, device, ids, ids_device)
 
     def pooled_dim(self, feature: str) -> int:
         return self._table_of[feature].embedding_dim
@@ -115,6 +123,8 @@ class SparseArch(nn.Module):
         return (self.ebc.embedding_bags if spec.pooled else self.ec.embeddings)[name].weight
 
     def forward(self, sparse: KeyedJaggedTensor, sequences: KeyedJaggedTensor, max_seq_len: dict[str, int]) -> SparseOutput:
+        if self.ids is not None:  # raw ids -> rows (sparse.ids)
+            sparse, sequences = self.ids(sparse, sequences)
         if self.backend == "torchrec":
             pooled, per_event = self._torchrec_lookup(sparse, sequences)
         else:

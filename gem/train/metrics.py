@@ -92,6 +92,15 @@ class TaskEvaluator:
 RANKING_KS = {"hr": (1, 5, 10), "ndcg": (5, 10)}
 
 
+def id_mapping_counts(sparse_arch: torch.nn.Module) -> dict[str, float]:
+    """The SparseArch's raw-id mapping counts since the last call (``sparse.ids``, gem/sparse/ids.py):
+    ``ids/<table>/collisions`` and, for managed collisions, ``/evictions`` and ``/occupied``; {} without
+    mapped tables. Collisions are counted on this rank's batches, evictions and occupancy are global."""
+    arch = sparse_arch.module if hasattr(sparse_arch, "module") else sparse_arch  # DMP / DDP wrapper
+    mapper = getattr(arch, "ids", None)
+    return mapper.pop_counts() if mapper is not None else {}
+
+
 def positive_ranks(scores: torch.Tensor, labels: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
     """0-based rank of every positive among the negatives of its group (``[P]`` int64).
 

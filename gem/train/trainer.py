@@ -34,7 +34,7 @@ from gem.train.config import Config, ConfigError, check_schema_refs, validate
 from gem.train.flops import default_peak_tflops, mfu, step_flops
 from gem.train.logging import MetricsWriter, format_metrics, logger, open_metrics, plot_curves, setup_logging
 from gem.train.losses import multitask_bce
-from gem.train.metrics import RankingEvaluator, TaskEvaluator
+from gem.train.metrics import RankingEvaluator, TaskEvaluator, id_mapping_counts
 from gem.train.optim import build_optimizers
 from gem.train.profile import StepProfiler
 from gem.train.startup import StartupTimer, configure_threads
@@ -140,7 +140,7 @@ def build_model(config: Config, schema: FeatureSchema, env: DistEnv, timer: Star
     dims = parallel_dims(config, env)
     shard = s.backend == "torchrec" and s.shard
     sparse = SparseArch.from_config(schema, s.embedding_dim, s.init_scale, s.dims, s.backend,
-                                    device="meta" if shard else env.device)
+                                    device="meta" if shard else env.device, ids=s.ids, ids_device=env.device)
     if shard:
         from gem.distributed.sharding import shard_sparse_arch
 
@@ -416,6 +416,7 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
             if step % t.log_every == 0 or step == total_steps:
                 values = window.summary(schema.tasks, step) | {"lr": scheduler.get_last_lr()[0], "epoch": epoch}
                 values |= {f"data/{k}": v for k, v in train_loader.stats.items() if k.startswith(("skipped", "trunc"))}
+                values |= id_mapping_counts(model.sparse_arch)  # sparse.ids: collisions, evictions per table
                 bar.set_postfix(loss=f"{values['loss']:.4f}")
                 logger.info("step %d %s", step, format_metrics(values))
                 metrics.write("train", step, values)
