@@ -165,7 +165,7 @@ def _baselines(inputs, activation, mask, compiled_reference):
             return forward
 
         def padded():
-            from kernels.jagged_attention.reference import jagged_to_padded, padded_to_jagged
+            from kernels.jagged import jagged_to_padded, padded_to_jagged
 
             def forward():
                 pq = jagged_to_padded(q, q_off, max_q).transpose(1, 2)

@@ -44,10 +44,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.scaling import environment  # noqa: E402
-from gem.data.jagged import jagged_to_padded, offsets_to_lengths  # noqa: E402
 from gem.models import sequence  # noqa: E402
 from gem.models.gem_arch import GEMDenseArch  # noqa: E402
 from gem.sparse.arch import JaggedEmbeddings, SparseOutput  # noqa: E402
+from kernels.jagged import jagged_to_padded, offsets_to_lengths  # noqa: E402
 from kernels.jagged_attention.reference import pointwise_activation  # noqa: E402
 
 _jagged_attention = sequence.jagged_attention

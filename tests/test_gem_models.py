@@ -19,12 +19,13 @@ from gem.data.parquet import ParquetBatchReader
 from gem.data.schema import FeatureSchema
 from gem.models.gem import GEMModel
 from gem.models.gem_arch import GEMDenseArch
-from gem.models.sequence import jagged_prepend, self_attention_pairs
+from gem.models.sequence import self_attention_pairs
 from gem.data.synthetic import SyntheticConfig, generate
 from gem.sparse.arch import JaggedEmbeddings, SparseArch, SparseOutput
 from gem.train.flops import batch_lengths, mfu, step_flops
 from gem.train.losses import multitask_bce
 from gem.train.trainer import train
+from kernels.jagged import jagged_prepend
 from kernels.jagged_attention import num_visible_pairs
 from tests.conftest import ROOT, TINY_SCHEMA, compose
 

@@ -148,8 +148,8 @@ def test_item_attributes_score_an_item_alike_in_training_and_ranking(tmp_path):
 def test_ranking_encodes_each_users_history_once_with_the_same_scores(generative_data):
     """A user's 1 + 9 evaluation rows share one encoding of the history; the scores equal those of
     encoding every row."""
-    from gem.data.jagged import offsets_to_lengths
     from gem.models.generative import _distinct_runs
+    from kernels.jagged import offsets_to_lengths
 
     _, out = generative_data
     schema, batch = _batch(out, "test", batch_size=100)

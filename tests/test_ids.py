@@ -201,3 +201,127 @@ def test_two_sharded_ranks_match_one_process_with_mapped_ids(tiny_dataset, tmp_p
     assert expected["counts"]["ids/t_user_id/evictions"] > 0, "the case evicts"
     for key in ("ids/t_user_id/evictions", "ids/t_user_id/occupied", "ids/t_ad_id/occupied"):
         assert got["counts"][key] == expected["counts"][key], key
+
+
+# ------------------------------------------------------------------------------------ checkpoints
+
+IDS_RUN = ["debug=tiny", "trainer.deterministic=true", "trainer.log_every=1", "trainer.progress_bar=false",
+           "checkpoint.enabled=true", "checkpoint.every_steps=5", "checkpoint.keep_last=0",
+           "+sparse.ids.t_user_id.policy=mch", "+sparse.ids.t_hist_item.policy=mch",
+           "+sparse.ids.t_hist_item.eviction=lfu", "+sparse.ids.t_hist_item.eviction_interval=5",
+           "+sparse.ids.t_ad_id.policy=hash"]
+
+
+def _run(cache_dir, run_dir, *extra) -> list[str]:
+    return [*IDS_RUN, f"data.cache_dir={cache_dir}", f"trainer.run_dir={run_dir}", *extra]
+
+
+def _train_rows(run_dir: Path) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if r["kind"] == "train"}
+
+
+def _mapping_state(step_dir: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
+    """The mapping tensors (``model.sparse.ids.*``) of a DCP checkpoint."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    full = tmp_path / f"{step_dir.parent.parent.name}-{step_dir.name}.pt"
+    dcp_to_torch_save(step_dir, full)
+    state = {k: v for k, v in torch.load(full, weights_only=False).items() if k.startswith("model.sparse.ids.")}
+    assert state, f"{step_dir} holds no mapping state"
+    return state
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="module")
+def ids_run(cache_dir, tmp_path_factory):
+    """One process, 20 steps, mch (LRU every step, LFU every 5 steps) and hash tables, a checkpoint every 5 steps."""
+    from gem.train.trainer import train
+
+    run_dir = tmp_path_factory.mktemp("ids_single")
+    train(compose(_run(cache_dir, run_dir)))
+    return run_dir
+
+
+def test_resume_restores_the_mapping_exactly(cache_dir, ids_run, tmp_path):
+    """Crash after step 10's checkpoint and restart: steps 11-20 give the same losses and counts, bit for
+    bit, and the final mapping state equals the uninterrupted run's."""
+    import shutil
+
+    from gem.train.checkpoint import list_checkpoints
+    from gem.train.trainer import train
+
+    shutil.copytree(ids_run, tmp_path / "run")
+    for ckpt in list_checkpoints(tmp_path / "run" / "checkpoints"):
+        if int(ckpt.name.split("_")[1]) > 10:
+            shutil.rmtree(ckpt)
+    (tmp_path / "run" / "metrics.jsonl").write_text("")
+    train(compose(_run(cache_dir, tmp_path / "run")))
+    expected, resumed = _train_rows(ids_run), _train_rows(tmp_path / "run")
+    assert sorted(resumed) == list(range(11, 21))
+    for step in range(11, 21):
+        for key in ["loss"] + [k for k in expected[step] if k.startswith("ids/")]:
+            assert resumed[step][key] == expected[step][key], (step, key)
+    assert expected[20]["ids/t_user_id/occupied"] > expected[5]["ids/t_user_id/occupied"] > 0
+    final = "checkpoints/step_000000020"
+    a, b = _mapping_state(ids_run / final, tmp_path), _mapping_state(tmp_path / "run" / final, tmp_path)
+    assert a.keys() == b.keys() and any("_mch_counts" in k for k in a)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_the_mapping_survives_resharding_two_ranks_into_one(cache_dir, tmp_path):
+    """Two gloo ranks (TorchRec-sharded tables, FSDP2) save at step 10; one process restores exactly that
+    mapping (it is replicated, so any world size loads it) and trains on from it."""
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    from gem.train.checkpoint import Checkpointer, sparse_module
+    from gem.train.optim import build_optimizers
+    from gem.train.trainer import build_model, init_distributed, load_data, train
+
+    two = tmp_path / "two"
+    proc = torchrun(["-m", "gem.train", *_run(cache_dir, two, "trainer.max_steps=10")], 2, timeout=240)
+    assert proc.returncode == 0, _errors(proc.stderr)
+    source = two / "checkpoints" / "step_000000010"
+    saved = _mapping_state(source, tmp_path)
+    config = validate(compose(_run(cache_dir, tmp_path / "one", f"checkpoint.load_from={source}")))
+    env = init_distributed("cpu", need_process_group=True)
+    try:
+        schema, _ = load_data(config, env)
+        model = build_model(config, schema, env)
+        dense_opt, sparse_opt, scheduler = build_optimizers(model, config.optim, total_steps=20)
+        ckpt = Checkpointer(config.checkpoint, tmp_path / "one" / "checkpoints", model, dense_opt, sparse_opt,
+                            scheduler, OmegaConf.to_yaml(OmegaConf.structured(config)))
+        assert ckpt.restore().step == 10
+        loaded = {f"model.sparse.ids.{k}": v for k, v in sparse_module(model).ids.state_dict().items()}
+        assert loaded.keys() == saved.keys()
+        for key, value in saved.items():
+            assert torch.equal(loaded[key], value), key
+    finally:
+        dist.destroy_process_group()
+    train(compose(_run(cache_dir, tmp_path / "run", f"checkpoint.load_from={source}", "data.batch_size=128")))
+    rows = _train_rows(tmp_path / "run")
+    assert sorted(rows) == list(range(11, 21))
+    assert rows[20]["ids/t_user_id/occupied"] >= int((saved["model.sparse.ids.mch.t_user_id._mch_sorted_raw_ids"]
+                                                      != torch.iinfo(torch.int64).max).sum()) > 0
+
+
+def test_training_on_an_id_above_the_raw_space_stops_naming_it_and_keeps_the_checkpoints(cache_dir, ids_run, tmp_path):
+    """The resumed run meets ids above a (now smaller) declared space at its first step: it stops with the
+    feature, the id and the space named, and the checkpoints it started from are untouched."""
+    import shutil
+
+    from gem.train.checkpoint import list_checkpoints
+    from gem.train.trainer import train
+
+    shutil.copytree(ids_run / "checkpoints", tmp_path / "run" / "checkpoints")
+    before = {p.name: sorted(f.name for f in p.iterdir()) for p in list_checkpoints(tmp_path / "run" / "checkpoints")}
+    with pytest.raises(IdOutOfRangeError, match=r"feature 'user_id': id \d+ is outside its declared raw space \[0, 3\)"):
+        train(compose(_run(cache_dir, tmp_path / "run", "trainer.max_steps=25", "+sparse.ids.t_user_id.raw_space=3")))
+    after = {p.name: sorted(f.name for f in p.iterdir()) for p in list_checkpoints(tmp_path / "run" / "checkpoints")}
+    assert after == before

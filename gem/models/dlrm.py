@@ -16,11 +16,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gem.data.jagged import jagged_mean
 from gem.data.schema import FeatureSchema
 from gem.models.heads import MultiTaskHeads
 from gem.models.layers import MLP, dot_interaction
 from gem.sparse.arch import SparseOutput
+from kernels.jagged import jagged_mean
 
 
 class DLRM(nn.Module):

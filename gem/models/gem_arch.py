@@ -24,14 +24,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from gem.data.jagged import offsets_to_lengths
 from gem.data.schema import FeatureSchema
 from gem.models.heads import MultiDomainHeads
 from gem.models.interformer import InterFormerLayer, NonSequenceSummary, SequenceSummary
 from gem.models.kunlun import KunlunLayer, SeedPooling
 from gem.models.layers import MLP, init_module_tree
-from gem.models.sequence import jagged_prepend, linear_flops, rotary_tables
+from gem.models.sequence import linear_flops, rotary_tables
 from gem.sparse.arch import JaggedEmbeddings, SparseOutput
+from kernels.jagged import jagged_prepend, offsets_to_lengths
 
 BLOCKS = ("interformer", "kunlun")
 

@@ -30,12 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gem.data.jagged import lengths_to_offsets, offsets_to_lengths, segment_ids
 from gem.data.schema import FeatureSchema
 from gem.models.interformer import NonSequenceSummary
 from gem.models.layers import init_module_tree
-from gem.models.sequence import JaggedSelfAttention, PersonalizedFFN, jagged_positions, linear_flops, rotary_tables
+from gem.models.sequence import JaggedSelfAttention, PersonalizedFFN, linear_flops, rotary_tables
 from gem.sparse.arch import JaggedEmbeddings, SparseOutput
+from kernels.jagged import jagged_positions, lengths_to_offsets, offsets_to_lengths, segment_ids
 
 BLOCKS = ("interformer", "kunlun")
 SIMILARITIES = ("cosine", "dot")

@@ -30,11 +30,10 @@ from gem.models.sequence import (
     PersonalizedFFN,
     PoolingByAttention,
     SelfGate,
-    jagged_first,
     linear_flops,
 )
-from gem.data.jagged import jagged_last
 from gem.sparse.arch import JaggedEmbeddings
+from kernels.jagged import jagged_first, jagged_last
 
 
 class NonSequenceSummary(nn.Module):

@@ -1,7 +1,7 @@
 """Sequence building blocks over jagged event streams, all through ``kernels.jagged_attention``.
 
 Every block reads and writes jagged rows ``values [T, D]`` + ``offsets [B+1]`` + a host-side
-``max_len`` (gem/data/jagged.py); nothing here pads. Each block also states its forward FLOPs
+``max_len`` (kernels/jagged.py); nothing here pads. Each block also states its forward FLOPs
 (``flops``), counted on the true jagged lengths, for gem/train/flops.py.
 
 Example, two histories of lengths 2 and 0 with two CLS tokens prepended::
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gem.data.jagged import segment_ids
+from kernels.jagged import jagged_positions
 from kernels.jagged_attention import jagged_attention
 
 
@@ -52,33 +52,6 @@ def attention_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     device = tensors[0].device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tensors[0].dtype
     return tuple(t.to(dtype) for t in tensors)
-
-
-def jagged_positions(offsets: torch.Tensor, total: int) -> torch.Tensor:
-    """The position of every row inside its own sequence, ``[T]`` int64 (0 = oldest)."""
-    return torch.arange(total, device=offsets.device) - offsets[segment_ids(offsets, total)]
-
-
-def jagged_prepend(prefix: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prepend ``prefix [B, N, D]`` to every sequence of ``values [T, D]``: ``([T + B*N, D], offsets [B+1])``.
-
-    A gather, no padding; empty sequences come out holding just their N prefix rows.
-    """
-    num_seqs, num_prefix = prefix.shape[0], prefix.shape[1]
-    total = values.shape[0]
-    shift = num_prefix * torch.arange(num_seqs + 1, device=offsets.device)
-    new_offsets = offsets + shift
-    prefix_dest = (new_offsets[:-1, None] + torch.arange(num_prefix, device=offsets.device)).reshape(-1)  # [B*N]
-    values_dest = torch.arange(total, device=offsets.device) + shift[1:][segment_ids(offsets, total)]  # [T]
-    source = torch.empty(total + num_seqs * num_prefix, dtype=torch.int64, device=offsets.device)
-    source[prefix_dest] = torch.arange(num_seqs * num_prefix, device=offsets.device)
-    source[values_dest] = num_seqs * num_prefix + torch.arange(total, device=offsets.device)
-    return torch.cat([prefix.reshape(-1, prefix.shape[-1]), values])[source], new_offsets
-
-
-def jagged_first(values: torch.Tensor, offsets: torch.Tensor, n: int) -> torch.Tensor:
-    """The first ``n`` rows of every sequence (each must hold at least ``n``): ``[B, n, D]``."""
-    return values[offsets[:-1, None] + torch.arange(n, device=offsets.device)]
 
 
 def rotary_tables(offsets: torch.Tensor, total: int, head_dim: int, base: float = 10000.0

@@ -34,6 +34,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kernels.jagged import jagged_to_padded, padded_to_jagged
+
 ACTIVATIONS = ("softmax", "silu", "gelu", "fast_gelu", "relu", "identity")
 
 
@@ -104,31 +106,6 @@ def num_visible_pairs(
         lo = torch.maximum(lo, pos // block_size * block_size)
         hi = torch.minimum(hi, (pos // block_size + 1) * block_size)
     return int((hi - lo).clamp(min=0).sum())
-
-
-def jagged_to_padded(values: torch.Tensor, offsets: torch.Tensor, max_len: int) -> torch.Tensor:
-    """``[T, H, D]`` jagged rows -> ``[B, max_len, H, D]`` zero-padded (differentiable)."""
-    num_batches = offsets.numel() - 1
-    lengths = (offsets[1:] - offsets[:-1]).long()
-    pos = torch.arange(max_len, device=values.device)
-    valid = pos[None, :] < lengths[:, None]  # [B, max_len]
-    rows = (offsets[:-1].long()[:, None] + pos[None, :]).clamp(max=max(values.shape[0] - 1, 0))
-    if values.shape[0] == 0:  # stays connected to values' graph (zero gradient)
-        return values.new_zeros(num_batches, max_len, *values.shape[1:]) + values.sum() * 0
-    padded = values[rows]  # [B, max_len, H, D]
-    return padded * valid[:, :, None, None].to(values.dtype)
-
-
-def padded_to_jagged(padded: torch.Tensor, offsets: torch.Tensor, total: int) -> torch.Tensor:
-    """``[B, max_len, H, D]`` -> ``[T, H, D]`` keeping the first ``length`` rows of each example."""
-    max_len = padded.shape[1]
-    lengths = (offsets[1:] - offsets[:-1]).long()
-    pos = torch.arange(max_len, device=padded.device)
-    valid = (pos[None, :] < lengths[:, None]).reshape(-1)  # [B * max_len]
-    flat = padded.reshape(-1, *padded.shape[2:])
-    out = flat[valid]
-    assert out.shape[0] == total, "offsets[-1] must equal the number of jagged rows"
-    return out
 
 
 def jagged_attention_reference(
