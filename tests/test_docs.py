@@ -41,6 +41,12 @@ REPO_FILES = ("README.md", "Makefile", "pyproject.toml", "setup.py", "requiremen
 PATHS_ELSEWHERE = {
     "gem/configs": "where the wheel ships the config tree (configs/ in the checkout)",
 }
+# Inline ``gem.x`` spans that are not Python names, each with its reason.
+NOT_MODULES = {
+    "gem.schema": "a Parquet file-metadata key (docs/data.md)",
+    "gem.layout_version": "a Parquet file-metadata key (docs/data.md)",
+    "kernels.attention_backend": "a config key of the kernels/ group",
+}
 # Commands of other tools, checked by no parser here, each with its reason.
 ALLOWED = {
     "pip": "installs packages; its arguments are package pins, not this repo's",
@@ -219,14 +225,41 @@ def links(path: Path):
                 yield number, target
 
 
+def dotted_names(path: Path):
+    """(line, name) for every inline ``gem.x.y`` / ``kernels.x`` span (a module, or a name in one)."""
+    for span in spans(path):
+        if not span.fenced and re.fullmatch(r"(gem|kernels)(\.\w+)+", span.text) and span.text not in NOT_MODULES:
+            yield span.line, span.text
+
+
+def resolves(name: str) -> bool:
+    """Whether ``name`` is a module of this repository, or a name its longest module prefix defines or imports."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        base = ROOT.joinpath(*parts[:i])
+        source = next((f for f in (base.with_suffix(".py"), base / "__init__.py") if f.is_file()), None)
+        if source is not None:
+            return i == len(parts) or re.search(rf"\b{re.escape(parts[i])}\b", source.read_text()) is not None
+    return False
+
+
+def _now_at(path: str) -> str:
+    """Where a file of the same name lives now, as a hint for a moved path."""
+    name = Path(re.sub(r"<[^<>]*>", "*", path).rstrip("/")).name
+    found = sorted(_rel(p) for p in ROOT.glob(f"[!.]*/**/{name}") if "__pycache__" not in p.parts)[:3] if name else []
+    return f" (a file of that name: {', '.join(found)})" if found else ""
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=_rel)
 def test_every_link_and_repository_path_exists(doc):
     problems = [f"{_rel(doc)}:{n}: link ({t}) points to {_rel(doc.parent / t) if (doc.parent / t).resolve().is_relative_to(ROOT) else t}, "
                 "which does not exist; fix the link"
                 for n, t in links(doc) if not exists(t, doc.parent)]
-    problems += [f"{_rel(doc)}:{n}: `{p}` does not exist in the repository; write the path it has now "
-                 "(or mark a placeholder as <name>)"
+    problems += [f"{_rel(doc)}:{n}: `{p}` does not exist in the repository{_now_at(p)}; write the path it has "
+                 "now (or mark a placeholder as <name>)"
                  for n, p in sorted(set(mentioned_paths(doc))) if not exists(p)]
+    problems += [f"{_rel(doc)}:{n}: `{name}` is no module of this repository nor a name in one; write its "
+                 "current dotted path" for n, name in dotted_names(doc) if not resolves(name)]
     assert not problems, "\n".join(problems)
 
 
@@ -434,6 +467,11 @@ def test_every_command_in_the_docs_composes_or_parses(span, words):
 def test_the_command_checker_catches_mistakes(words, fragment):
     """The checks above can fail: each kind of mistake is caught and named."""
     assert fragment in (check_command(words) or "")
+
+
+def test_the_name_checker_catches_missing_names():
+    assert resolves("gem.data.Batch") and resolves("gem.train.api") and resolves("kernels.jagged_attention")
+    assert not resolves("gem.train.api.no_such_function") and not resolves("gem.no_such_module")
 
 
 def test_the_path_checker_catches_missing_paths():
