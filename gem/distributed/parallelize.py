@@ -1,5 +1,6 @@
-"""``parallelize_gem``: activation checkpointing, then torch.compile, then FSDP2 ``fully_shard`` per
-dense block, in that fixed order, on the 1-D (FSDP) or 2-D (HSDP) mesh of ParallelDims.
+"""``parallelize_gem``: float8 projections (optional), activation checkpointing, then torch.compile,
+then FSDP2 ``fully_shard`` per dense block, in that fixed order, on the 1-D (FSDP) or 2-D (HSDP)
+mesh of ParallelDims.
 
 Only ``model.dense_arch`` is touched: the embedding tables in ``model.sparse_arch`` belong to
 TorchRec (gem/distributed/sharding.py) and never become FSDP parameters.
@@ -28,9 +29,35 @@ def dense_blocks(dense_arch: nn.Module) -> list[nn.Module]:
     return blocks
 
 
+def float8_projections(dense_arch: nn.Module, min_features: int) -> list[str]:
+    """Swap the dense arch's large projections for torchao's ``Float8Linear`` (dynamic tensor-wise
+    scales, e4m3 forward, e5m2 gradients) and return their names.
+
+    A ``nn.Linear`` qualifies when both its widths are at least ``min_features`` and multiples of
+    16 (the FP8 GEMM's alignment); the task heads never do, being the layers most sensitive to
+    precision (and narrow). Token-level projections (Q/K/V, outputs, the pooling K/V) are the
+    GEMMs that dominate a step; everything else keeps the autocast dtype.
+    """
+    from torchao.float8 import convert_to_float8_training
+
+    chosen: list[str] = []
+
+    def take(module: nn.Module, name: str) -> bool:
+        ok = (isinstance(module, nn.Linear) and not name.startswith("heads")
+              and min(module.in_features, module.out_features) >= min_features
+              and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+        if ok:
+            chosen.append(name)
+        return ok
+
+    convert_to_float8_training(dense_arch, module_filter_fn=take)
+    return chosen
+
+
 def parallelize_gem(model: nn.Module, mesh: DeviceMesh | None, *, param_dtype: torch.dtype = torch.bfloat16,
                     reduce_dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False,
-                    compile: bool = False, reshard_after_forward: bool = True) -> nn.Module:
+                    compile: bool = False, reshard_after_forward: bool = True,
+                    float8_min_features: int | None = None) -> nn.Module:
     """Parallelize ``model.dense_arch`` in place and return ``model``.
 
     Args:
@@ -47,11 +74,15 @@ def parallelize_gem(model: nn.Module, mesh: DeviceMesh | None, *, param_dtype: t
         reshard_after_forward: free each block's gathered parameters after its forward and gather
             them again in backward (least memory); False keeps them gathered until the block's
             backward (one all-gather per block per step instead of two; ZeRO-2-like memory).
+        float8_min_features: None, or train the projections at least this wide in float8
+            (:func:`float8_projections`; needs torchao, and an SM89+ GPU to be faster).
     """
     from torch.distributed._composable import checkpoint
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dense = model.dense_arch
+    if float8_min_features is not None:
+        float8_projections(dense, float8_min_features)
     blocks = dense_blocks(dense)
     for block in blocks:
         if activation_checkpointing:
