@@ -152,6 +152,8 @@ class KernelsConfig:
 class CheckpointConfig:
     enabled: bool = False
     dir: Optional[str] = None  # None: <trainer.run_dir>/checkpoints
+    float8: bool = False  # torchao float8 training of the dense arch's wide projections (docs/e2e.md)
+    float8_min_features: int = 512  # float8: Linear layers with both widths >= this (and multiples of 16)
     every_steps: int = 0  # 0: no periodic checkpoints
     at_end: bool = True
     keep_last: int = 3  # 0: keep all
@@ -288,6 +290,9 @@ def validate(cfg: DictConfig | dict) -> Config:
     _positive("checkpoint.every_steps", c.every_steps, allow_zero=True)
     _positive("checkpoint.keep_last", c.keep_last, allow_zero=True)
     _one_of("checkpoint.verify", c.verify, ("checksum", "size"))
+    if p.float8 and importlib.util.find_spec("torchao") is None:
+        raise ConfigError("parallelism.float8=true needs torchao; pip install torchao, or set parallelism.float8=false")
+    _positive("parallelism.float8_min_features", p.float8_min_features)
     if c.init_from and not c.init_modules:
         raise ConfigError(f"checkpoint.init_from={c.init_from!r} needs checkpoint.init_modules: the name prefixes to "
                           "load, e.g. [sparse_arch.ebc.embedding_bags.t_ad_id] or [sparse_arch]")

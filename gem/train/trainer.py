@@ -172,12 +172,14 @@ def build_model(config: Config, schema: FeatureSchema, env: DistEnv, timer: Star
         raise ConfigError(f"parallelism.fully_shard=false with {env.world_size} ranks would leave the dense gradients "
                           f"unsynchronized; for whole copies on every rank use parallelism=replicate")
     mesh = dims.build_mesh(env.device.type) if use_fsdp else None
-    logger.info("dense: %s%s", dims.describe() if use_fsdp else "not sharded",
-                f", compute {p.param_dtype}, reduce {p.reduce_dtype}" if use_fsdp else "")
+    logger.info("dense: %s%s%s", dims.describe() if use_fsdp else "not sharded",
+                f", compute {p.param_dtype}, reduce {p.reduce_dtype}" if use_fsdp else "",
+                f", float8 projections of width >= {p.float8_min_features}" if p.float8 else "")
     return parallelize_gem(model, mesh, param_dtype=dtype_from_name("parallelism.param_dtype", p.param_dtype),
                            reduce_dtype=dtype_from_name("parallelism.reduce_dtype", p.reduce_dtype),
                            activation_checkpointing=p.activation_checkpointing, compile=p.compile,
-                           reshard_after_forward=p.reshard_after_forward)
+                           reshard_after_forward=p.reshard_after_forward,
+                           float8_min_features=p.float8_min_features if p.float8 else None)
 
 
 def _frozen_tables(config: Config, sparse: SparseArch) -> list[str]:
