@@ -118,6 +118,16 @@ def test_mch_eviction_frees_the_least_recent_or_least_frequent_rows(eviction, ke
     assert evictions == (2.0 if eviction == "lru" else 0.0)
 
 
+def test_mch_without_eviction_fills_the_table_then_new_ids_share_the_last_row():
+    mapper = _mapper("mch", rows=4, eviction="none")
+    first = _map(mapper, [1, 2])
+    assert _map(mapper, [3, 3, 3, 4])[0] != 3, "the frequent new id takes the one free row"
+    assert _map(mapper, [5, 6]) == [3, 3], "a full table admits no more: new ids share the last row"
+    assert _map(mapper, [1, 2]) == first, "a mapped id keeps its row for good"
+    counts = mapper.pop_counts()
+    assert counts["ids/t_user_id/evictions"] == 0.0 and counts["ids/t_user_id/occupied"] == 3.0
+
+
 def test_mch_admits_ids_of_batches_larger_than_the_first():
     """TorchRec sizes its history from the first batch; later, longer batches still have every id admitted."""
     mapper = _mapper("mch", rows=200, eviction_interval=2)

@@ -3,7 +3,7 @@
 Per table, one policy (docs/streaming.md, "Unbounded ids"):
 
 - ``mch``: TorchRec's ``MCHManagedCollisionModule``, a sorted table of admitted raw ids and their
-  rows, with LRU or LFU eviction. Every ``eviction_interval`` training steps the ids seen since the
+  rows, with LRU or LFU eviction (or none: a full table admits no more ids). Every ``eviction_interval`` training steps the ids seen since the
   last admission compete for rows; an id not (yet) admitted is looked up in the table's last row,
   which no id owns.
 - ``hash``: a fixed 64-bit mix (SplitMix64's finalizer) of the raw id, modulo the rows.
@@ -35,7 +35,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from gem.sparse.tables import TableSpec
 
 POLICIES = ("mch", "hash", "modulo")
-EVICTIONS = ("lru", "lfu")
+EVICTIONS = ("lru", "lfu", "none")
 _INT64_MAX = torch.iinfo(torch.int64).max
 
 
@@ -112,10 +112,30 @@ def check_range(feature: str, values: torch.Tensor, raw_space: int) -> None:
                                 f"(sparse.ids); fix the input, or raise sparse.ids.<table>.raw_space")
 
 
+def _no_eviction_policy():
+    """MCH that admits new ids into empty rows only: a mapped id keeps its row for good, and once the
+    table is full new ids share the last row (the "without eviction" baseline). Its ``counts`` buffer
+    holds 1 for a row with an id, 0 for an empty one."""
+    from torchrec.modules.mc_modules import LFU_EvictionPolicy
+
+    class NoEviction(LFU_EvictionPolicy):
+        def update_metadata_and_generate_eviction_scores(self, current_iter, mch_size, argsort_mapping,
+                                                         sorted_counts, matching_mask, matching_indices,
+                                                         mch_metadata, history_metadata):
+            taken = mch_metadata["counts"]
+            taken[mch_size - 1] = 1  # the shared row of unadmitted ids is never handed out
+            scores = torch.cat([taken * _INT64_MAX, sorted_counts[~matching_mask]])  # new ids: by frequency
+            evicted, selected = self._compute_selected_eviction_and_replacement_indices(mch_size, scores)
+            taken[evicted] = 1
+            return evicted, selected
+
+    return NoEviction()
+
+
 def _mch_module(space: IdSpace, device: torch.device):
     from torchrec.modules.mc_modules import LFU_EvictionPolicy, LRU_EvictionPolicy, MCHManagedCollisionModule
 
-    policy = LRU_EvictionPolicy() if space.eviction == "lru" else LFU_EvictionPolicy()
+    policy = {"lru": LRU_EvictionPolicy, "lfu": LFU_EvictionPolicy, "none": _no_eviction_policy}[space.eviction]()
     return MCHManagedCollisionModule(zch_size=space.num_embeddings, device=device, eviction_policy=policy,
                                      eviction_interval=space.eviction_interval,
                                      input_hash_size=min(space.raw_space, _INT64_MAX), name=space.table)

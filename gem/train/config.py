@@ -44,7 +44,7 @@ class IdSpaceConfig:
 
     raw_space: int = 2**63  # raw ids lie in [0, raw_space); an id outside is an error naming the feature
     policy: str = "mch"  # mch (TorchRec's managed collisions: a learned id -> row map) | hash | modulo (naive baseline)
-    eviction: str = "lru"  # mch: which mapped id gives up its row to a new one: lru (least recent) | lfu (least frequent)
+    eviction: str = "lru"  # mch: which mapped id gives up its row to a new one: lru (least recent) | lfu (least frequent) | none (a full table admits no more)
     eviction_interval: int = 1  # mch: training steps between admissions of new ids (and evictions)
 
 
@@ -316,7 +316,7 @@ def check_id_space(key: str, ids: IdSpaceConfig) -> None:
         raise ConfigError(f"{key}.raw_space={ids.raw_space} must be in [1, 2**63] (ids are int64); "
                           f"e.g. {key}.raw_space=9223372036854775808")
     _one_of(f"{key}.policy", ids.policy, ("mch", "hash", "modulo"))
-    _one_of(f"{key}.eviction", ids.eviction, ("lru", "lfu"))
+    _one_of(f"{key}.eviction", ids.eviction, ("lru", "lfu", "none"))
     _positive(f"{key}.eviction_interval", ids.eviction_interval)
 
 
