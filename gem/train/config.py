@@ -141,6 +141,8 @@ class ParallelismConfig:
     activation_checkpointing: bool = False
     compile: bool = False  # torch.compile each dense block
     reshard_after_forward: bool = True  # False: keep gathered dense blocks from forward to backward
+    float8: bool = False  # torchao float8 training of the dense arch's wide projections (docs/e2e.md)
+    float8_min_features: int = 512  # float8: Linear layers with both widths >= this (and multiples of 16)
 
 
 @dataclass
@@ -152,8 +154,6 @@ class KernelsConfig:
 class CheckpointConfig:
     enabled: bool = False
     dir: Optional[str] = None  # None: <trainer.run_dir>/checkpoints
-    float8: bool = False  # torchao float8 training of the dense arch's wide projections (docs/e2e.md)
-    float8_min_features: int = 512  # float8: Linear layers with both widths >= this (and multiples of 16)
     every_steps: int = 0  # 0: no periodic checkpoints
     at_end: bool = True
     keep_last: int = 3  # 0: keep all
@@ -279,6 +279,9 @@ def validate(cfg: DictConfig | dict) -> Config:
             raise ConfigError(f"parallelism.{key}={getattr(p, key)} must be >= 1, or -1 to fill the world")
     _one_of("parallelism.param_dtype", p.param_dtype, ("float32", "bfloat16", "float16"))
     _one_of("parallelism.reduce_dtype", p.reduce_dtype, ("float32", "bfloat16"))
+    if p.float8 and importlib.util.find_spec("torchao") is None:
+        raise ConfigError("parallelism.float8=true needs torchao; pip install torchao, or set parallelism.float8=false")
+    _positive("parallelism.float8_min_features", p.float8_min_features)
     if t.autocast is not None:
         _one_of("trainer.autocast", t.autocast, ("bfloat16",))  # float16 would need a GradScaler
     if config.model is None or "_target_" not in config.model:
@@ -290,9 +293,6 @@ def validate(cfg: DictConfig | dict) -> Config:
     _positive("checkpoint.every_steps", c.every_steps, allow_zero=True)
     _positive("checkpoint.keep_last", c.keep_last, allow_zero=True)
     _one_of("checkpoint.verify", c.verify, ("checksum", "size"))
-    if p.float8 and importlib.util.find_spec("torchao") is None:
-        raise ConfigError("parallelism.float8=true needs torchao; pip install torchao, or set parallelism.float8=false")
-    _positive("parallelism.float8_min_features", p.float8_min_features)
     if c.init_from and not c.init_modules:
         raise ConfigError(f"checkpoint.init_from={c.init_from!r} needs checkpoint.init_modules: the name prefixes to "
                           "load, e.g. [sparse_arch.ebc.embedding_bags.t_ad_id] or [sparse_arch]")
