@@ -100,16 +100,19 @@ def hash_ids(values: torch.Tensor, num_rows: int) -> torch.Tensor:
     return (z & _INT64_MAX) % num_rows
 
 
-def check_range(feature: str, values: torch.Tensor, raw_space: int) -> None:
-    """Raise :class:`IdOutOfRangeError` if any of ``values`` is outside ``[0, raw_space)`` (one host sync)."""
-    if values.numel() == 0:
+def check_ranges(values: Mapping[str, torch.Tensor], raw_space: Mapping[str, int]) -> None:
+    """Raise :class:`IdOutOfRangeError` naming the first feature of ``values`` with an id outside its
+    ``[0, raw_space[feature])``; one host sync for all of them."""
+    outside = [((v < 0) | (v >= raw_space[f]) if raw_space[f] < 2**63 else v < 0).any()
+               for f, v in values.items() if v.numel()]
+    if not outside or not bool(torch.stack(outside).any()):
         return
-    low, high = torch.aminmax(values)
-    low, high = int(low), int(high)
-    if low < 0 or high >= raw_space:
-        bad = low if low < 0 else high
-        raise IdOutOfRangeError(f"feature {feature!r}: id {bad} is outside its declared raw space [0, {raw_space}) "
-                                f"(sparse.ids); fix the input, or raise sparse.ids.<table>.raw_space")
+    for f, v in values.items():
+        bad = v[(v < 0) | (v >= raw_space[f])] if raw_space[f] < 2**63 else v[v < 0]
+        if bad.numel():
+            raise IdOutOfRangeError(f"feature {f!r}: id {int(bad[0])} is outside its declared raw space "
+                                    f"[0, {raw_space[f]}) (sparse.ids); fix the input, or raise "
+                                    f"sparse.ids.<table>.raw_space")
 
 
 def _no_eviction_policy():
@@ -196,7 +199,7 @@ class IdMapper(nn.Module):
         self.spaces = {s.table: s for s in spaces}
         self._table_of = {f: s.table for s in spaces for f in s.feature_names}
         self.mch = nn.ModuleDict({s.table: _mch_module(s, device) for s in spaces if s.policy == "mch"})
-        self._counts: dict[str, dict[str, int]] = {}
+        self._counts: dict[str, dict[str, int | torch.Tensor]] = {}
 
     def forward(self, sparse: KeyedJaggedTensor, sequences: KeyedJaggedTensor):
         parts = {}  # feature -> its raw values, from whichever KJT holds it
@@ -204,15 +207,15 @@ class IdMapper(nn.Module):
             if kjt.keys():
                 parts.update({k: v for k, v in zip(kjt.keys(), kjt.values().split(kjt.length_per_key()))
                               if k in self._table_of})
-        for f, values in parts.items():  # every table first: a bad id changes no mapping state
-            check_range(f, values, self.spaces[self._table_of[f]].raw_space)
+        # every table first: a bad id changes no mapping state
+        check_ranges(parts, {f: self.spaces[self._table_of[f]].raw_space for f in parts})
         rows = {}
         for table, space in self.spaces.items():
             names = [f for f in space.feature_names if f in parts]
             raw = torch.cat([parts[f] for f in names]) if names else sparse.values().new_zeros(0)
             mapped = self._map(space, raw)
             if self.training:  # counted per training step; evaluation batches do not add to them
-                self._count(table, "collisions", int(raw.unique().numel() - mapped.unique().numel()))
+                self._count(table, "collisions", _num_distinct(raw) - _num_distinct(mapped))
             rows.update(zip(names, mapped.split([parts[f].numel() for f in names])))
         return _replace_values(sparse, rows), _replace_values(sequences, rows)
 
@@ -233,11 +236,12 @@ class IdMapper(nn.Module):
         return mc.remap({space.table: JaggedTensor(values=raw, lengths=raw.new_ones(raw.numel()))})[space.table].values()
 
     @staticmethod
-    def _occupied(mc) -> int:
-        """Rows holding an admitted id (the empty ones hold the int64 max sentinel)."""
-        return int((mc._mch_sorted_raw_ids != _INT64_MAX).sum())
+    def _occupied(mc) -> torch.Tensor:
+        """Rows holding an admitted id (the empty ones hold the int64 max sentinel), as a 0-dim tensor."""
+        return (mc._mch_sorted_raw_ids != _INT64_MAX).sum()
 
-    def _count(self, table: str, name: str, n: int) -> None:
+    def _count(self, table: str, name: str, n: int | torch.Tensor) -> None:
+        """Add ``n`` to a count; tensors stay on their device until :meth:`pop_counts` reads them."""
         counts = self._counts.setdefault(table, {})
         counts[name] = counts.get(name, 0) + n
 
@@ -254,6 +258,14 @@ class IdMapper(nn.Module):
                 out[f"ids/{table}/occupied"] = float(self._occupied(self.mch[table]))
         self._counts = {}
         return out
+
+
+def _num_distinct(values: torch.Tensor) -> torch.Tensor | int:
+    """Distinct values, as a 0-dim tensor (no host sync, unlike ``unique().numel()``)."""
+    if values.numel() == 0:
+        return 0
+    ordered = values.sort().values
+    return (ordered[1:] != ordered[:-1]).sum() + 1
 
 
 def _replace_values(kjt: KeyedJaggedTensor, rows: Mapping[str, torch.Tensor]) -> KeyedJaggedTensor:
