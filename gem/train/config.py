@@ -110,6 +110,16 @@ class DistillConfig:
 
 
 @dataclass
+class DeltaExportConfig:
+    """``trainer.delta_export`` (gem/train/delta.py, docs/streaming.md): the rows touched since the last
+    export plus the dense weights, to ``<run_dir>/deltas/<seq>/``, for a serving system to apply."""
+
+    every: Optional[str] = None  # None: off; "partition": after each streamed partition; "<N>": every N steps
+    optimizer_state: bool = False  # also the touched rows' Adagrad momentum and the dense AdamW state
+    dir: Optional[str] = None  # None: <trainer.run_dir>/deltas
+
+
+@dataclass
 class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda
     epochs: int = 1
@@ -129,6 +139,7 @@ class TrainerConfig:
     loggers: list[str] = field(default_factory=lambda: ["jsonl"])  # jsonl (metrics.jsonl) | tensorboard
     plots: bool = True  # curves.png at the end (needs matplotlib; skipped with a log line without it)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    delta_export: DeltaExportConfig = field(default_factory=DeltaExportConfig)
 
 
 @dataclass
@@ -305,6 +316,9 @@ def validate(cfg: DictConfig | dict) -> Config:
     _one_of("trainer.distill.source", dd.source, ("data", "model"))
     if dd.weight > 0 and dd.source == "model" and not dd.checkpoint:
         raise ConfigError("trainer.distill.source=model needs trainer.distill.checkpoint=<the teacher's step_<N> folder>")
+    every = t.delta_export.every
+    if every is not None and every != "partition" and not (every.isdigit() and int(every) > 0):
+        raise ConfigError(f"trainer.delta_export.every={every!r} must be partition, a number of steps > 0, or null (off)")
     check_plan(config.plan)
     return config
 

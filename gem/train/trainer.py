@@ -31,6 +31,7 @@ from gem.models.gem import GEMModel
 from gem.sparse.arch import SparseArch
 from gem.train.checkpoint import Checkpointer, Progress
 from gem.train.config import Config, ConfigError, check_schema_refs, validate
+from gem.train.delta import build_exporter
 from gem.train.flops import default_peak_tflops, mfu, step_flops
 from gem.train.logging import MetricsWriter, format_metrics, logger, open_metrics, plot_curves, setup_logging
 from gem.train.losses import multitask_bce
@@ -359,6 +360,9 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
                                 dense_opt, sparse_opt, scheduler, config_yaml, env.rank, env.world_size,
                                 loader=train_loader)
             progress = ckpt.restore() or progress
+    deltas = build_exporter(config, model, dense_opt, sparse_opt, run_dir, env.world_size, progress.step)
+    if deltas is not None:
+        deltas.start(ckpt, progress)  # the chain's base: a checkpoint of this step
     task_weights = torch.tensor([t.task_weights.get(k, 1.0) for k in schema.tasks], device=env.device)
     metrics = open_metrics(run_dir, t.loggers, env.is_main, progress.step)
     num_dense = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("sparse_arch."))
@@ -408,6 +412,8 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
             for hook in hooks:
                 hook(step, env.rank, train_step.last_batch)
             profiler.step()
+            if deltas is not None:  # before the checkpoint: a restart from it never misses this delta
+                deltas.maybe_export(step, total_steps)
             if ckpt is not None:
                 seen = progress.examples + (step - progress.step) * d.batch_size * env.world_size
                 in_epoch = sum(train_loader.consumed) * d.batch_size * env.world_size
@@ -443,6 +449,8 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
                     ", ".join(f"{k} {100 * v:.0f}%" for k, v in kinds.items() if v >= 0.005), run_dir / "profile")
     if ckpt is not None:
         ckpt.wait()
+    if deltas is not None:
+        deltas.close()
     result = evaluate(model, loader("test", d.eval_batch_size, False), env, schema.tasks, t.eval_max_batches,
                       autocast_dtype)
     result["train_seconds"] = time.perf_counter() - start
