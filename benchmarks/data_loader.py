@@ -1,4 +1,4 @@
-"""Loader throughput: examples/s, ids/s and tokens/s of gem.data.loader, in process and with workers,
+"""Loader throughput: examples/s, ids/s and tokens/s of gem.data.pipeline.loader, in process and with workers,
 plus the token imbalance across ranks with and without balancing.
 
     python benchmarks/data_loader.py [--rows 20000] [--workers 0 1 2] [--out benchmarks/results]
@@ -37,11 +37,11 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gem.data.balance import imbalance  # noqa: E402
-from gem.data.loader import build_loader  # noqa: E402
-from gem.data.parquet import write_parquet  # noqa: E402
-from gem.data.schema import FeatureSchema  # noqa: E402
-from gem.data.synthetic import SyntheticConfig, generate  # noqa: E402
+from gem.data.pipeline.balance import imbalance  # noqa: E402
+from gem.data.pipeline.loader import build_loader  # noqa: E402
+from gem.data.format.layout import write_parquet  # noqa: E402
+from gem.data.pipeline.schema import FeatureSchema  # noqa: E402
+from gem.data.sources.synthetic import SyntheticConfig, generate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {

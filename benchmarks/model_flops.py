@@ -21,7 +21,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from gem.data.schema import FeatureSchema
+from gem.data.pipeline.schema import FeatureSchema
 from gem.sparse.arch import SparseArch
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from gem.data.schema import FeatureSchema  # noqa: E402
+from gem.data.pipeline.schema import FeatureSchema  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = str(ROOT / "configs")
@@ -72,7 +72,7 @@ def tiny_schema() -> FeatureSchema:
 
 @pytest.fixture(scope="session")
 def tiny_dataset(tmp_path_factory) -> Path:
-    from gem.data.synthetic import SyntheticConfig, write_dataset
+    from gem.data.sources.synthetic import SyntheticConfig, write_dataset
 
     directory = tmp_path_factory.mktemp("data") / "tiny"
     write_dataset(directory, FeatureSchema.from_config(TINY_SCHEMA), {"train": 700, "val": 150, "test": 300}, seed=3,

@@ -12,6 +12,7 @@ tables (native backend, the same optimizer rule unfused) and the whole global ba
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -24,8 +25,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gem.data.dataset import schema_from_files, split_files  # noqa: E402
-from gem.data.parquet import ParquetBatchReader  # noqa: E402
+from gem.data.format.dataset import schema_from_files, split_files  # noqa: E402
+from gem.data.pipeline.loader import build_loader  # noqa: E402
 from gem.models.dlrm import DLRM  # noqa: E402
 from gem.models.gem import GEMModel  # noqa: E402
 from gem.sparse.arch import SparseArch  # noqa: E402
@@ -90,7 +91,9 @@ def run_case(case: dict, data_dir: Path, batch_size: int, world_size: int, devic
                     reshard_after_forward=case.get("reshard_after_forward", True))
     dense_opt, sparse_opt, _ = build_optimizers(model, optim, NUM_STEPS)
     rank = dist.get_rank() if world_size > 1 else 0
-    reader = ParquetBatchReader(split_files(data_dir, "train"), schema, batch_size, rank=rank, world_size=world_size)
+    # Global batch k * world_size + rank of the files in order: the batches one process reads, split.
+    loader = build_loader(split_files(data_dir, "train"), schema, batch_size, options={"balance": False})
+    reader = itertools.islice(loader, rank, None, world_size)
     task_weights = torch.tensor([1.0, 0.5], device=device)
     losses = []
     for _, batch in zip(range(NUM_STEPS), reader):

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script by torchrun
 
-from gem.data.batch import Batch  # noqa: E402
+from gem.data.pipeline.batch import Batch  # noqa: E402
 
 
 def attempt() -> int:

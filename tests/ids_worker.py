@@ -12,6 +12,7 @@ the reference (native tables, the whole global batch). The mapping state must ag
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -23,8 +24,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gem.data.dataset import schema_from_files, split_files  # noqa: E402
-from gem.data.parquet import ParquetBatchReader  # noqa: E402
+from gem.data.format.dataset import schema_from_files, split_files  # noqa: E402
+from gem.data.pipeline.loader import build_loader  # noqa: E402
 from gem.models.dlrm import DLRM  # noqa: E402
 from gem.models.gem import GEMModel  # noqa: E402
 from gem.sparse.arch import SparseArch  # noqa: E402
@@ -94,7 +95,9 @@ def run_ids_case(data_dir: Path, batch_size: int, world_size: int, plan: str | N
     parallelize_gem(model, mesh, param_dtype=torch.float32)
     dense_opt, sparse_opt, _ = build_optimizers(model, optim, NUM_STEPS)
     rank = dist.get_rank() if world_size > 1 else 0
-    reader = ParquetBatchReader(split_files(data_dir, "train"), files_schema, batch_size, rank=rank, world_size=world_size)
+    # Global batch k * world_size + rank of the files in order: the batches one process reads, split.
+    loader = build_loader(split_files(data_dir, "train"), files_schema, batch_size, options={"balance": False})
+    reader = itertools.islice(loader, rank, None, world_size)
     task_weights = torch.tensor([1.0, 0.5])
     mapped = {"user_id", "ad_id", "hist_item"}
     losses, counts = [], {}

@@ -56,10 +56,11 @@ def test_the_fix_a_data_error_prints_works_as_printed(tmp_path, tiny_schema, dat
 
     import pyarrow as pa
 
-    from gem.data.checks import error_policy
-    from gem.data.loader import LoaderOptions, build_loader
-    from gem.data.parquet import write_parquet
-    from gem.data.synthetic import generate
+    from gem.data.format.checks import error_policy
+    from gem.data.format.reader import LoaderOptions
+    from gem.data.pipeline.loader import build_loader
+    from gem.data.format.layout import write_parquet
+    from gem.data.sources.synthetic import generate
 
     table = generate(tiny_schema, 6, seed=0)
     table = table.set_column(table.schema.get_field_index("domain"), "domain", pa.array([0, 1, 7, 0, 0, 0], pa.int64()))

@@ -13,14 +13,15 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from gem.data.batch import Batch
-from gem.data.dataset import split_files
-from gem.data.parquet import ParquetBatchReader
-from gem.data.schema import FeatureSchema
+from gem.data.pipeline.batch import Batch
+from gem.data.format.dataset import split_files
+from gem.data.format.reader import table_to_batch
+from gem.data.pipeline.loader import build_loader
+from gem.data.pipeline.schema import FeatureSchema
 from gem.models.gem import GEMModel
 from gem.models.gem_arch import GEMDenseArch
 from gem.models.sequence import self_attention_pairs
-from gem.data.synthetic import SyntheticConfig, generate
+from gem.data.sources.synthetic import SyntheticConfig, generate
 from gem.sparse.arch import JaggedEmbeddings, SparseArch, SparseOutput
 from gem.train.flops import batch_lengths, mfu, step_flops
 from gem.train.losses import multitask_bce
@@ -61,7 +62,7 @@ def one_thread():
 
 
 def first_batch(directory, schema, batch_size=24) -> Batch:
-    return next(iter(ParquetBatchReader(split_files(directory, "train"), schema, batch_size)))
+    return next(iter(build_loader(split_files(directory, "train"), schema, batch_size, options={"balance": False})))
 
 
 def with_empty_histories(batch: Batch, empty: torch.Tensor) -> Batch:
@@ -266,9 +267,8 @@ def trajectory(backend: str, steps: int = 20, batch_size: int = 6, device: str =
     One head of 32 and 6 examples a batch: Triton's interpreter costs about 0.3 s per attention
     call at this size, and a step makes about ten."""
     schema = FeatureSchema.from_config(TINY_SCHEMA)
-    reader = ParquetBatchReader([], schema, batch_size)
     table = generate(schema, batch_size * 4, seed=1, cfg=SyntheticConfig(num_clusters=5))
-    batches = [reader.to_batch(table.slice(batch_size * i, batch_size), "trajectory").to(device) for i in range(4)]
+    batches = [table_to_batch(table.slice(batch_size * i, batch_size), schema)[0].to(device) for i in range(4)]
     models = [build(schema, backend, block=b, num_heads=1, head_dim=32, **({"window": 3} if b == "kunlun" else {})).to(device)
               for b in BLOCKS]
     params = [p for m in models for p in m.parameters()]
@@ -336,7 +336,7 @@ def gem_base_trajectory(backend: str, block: str, cache_dir, steps: int = 30, ba
                         overrides: tuple[str, ...] = ()) -> list[float]:
     """Per-step losses of gem_base (experiment=gem_base_h200's shapes and recipe, with ``overrides``) in
     float32, eager, with one attention backend, from weights seeded the same way and over the same batches."""
-    from gem.data.loader import build_loader
+    from gem.data.pipeline.loader import build_loader
     from gem.train.config import validate
     from gem.train.optim import build_optimizers
     from gem.train.trainer import build_model, init_distributed, load_data

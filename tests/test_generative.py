@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from gem.data.dataset import schema_from_files, split_files
-from gem.data.loader import build_loader
-from gem.data.seqrec import SeqRecOptions, read_s3rec, write_seqrec
+from gem.data.format.dataset import schema_from_files, split_files
+from gem.data.pipeline.loader import build_loader
+from gem.data.sources.seqrec import SeqRecOptions, read_s3rec, write_seqrec
 from gem.models.gem import GEMModel
 from gem.models.generative import GenerativeSeqArch
 from gem.sparse.arch import SparseArch

@@ -6,11 +6,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from gem.data.balance import deal_by_length, imbalance
-from gem.data.dataset import split_files
-from gem.data.loader import LoaderOptions, build_loader
-from gem.data.parquet import write_parquet
-from gem.data.synthetic import generate
+from gem.data.pipeline.balance import deal_by_length, imbalance
+from gem.data.format.dataset import split_files
+from gem.data.format.reader import LoaderOptions
+from gem.data.pipeline.loader import build_loader
+from gem.data.format.layout import write_parquet
+from gem.data.sources.synthetic import generate
 
 
 def _keys(batches):
@@ -257,7 +258,7 @@ def test_pinned_batches_reach_the_gpu(tiny_dataset, tiny_schema):
 
 
 def test_validator_reports_every_violation_with_row_and_column(tmp_path, tiny_schema, capsys):
-    from gem.data.validate import main, validate_file
+    from gem.data.format.validate import main, validate_file
 
     table = generate(tiny_schema, 8, seed=0)
     table = table.set_column(table.schema.get_field_index("user_id"), "user_id",
@@ -294,7 +295,7 @@ def test_batches_carry_their_ids_per_key_so_the_device_needs_no_sync(tiny_datase
 
 def test_validator_fails_on_empty_folders_and_missing_splits(tmp_path, tiny_schema, capsys):
     """Issue #27.2: `python -m gem.data.validate` exited 0 on empty split folders and on an empty data.dir."""
-    from gem.data.validate import main
+    from gem.data.format.validate import main
 
     (tmp_path / "empty").mkdir()
     assert main([str(tmp_path / "empty")]) == 1

@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gem.data.dataset import split_files
-from gem.data.loader import build_loader
-from gem.data.schema import FeatureSchema
+from gem.data.format.dataset import split_files
+from gem.data.pipeline.loader import build_loader
+from gem.data.pipeline.schema import FeatureSchema
 from tests.conftest import TINY_SCHEMA
 
 

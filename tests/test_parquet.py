@@ -6,14 +6,16 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from gem.data.batch import Batch
-from gem.data.dataset import schema_from_files, split_files
-from gem.data.parquet import ParquetBatchReader, list_parquet_files, write_parquet
-from gem.data.synthetic import generate
+from gem.data.pipeline.batch import Batch
+from gem.data.format.dataset import schema_from_files, split_files
+from gem.data.format.layout import write_parquet
+from gem.data.pipeline.loader import build_loader
+from gem.data.sources.synthetic import generate
 
 
 def _read_all(files, schema, batch_size, **kw):
-    return list(ParquetBatchReader(files, schema, batch_size, **kw))
+    """Every batch of ``files`` in file order (no balancing), as the one reader makes them."""
+    return list(build_loader(files, schema, batch_size, options={"balance": False}, **kw))
 
 
 def test_round_trip_keeps_every_value(tmp_path, tiny_schema):
@@ -63,16 +65,16 @@ def test_history_longer_than_max_keeps_most_recent(tmp_path, tiny_schema):
         ids = pa.ListArray.from_arrays(long.offsets, pa.array(np.arange(36) % card, pa.int64()))
         table = table.set_column(table.schema.get_field_index(name), name, ids)
     write_parquet(table, tmp_path / "x.parquet", tiny_schema)
-    reader = ParquetBatchReader([tmp_path / "x.parquet"], tiny_schema, 4)
-    (batch,) = list(reader)
+    loader = build_loader([tmp_path / "x.parquet"], tiny_schema, 4)
+    (batch,) = list(loader)
     jt = batch.sequences["hist_item"]
     assert jt.lengths().tolist() == [12, 0, 1, 12]
     assert jt.values().tolist() == list(range(8, 20)) + [20] + list(range(24, 36))
-    assert reader.stats.truncated_histories == 2 and batch.max_seq_len["hist"] == 12
+    assert loader.stats["truncated_histories"] == 2 and batch.max_seq_len["hist"] == 12
 
 
 def test_batch_to_and_pin_memory(tiny_dataset, tiny_schema):
-    batch = next(iter(ParquetBatchReader(split_files(tiny_dataset, "val"), tiny_schema, 16)))
+    batch = next(iter(build_loader(split_files(tiny_dataset, "val"), tiny_schema, 16)))
     moved = batch.to("cpu")
     assert isinstance(moved, Batch) and torch.equal(moved.dense, batch.dense)
     assert moved.sequences.keys() == batch.sequences.keys() and moved.max_seq_len == batch.max_seq_len
@@ -91,12 +93,12 @@ def _write_with(tmp_path, tiny_schema, column, values):
 @pytest.mark.parametrize(
     "column, values, match",
     [
-        ("user_id", pa.array([[1], [2], [-1], [3], [4], [5]], pa.list_(pa.int64())), "bad.parquet: row 2, column 'user_id': an id outside \\[0, 50\\).*the row holds \\[-1\\]"),
-        ("ad_id", pa.array([[1], [2], [3], [80], [4], [5]], pa.list_(pa.int64())), "row 3, column 'ad_id': an id outside \\[0, 80\\).*cardinality.*the row holds \\[80\\]"),
-        ("label_click", pa.array([0, 1, 1.5, 0, 0, 1], pa.float32()), "row 2, column 'label_click': outside \\[0, 1\\].*the row holds 1.5"),
-        ("dense", pa.array([[0, 0, 0]] * 3 + [[0, float("nan"), 0]] + [[0, 0, 0]] * 2, pa.list_(pa.float32())), "row 3, column 'dense': NaN or inf.*the row holds \\[0.0, nan, 0.0\\]"),
-        ("dense", pa.array([[0, 0, 0]] * 5 + [[0, 0]], pa.list_(pa.float32())), "row 5, column 'dense': not exactly data.schema.num_dense=3 values.*the row holds \\[0.0, 0.0\\]"),
-        ("domain", pa.array([0, 1, 2, 0, 0, 0], pa.int64()), "row 2, column 'domain': outside \\[0, data.schema.num_domains=2\\).*the row holds 2"),
+        ("user_id", pa.array([[1], [2], [-1], [3], [4], [5]], pa.list_(pa.int64())), "bad.parquet, row 2: column 'user_id': an id outside \\[0, 50\\).*the row holds \\[-1\\]"),
+        ("ad_id", pa.array([[1], [2], [3], [80], [4], [5]], pa.list_(pa.int64())), "row 3: column 'ad_id': an id outside \\[0, 80\\).*cardinality.*the row holds \\[80\\]"),
+        ("label_click", pa.array([0, 1, 1.5, 0, 0, 1], pa.float32()), "row 2: column 'label_click': outside \\[0, 1\\].*the row holds 1.5"),
+        ("dense", pa.array([[0, 0, 0]] * 3 + [[0, float("nan"), 0]] + [[0, 0, 0]] * 2, pa.list_(pa.float32())), "row 3: column 'dense': NaN or inf.*the row holds \\[0.0, nan, 0.0\\]"),
+        ("dense", pa.array([[0, 0, 0]] * 5 + [[0, 0]], pa.list_(pa.float32())), "row 5: column 'dense': not exactly data.schema.num_dense=3 values.*the row holds \\[0.0, 0.0\\]"),
+        ("domain", pa.array([0, 1, 2, 0, 0, 0], pa.int64()), "row 2: column 'domain': outside \\[0, data.schema.num_domains=2\\).*the row holds 2"),
     ],
 )
 def test_bad_values_name_the_column_and_the_fix(tmp_path, tiny_schema, column, values, match):
@@ -106,10 +108,6 @@ def test_bad_values_name_the_column_and_the_fix(tmp_path, tiny_schema, column, v
 
 
 def test_bad_files_and_folders(tmp_path, tiny_schema):
-    with pytest.raises(FileNotFoundError, match="holds no \\*.parquet files"):
-        list_parquet_files(tmp_path)
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        list_parquet_files(tmp_path / "missing")
     (tmp_path / "corrupt.parquet").write_bytes(b"PAR1 not really")
     with pytest.raises(ValueError, match="corrupt.parquet: not a readable Parquet file"):
         _read_all([tmp_path / "corrupt.parquet"], tiny_schema, 4)
@@ -128,7 +126,7 @@ def test_bad_files_and_folders(tmp_path, tiny_schema):
 def _odd_schema():
     """The tiny schema without 'ad_cluster' and with another 'ad_id' cardinality."""
     from tests.conftest import TINY_SCHEMA
-    from gem.data.schema import FeatureSchema
+    from gem.data.pipeline.schema import FeatureSchema
 
     cfg = {**TINY_SCHEMA, "id_features": [dict(f, cardinality=90) if f["name"] == "ad_id" else dict(f)
                                           for f in TINY_SCHEMA["id_features"] if f["name"] != "ad_cluster"]}
@@ -138,8 +136,8 @@ def _odd_schema():
 def test_files_written_with_different_schemas_fail_naming_both_files_and_the_feature(tmp_path, tiny_schema, capsys):
     """Issue #27.1: the schema was read from the first file only, so an odd file trained silently,
     or, sorting first, was taken for the data set's schema and the others were blamed ("layout v2")."""
-    from gem.data.loader import build_loader
-    from gem.data.validate import main
+    from gem.data.pipeline.loader import build_loader
+    from gem.data.format.validate import main
 
     odd = _odd_schema()
     for i in range(3):

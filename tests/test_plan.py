@@ -31,7 +31,7 @@ def test_the_trainer_uses_the_placement_of_a_plan_file(tmp_path):
     data = json.loads(path.read_text())
     assert data["cluster"]["world_size"] == 2 and data["sharding"]["world_size"] == 2
     config = check(compose(["debug=tiny"]))
-    from gem.data.schema import FeatureSchema
+    from gem.data.pipeline.schema import FeatureSchema
 
     arch = SparseArch.from_config(FeatureSchema.from_config(config.data.schema), config.sparse.embedding_dim,
                                   device="meta")

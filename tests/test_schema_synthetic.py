@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from gem.data.schema import FeatureSchema
-from gem.data.synthetic import SyntheticConfig, generate
+from gem.data.pipeline.schema import FeatureSchema
+from gem.data.sources.synthetic import SyntheticConfig, generate
 from tests.conftest import TINY_SCHEMA
 
 

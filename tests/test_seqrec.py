@@ -6,8 +6,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from gem.data.dataset import schema_from_files, split_files
-from gem.data.seqrec import SeqRecOptions, prepare_seqrec, read_interactions, read_s3rec, write_seqrec
+from gem.data.format.dataset import schema_from_files, split_files
+from gem.data.sources.seqrec import SeqRecOptions, prepare_seqrec, read_interactions, read_s3rec, write_seqrec
 from gem.train.metrics import RankingEvaluator, positive_ranks, ranking_metrics
 from gem.train.trainer import train
 from tests.conftest import compose

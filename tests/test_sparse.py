@@ -1,13 +1,13 @@
 import pytest
 import torch
 
-from gem.data.dataset import split_files
-from gem.data.parquet import ParquetBatchReader
+from gem.data.format.dataset import split_files
+from gem.data.pipeline.loader import build_loader
 from gem.sparse.arch import SparseArch
 
 
 def _batch(tiny_dataset, tiny_schema, n=32):
-    return next(iter(ParquetBatchReader(split_files(tiny_dataset, "train"), tiny_schema, n)))
+    return next(iter(build_loader(split_files(tiny_dataset, "train"), tiny_schema, n, options={"balance": False})))
 
 
 def _pair(tiny_schema, dims=None):
@@ -72,7 +72,7 @@ def test_shared_table_serves_id_and_sequence_features(tiny_dataset, tiny_schema)
     """The candidate ad and the history items look up one item table in both backends."""
     import copy
 
-    from gem.data.schema import FeatureSchema
+    from gem.data.pipeline.schema import FeatureSchema
     from tests.conftest import TINY_SCHEMA
 
     cfg = copy.deepcopy(TINY_SCHEMA)

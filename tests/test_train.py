@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gem.data.dataset import split_files
-from gem.data.parquet import ParquetBatchReader
+from gem.data.format.dataset import split_files
+from gem.data.pipeline.loader import build_loader
 from gem.train.config import ConfigError, validate
 from gem.train.losses import multitask_bce
 from gem.train.optim import build_optimizers
@@ -67,7 +67,7 @@ def test_sharded_torchrec_and_native_train_identically(cache_dir, tmp_path, devi
     tables = {k: (v.local_shards()[0].tensor if hasattr(v, "local_shards") else v).clone()
               for k, v in sharded.sparse_arch.state_dict().items()}
     native.sparse_arch.load_state_dict(tables)
-    reader = ParquetBatchReader(split_files(data_dir, "train"), schema, 64)
+    reader = build_loader(split_files(data_dir, "train"), schema, 64, options={"balance": False})
     weights = torch.ones(schema.num_tasks)
     # float32 both sides; on the GPU the two backward passes sum rows in another order
     tolerance = dict(rel=1e-5, abs=1e-6) if device == "cpu" else dict(rel=1e-4, abs=1e-5)

@@ -132,7 +132,7 @@ def test_distillation_loss_matches_a_hand_computation():
 
 
 def test_a_task_the_teacher_never_learned_is_named(tiny_dataset, teacher_ckpt):
-    from gem.data.schema import FeatureSchema
+    from gem.data.pipeline.schema import FeatureSchema
     from gem.transfer.teacher import load_teacher
 
     schema = FeatureSchema.from_config(pq.read_schema(next((tiny_dataset / "val").glob("*.parquet"))).metadata
@@ -141,7 +141,7 @@ def test_a_task_the_teacher_never_learned_is_named(tiny_dataset, teacher_ckpt):
     with pytest.raises(CheckpointError, match=r"never learned task\(s\) \['like'\]"):
         load_teacher(teacher_ckpt, schema, ("click", "like"), torch.device("cpu"))
     # NaN teacher outputs (a broken teacher) are named too
-    from gem.data.loader import build_loader
+    from gem.data.pipeline.loader import build_loader
 
     teacher = load_teacher(teacher_ckpt, schema, ("conversion",), torch.device("cpu"))
     with torch.no_grad():
@@ -153,7 +153,7 @@ def test_a_task_the_teacher_never_learned_is_named(tiny_dataset, teacher_ckpt):
 
 
 def test_export_writes_teacher_columns_resumably_and_the_loader_reads_them(tiny_dataset, teacher_ckpt, tmp_path):
-    from gem.data.loader import build_loader
+    from gem.data.pipeline.loader import build_loader
     from gem.transfer.export import parse, run
     from gem.transfer.teacher import load_teacher
 
@@ -171,7 +171,7 @@ def test_export_writes_teacher_columns_resumably_and_the_loader_reads_them(tiny_
     assert {"teacher_click", "teacher_conversion", "teacher_repr"} <= set(table.column_names)
     assert table.schema.metadata[b"gem.schema"] == pq.read_schema(src).metadata[b"gem.schema"]
     # the columns are the teacher's logits of those rows, in order; the loader hands them out as batch.teacher
-    from gem.data.schema import FeatureSchema
+    from gem.data.pipeline.schema import FeatureSchema
     import json
 
     schema = FeatureSchema.from_config(json.loads(table.schema.metadata[b"gem.schema"]))
@@ -183,10 +183,10 @@ def test_export_writes_teacher_columns_resumably_and_the_loader_reads_them(tiny_
 
 
 def test_non_finite_teacher_columns_are_a_data_error(tiny_dataset, tmp_path):
-    from gem.data.loader import build_loader
-    from gem.data.parquet import ParquetBatchReader
+    from gem.data.pipeline.loader import build_loader
+    from gem.data.format.checks import check_rows
     import json
-    from gem.data.schema import FeatureSchema
+    from gem.data.pipeline.schema import FeatureSchema
 
     src = sorted((tiny_dataset / "val").glob("*.parquet"))[0]
     table = pq.read_table(src)
@@ -199,7 +199,7 @@ def test_non_finite_teacher_columns_are_a_data_error(tiny_dataset, tmp_path):
     with pytest.raises(DataError, match=r"teacher_click.*NaN or inf teacher logit"):
         list(build_loader([bad], schema, 64))
     with pytest.raises(DataError, match=r"row 7.*teacher_click"):
-        list(ParquetBatchReader([bad], schema, 64))
+        check_rows(pq.read_table(bad), schema, str(bad))
     # a file without teacher columns: no batch.teacher; with only some tasks: NaN for the others
     batch = next(iter(build_loader([src], schema, 64)))
     assert batch.teacher is None
@@ -254,7 +254,7 @@ def test_distillation_from_data_without_teacher_columns_names_them(tiny_dataset,
 
 
 def test_synthetic_drift_moves_the_world_and_zero_is_the_default(tiny_schema):
-    from gem.data.synthetic import SyntheticConfig, generate
+    from gem.data.sources.synthetic import SyntheticConfig, generate
 
     base = generate(tiny_schema, 300, 1, SyntheticConfig(num_clusters=5), world_seed=3)
     assert base.equals(generate(tiny_schema, 300, 1, SyntheticConfig(num_clusters=5, drift=0.0), world_seed=3))

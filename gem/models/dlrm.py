@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gem.data.schema import FeatureSchema
+from gem.data.pipeline.schema import FeatureSchema
 from gem.models.heads import MultiTaskHeads
 from gem.models.layers import MLP, dot_interaction
 from gem.sparse.arch import SparseOutput

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gem.data.batch import Batch
+from gem.data.pipeline.batch import Batch
 from gem.sparse.arch import SparseArch
 
 

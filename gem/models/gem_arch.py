@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gem.data.schema import FeatureSchema
+from gem.data.pipeline.schema import FeatureSchema
 from gem.models.heads import MultiDomainHeads
 from gem.models.interformer import InterFormerLayer, NonSequenceSummary, SequenceSummary
 from gem.models.kunlun import KunlunLayer, SeedPooling

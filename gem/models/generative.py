@@ -20,7 +20,7 @@ would let a position see its future.
 
 ``forward`` returns the mean next-event loss ``[1, 1]`` in training mode (``returns_loss = True``
 tells the trainer) and ranking logits ``[B, 1]`` in eval mode, so evaluation rows (a history and
-one candidate each, gem.data.seqrec) run through the usual ranking metrics. With
+one candidate each, gem.data.sources.seqrec) run through the usual ranking metrics. With
 ``objective="ranking"`` it returns ranking logits in training too, for labelled rows.
 """
 
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gem.data.schema import FeatureSchema
+from gem.data.pipeline.schema import FeatureSchema
 from gem.models.interformer import NonSequenceSummary
 from gem.models.layers import init_module_tree
 from gem.models.sequence import JaggedSelfAttention, PersonalizedFFN, linear_flops, rotary_tables
@@ -70,7 +70,7 @@ class GenerativeSeqArch(nn.Module):
             (CompSkip on odd layers with ``compskip``, attention within ``window``).
         dim / num_summary: width and count of the user summary tokens that generate the PFFN.
         num_layers / num_heads / head_dim / window / pffn_kv / pffn_activation: the sequence arch.
-        sequence / negatives: the event stream and the group of sampled negatives (gem.data.seqrec's
+        sequence / negatives: the event stream and the group of sampled negatives (gem.data.sources.seqrec's
             ``hist`` and ``neg``); the stream's first feature is the item, whose table scores.
         candidate_features: the id features that describe a ranking row's candidate (``item_id``,
             the one scored, first); every other id feature is a user token.
@@ -192,7 +192,7 @@ class GenerativeSeqArch(nn.Module):
         """``[B, D_item]``: ``H`` after each row's last event (zeros for an empty history).
 
         Ranking rows come as runs of one user's history with one candidate each (1 + 99 rows per
-        user in gem.data.seqrec): each run of consecutive rows whose user tokens and history are
+        user in gem.data.sources.seqrec): each run of consecutive rows whose user tokens and history are
         the same is encoded once and its state shared, which gives the same numbers."""
         s = sparse.sequences[self.sequence]
         keep, inverse = _distinct_runs(s, [sparse.pooled[f] for f in self.user_features])

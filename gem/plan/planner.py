@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from gem.data.schema import FeatureSchema
+from gem.data.pipeline.schema import FeatureSchema
 from gem.train.config import Config, ConfigError
 
 GiB = 1024**3
@@ -160,18 +160,13 @@ def _stats(v: np.ndarray) -> dict:
 def plan_schema(config: Config) -> tuple[FeatureSchema, Path | None]:
     """The run's feature schema without generating data: synthetic from ``data.schema``; Parquet
     from ``data.schema`` or the train split's footers."""
-    from gem.data.dataset import schema_from_files, split_files
+    from gem.data.sources import build_source, dataset_schema
 
     d = config.data
-    if d.kind == "synthetic":
-        return FeatureSchema.from_config(d.schema), (Path(d.dir) if d.dir else None)
-    directory = Path(d.dir)
-    if d.kind == "seqrec":
-        from gem.data.seqrec import prepare_seqrec
-
-        directory = prepare_seqrec(d.dir, d.name, d.cache_dir, d.seqrec)
-    schema = FeatureSchema.from_config(d.schema) if d.schema else schema_from_files(split_files(directory, "train"))
-    return schema, directory
+    if d.kind == "synthetic" and not d.dir:  # not generated just to plan
+        return dataset_schema(d, None), None
+    source = build_source(d)
+    return source.schema, source.dir
 
 
 def history_lengths(config: Config, schema: FeatureSchema, directory: Path | None, n: int = 100_000,
@@ -179,7 +174,7 @@ def history_lengths(config: Config, schema: FeatureSchema, directory: Path | Non
     """A sample of ``n`` history lengths per sequence group: ``plan.history_fill`` x max_len if
     set; the synthetic generator's lognormal (capped at max_len, with its empty share); else the
     lengths in the train split's files."""
-    from gem.data.synthetic import SyntheticConfig
+    from gem.data.sources.synthetic import SyntheticConfig
 
     groups = schema.sequence_groups
     fill = config.plan.history_fill
@@ -198,7 +193,7 @@ def history_lengths(config: Config, schema: FeatureSchema, directory: Path | Non
                             f"at max_len, {k.empty_history_rate:.0%} empty")
     import pyarrow.parquet as pq
 
-    from gem.data.dataset import split_files
+    from gem.data.format.dataset import split_files
 
     out = {}
     files = split_files(directory, "train")
@@ -343,7 +338,7 @@ def probe_activations(config: Config, schema: FeatureSchema, lengths: Lengths,
 def _probe_batch(schema: FeatureSchema, n: int, lengths: dict[str, int]):
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from gem.data.batch import Batch
+    from gem.data.pipeline.batch import Batch
 
     gen = torch.Generator().manual_seed(0)
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from gem.data.schema import FeatureSchema
+from gem.data.pipeline.schema import FeatureSchema
 from gem.sparse.ids import IdMapper, build_id_spaces
 from gem.sparse.tables import TableSpec, build_tables
 from kernels.jagged import jagged_sum, lengths_to_offsets

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from gem.data.schema import FeatureSchema, check_names
+from gem.data.pipeline.schema import FeatureSchema, check_names
 
 
 @dataclass(frozen=True)

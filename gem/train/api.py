@@ -32,8 +32,9 @@ if TYPE_CHECKING:  # imported lazily: `import gem` stays cheap
     from omegaconf import DictConfig
     from torch import nn
 
-    from gem.data.loader import BatchLoader
-    from gem.data.schema import FeatureSchema
+    from gem.data.pipeline.loader import BatchLoader
+    from gem.data.pipeline.schema import FeatureSchema
+    from gem.data.sources import DataSource
     from gem.train.config import Config
     from gem.train.trainer import DistEnv
 
@@ -66,26 +67,34 @@ def compose(overrides: Sequence[str] = (), config_name: str = "train") -> "DictC
 
 @dataclass
 class Data:
-    """What :func:`build_data` prepared: the typed config, the process's device and rank, the
-    feature schema and the data set folder (``train/``, ``val/``, ``test/``)."""
+    """What :func:`build_data` prepared: the typed config, the process's device and rank, and the
+    data source (:func:`gem.data.build_source`: the feature schema and the data set folder with
+    ``train/``, ``val/``, ``test/``)."""
 
     config: "Config"
     env: "DistEnv"
-    schema: "FeatureSchema"
-    dir: Path
+    source: "DataSource"
     task_weights: "torch.Tensor" = field(repr=False, default=None)
 
     @property
     def device(self) -> "torch.device":
         return self.env.device
 
+    @property
+    def schema(self) -> "FeatureSchema":
+        return self.source.schema
+
+    @property
+    def dir(self) -> Path:
+        return self.source.dir
+
     def loader(self, split: str = "train", batch_size: int | None = None) -> "BatchLoader":
         """This rank's loader over ``split`` as the trainer builds it (``train``: shuffled, balanced,
         whole batches of ``data.batch_size``; ``val`` / ``test``: in order, ``data.eval_batch_size``).
-        Iterating it yields one epoch of :class:`gem.data.batch.Batch` on the host."""
+        Iterating it yields one epoch of :class:`gem.data.Batch` on the host."""
         from gem.train.trainer import split_loader
 
-        return split_loader(self.config, self.env, self.schema, self.dir, split, batch_size)
+        return split_loader(self.config, self.env, self.source, split, batch_size)
 
     def loss(self, logits: "torch.Tensor", batch) -> tuple["torch.Tensor", "torch.Tensor"]:
         """``(loss, per_task [K])``: the trainer's masked multi-task binary cross-entropy, weighted by
@@ -109,7 +118,8 @@ def build_data(cfg: "DictConfig | dict | Config") -> Data:
     from gem.train.config import Config, check_schema_refs, validate
     from gem.train.logging import logger
     from gem.train.startup import configure_threads
-    from gem.train.trainer import init_distributed, load_data, parallel_dims, seed_everything
+    from gem.data.sources import build_source
+    from gem.train.trainer import init_distributed, parallel_dims, seed_everything
 
     config = cfg if isinstance(cfg, Config) else validate(cfg)
     t = config.trainer
@@ -118,10 +128,10 @@ def build_data(cfg: "DictConfig | dict | Config") -> Data:
     parallel_dims(config, env)
     logger.info(configure_threads(t.num_threads, config.data.num_workers, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     seed_everything(t.seed, t.deterministic)
-    schema, directory = load_data(config, env)
-    check_schema_refs(config, schema)
-    weights = torch.tensor([t.task_weights.get(k, 1.0) for k in schema.tasks], device=env.device)
-    return Data(config, env, schema, directory, weights)
+    source = build_source(config.data, is_writer=env.is_main)
+    check_schema_refs(config, source.schema)
+    weights = torch.tensor([t.task_weights.get(k, 1.0) for k in source.schema.tasks], device=env.device)
+    return Data(config, env, source, weights)
 
 
 def build_model(data: Data) -> "nn.Module":

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from gem.data.batch import Batch
-from gem.data.schema import FeatureSchema
+from gem.data.pipeline.batch import Batch
+from gem.data.pipeline.schema import FeatureSchema
 
 # Dense bf16 peak (TFLOP/s, without sparsity) by GPU name, from the vendors' data sheets.
 # The first key found in the device name wins (so "H100 PCIe" before "H100").

@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from gem.data.batch import Batch
+from gem.data.pipeline.batch import Batch
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:

@@ -21,12 +21,11 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from tqdm import tqdm
 
-from gem.data.batch import Batch
-from gem.data.dataset import prepare_synthetic, schema_from_files, split_files
 from gem.data.errors import DataError
-from gem.data.loader import BatchLoader, build_loader
-from gem.data.schema import FeatureSchema
-from gem.data.seqrec import prepare_seqrec
+from gem.data.pipeline.batch import Batch
+from gem.data.pipeline.loader import BatchLoader
+from gem.data.pipeline.schema import FeatureSchema
+from gem.data.sources import DataSource, build_source
 from gem.models.gem import GEMModel
 from gem.sparse.arch import SparseArch
 from gem.train.checkpoint import Checkpointer, Progress
@@ -106,17 +105,9 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 
 def load_data(config: Config, env: DistEnv) -> tuple[FeatureSchema, Path]:
-    d = config.data
-    if d.kind == "synthetic":
-        schema = FeatureSchema.from_config(d.schema)
-        directory = Path(d.dir) if d.dir else prepare_synthetic(
-            d.cache_dir, d.name, schema, d.num_examples, d.seed, d.synthetic, is_writer=env.is_main)
-    else:
-        directory = Path(d.dir)
-        if d.kind == "seqrec":  # data.dir holds <data.name>.txt (S3-Rec) or an interaction table
-            directory = prepare_seqrec(d.dir, d.name, d.cache_dir, d.seqrec, is_writer=env.is_main)
-        schema = FeatureSchema.from_config(d.schema) if d.schema else schema_from_files(split_files(directory, "train"))
-    return schema, directory
+    """The schema and the data set folder of ``data`` (gem.data.build_source; rank 0 prepares it)."""
+    source = build_source(config.data, is_writer=env.is_main)
+    return source.schema, source.dir
 
 
 def parallel_dims(config: Config, env: DistEnv):
@@ -209,7 +200,7 @@ def apply_transfer(config: Config, model: nn.Module, ckpt_dir: Path) -> None:
     freeze(model, c.init_frozen)
 
 
-def distill_loss(config: Config, schema: FeatureSchema, env: DistEnv, data_dir: Path, task_weights: torch.Tensor,
+def distill_loss(config: Config, schema: FeatureSchema, env: DistEnv, source: DataSource, task_weights: torch.Tensor,
                  group):
     """The loss function with ``trainer.distill`` (None when it is off): true labels mixed with a
     teacher's logits, from the batch's ``teacher_<task>`` columns or from a frozen teacher model."""
@@ -224,7 +215,7 @@ def distill_loss(config: Config, schema: FeatureSchema, env: DistEnv, data_dir: 
     if dd.source == "data":
         import pyarrow.parquet as pq
 
-        for path in split_files(data_dir, "train"):
+        for path in source.files("train"):
             names = pq.read_schema(path).names
             missing = [f"teacher_{k}" for k in tasks if f"teacher_{k}" not in names]
             if missing:
@@ -251,15 +242,14 @@ def distill_loss(config: Config, schema: FeatureSchema, env: DistEnv, data_dir: 
                                            teacher=teacher_of(b), distill_weight=weights, temperature=dd.temperature)
 
 
-def split_loader(config: Config, env: DistEnv, schema: FeatureSchema, data_dir: Path, split: str,
+def split_loader(config: Config, env: DistEnv, source: DataSource, split: str,
                  batch_size: int | None = None) -> BatchLoader:
     """This rank's loader over ``split``: ``train`` shuffled, balanced, whole batches; others in order."""
     d, train = config.data, split == "train"
     batch_size = batch_size or (d.batch_size if train else d.eval_batch_size)
-    return build_loader(split_files(data_dir, split), schema, batch_size, shuffle=train and d.shuffle, seed=d.seed,
-                        drop_last=train, rank=env.rank, world_size=env.world_size, num_workers=d.num_workers,
-                        pin_memory=env.device.type == "cuda",
-                        options=d.loader if train else {**d.loader, "balance": False})  # eval: groups stay contiguous
+    return source.loader(split, batch_size, shuffle=train and d.shuffle, seed=d.seed, drop_last=train, rank=env.rank,
+                         world_size=env.world_size, num_workers=d.num_workers, pin_memory=env.device.type == "cuda",
+                         options=d.loader if train else {**d.loader, "balance": False})  # eval: groups stay contiguous
 
 
 def check_eval_splits(config: Config, make_loader, data_dir: Path) -> None:
@@ -335,7 +325,8 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
     seed_everything(t.seed, t.deterministic)
 
     with timer.phase("data"):
-        schema, data_dir = load_data(config, env)
+        source = build_source(config.data, is_writer=env.is_main)
+    schema, data_dir = source.schema, source.dir
     check_schema_refs(config, schema)
     logger.info("data: %s (%s), device %s, world size %d", data_dir, ", ".join(schema.tasks), env.device, env.world_size)
     logger.info(threads)
@@ -343,7 +334,7 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
         model = build_model(config, schema, env, timer)
     timer.phases["model build"] -= timer.phases.get("sharding", 0.0)
     d = config.data
-    loader = lambda split, batch_size, train: split_loader(config, env, schema, data_dir, split, batch_size)  # noqa: E731
+    loader = lambda split, batch_size, train: split_loader(config, env, source, split, batch_size)  # noqa: E731
     train_loader = loader("train", d.batch_size, True)  # state_dict() / load_state_dict() resume it exactly
     steps_per_epoch = train_loader.steps_per_epoch
     if steps_per_epoch == 0:
@@ -375,7 +366,7 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
     if getattr(model.dense_arch, "returns_loss", False):  # e.g. gem.models.generative: its own objective
         loss_fn = lambda loss, b: (loss.sum(), loss.detach().reshape(1).expand(len(schema.tasks)))  # noqa: E731
     else:
-        loss_fn = distill_loss(config, schema, env, data_dir, task_weights, group) or (
+        loss_fn = distill_loss(config, schema, env, source, task_weights, group) or (
             lambda logits, b: multitask_bce(logits, b.labels, b.label_mask, task_weights, b.weights, group=group))
     # (the fused table optimizer's zero_grad / step only hand the scheduled learning rate to FBGEMM)
     optimizers = OptimizerSet((dense_opt, sparse_opt, fused), list(model.dense_arch.parameters()), config.optim.grad_clip)

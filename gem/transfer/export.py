@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from gem.data.schema import FeatureSchema
+from gem.data.pipeline.schema import FeatureSchema
 
 
 @dataclass
@@ -64,13 +64,14 @@ def parse(argv: list[str]) -> tuple[ExportConfig, list[str]]:
 def export_file(teacher, src: Path, dst: Path, schema: FeatureSchema, tasks: tuple[str, ...], batch_size: int,
                 representation: bool, device: torch.device) -> int:
     """Score every row of ``src`` with ``teacher``; write the copy with teacher columns to ``dst``."""
-    from gem.data.parquet import _check_rows, table_to_batch
+    from gem.data.format.checks import check_rows
+    from gem.data.format.reader import table_to_batch
 
     table = pq.read_table(src)
     logits, reps = [], []
     for start in range(0, table.num_rows, batch_size):
         part = table.slice(start, batch_size)
-        _check_rows(part, schema, f"{src} (rows {start}..{start + part.num_rows - 1})")
+        check_rows(part, schema, f"{src} (rows {start}..{start + part.num_rows - 1})")
         batch, _ = table_to_batch(part, schema)
         out, rep = teacher(batch.to(device))
         logits.append(out.cpu().numpy())
@@ -105,7 +106,7 @@ def export_file(teacher, src: Path, dst: Path, schema: FeatureSchema, tasks: tup
 
 def run(cfg: ExportConfig, overrides: list[str]) -> dict:
     """Export as configured; returns ``{"written": [...], "skipped": [...], "rows": n}`` for this rank."""
-    from gem.data.dataset import split_files
+    from gem.data.format.dataset import split_files
     from gem.train.api import compose
     from gem.train.config import validate
     from gem.train.logging import logger, setup_logging

@@ -18,8 +18,8 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from gem.data.batch import Batch
-from gem.data.schema import FeatureSchema
+from gem.data.pipeline.batch import Batch
+from gem.data.pipeline.schema import FeatureSchema
 from gem.train.checkpoint import CheckpointError
 from gem.transfer.params import resolve_checkpoint
 

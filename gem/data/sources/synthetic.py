@@ -14,12 +14,17 @@ A model sees ids, not latents, so it must learn the item embeddings and the hist
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
 
 import numpy as np
 import pyarrow as pa
 
-from gem.data.schema import FeatureSchema
+from gem.data.format.dataset import wait_for_folder
+from gem.data.pipeline.schema import FeatureSchema
 
 # The default synthetic schema's roles: these names must exist in a schema passed to generate().
 ROLES = ("user_id", "ad_id", "ad_cluster", "user_interests", "hist_item", "hist_action", "hist_surface", "hist_gap")
@@ -52,7 +57,7 @@ def _zipf_sampler(rng: np.random.Generator, n: int, exponent: float):
 
 def generate(schema: FeatureSchema, num_examples: int, seed: int, cfg: SyntheticConfig = SyntheticConfig(),
              world_seed: int = 0) -> pa.Table:
-    """Generate ``num_examples`` rows in the gem Parquet layout (columns of gem/data/parquet.py).
+    """Generate ``num_examples`` rows in the gem Parquet layout (columns of gem/data/format/layout.py).
 
     ``world_seed`` fixes the hidden world (latents, clusters, popularity) shared by all splits;
     ``seed`` draws this split's examples.
@@ -177,9 +182,8 @@ def write_dataset(directory, schema: FeatureSchema, num_examples: dict[str, int]
     leaves a half-written data set that a later run would trust.
     """
     import shutil
-    from pathlib import Path
 
-    from gem.data.parquet import write_parquet
+    from gem.data.format.layout import write_parquet
 
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".partial")
@@ -190,3 +194,42 @@ def write_dataset(directory, schema: FeatureSchema, num_examples: dict[str, int]
         for j, start in enumerate(range(0, max(n, 1), rows_per_file)):
             write_parquet(table.slice(start, rows_per_file), tmp / split / f"part-{j:05d}.parquet", schema)
     tmp.rename(directory)
+
+
+def synthetic_dir(cache_dir: str, name: str, schema: FeatureSchema, num_examples: Mapping[str, int],
+                  seed: int, knobs: Mapping[str, Any]) -> Path:
+    """The cache folder of a synthetic data set: its name plus a hash of everything that shapes it."""
+    key = json.dumps({"schema": schema.to_config(), "n": dict(num_examples), "seed": seed, "knobs": dict(knobs)}, sort_keys=True)
+    return Path(cache_dir) / f"{name}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+
+
+def prepare_synthetic(cache_dir: str, name: str, schema: FeatureSchema, num_examples: Mapping[str, int], seed: int,
+                      knobs: Mapping[str, Any], is_writer: bool = True) -> Path:
+    """Return the synthetic data set's folder, generating it first if absent.
+
+    Only ``is_writer`` (rank 0) generates; other ranks wait for the folder to appear.
+    """
+    try:
+        cfg = SyntheticConfig(**knobs)
+    except TypeError as e:
+        raise ValueError(f"data.synthetic: {e}; known knobs: {list(SyntheticConfig.__dataclass_fields__)}") from None
+    directory = synthetic_dir(cache_dir, name, schema, num_examples, seed, knobs)
+    if not directory.exists():
+        if is_writer:
+            write_dataset(directory, schema, dict(num_examples), seed, cfg)
+        else:
+            wait_for_folder(directory, 600, "generate")
+    return directory
+
+
+def open_source(data_cfg: Any, is_writer: bool = True) -> "DataSource":
+    """``data.dir`` if set, else the generated data set in ``data.cache_dir`` (rank 0 writes it on
+    first use; the other ranks wait for it)."""
+    from gem.data.sources.base import DataSource
+
+    if data_cfg.dir:
+        return DataSource.from_folder(data_cfg, Path(data_cfg.dir))
+    d = data_cfg
+    directory = prepare_synthetic(d.cache_dir, d.name, FeatureSchema.from_config(d.schema), d.num_examples, d.seed,
+                                  d.synthetic, is_writer=is_writer)
+    return DataSource.from_folder(d, directory)

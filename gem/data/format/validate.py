@@ -1,6 +1,6 @@
 """Validate Parquet files against the gem layout, reporting every violation with row and column.
 
-    python -m gem.data.validate DATA_DIR_OR_FILES... [--max-per-column N]
+    python -m gem.data.format.validate DATA_DIR_OR_FILES... [--max-per-column N]
 
 The schema comes from each file's ``gem.schema`` metadata unless one is given (Python API);
 every file must carry the same one. A data set folder (with train/, val/ and test/) must hold
@@ -17,9 +17,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gem.data.checks import (Violation, file_violations, metadata_schema, row_violations, schema_differences,
-                             schema_mismatch_message)
-from gem.data.schema import FeatureSchema
+from gem.data.format.checks import (Violation, file_violations, metadata_schema, row_violations, schema_differences,
+                                    schema_mismatch_message)
+from gem.data.pipeline.schema import FeatureSchema
 
 
 def validate_file(path: str | Path, schema: FeatureSchema | None = None) -> list[Violation]:
@@ -54,7 +54,7 @@ def validate_file(path: str | Path, schema: FeatureSchema | None = None) -> list
 
 
 def _layout_columns(schema: FeatureSchema) -> list[str]:
-    from gem.data.parquet import arrow_schema
+    from gem.data.format.layout import arrow_schema
 
     return arrow_schema(schema, with_weight=True, with_request_id=True, teacher_tasks=schema.tasks).names
 
@@ -90,7 +90,7 @@ def collect_files(paths: list[Path]) -> tuple[list[Path], list[str]]:
 
     A folder with any of the split folders (train/, val/, test/) is a data set: each split must
     be there and hold files. Any other folder must hold at least one ``*.parquet`` file."""
-    from gem.data.dataset import SPLITS, _found
+    from gem.data.format.dataset import SPLITS, _found
 
     files: list[Path] = []
     problems: list[str] = []

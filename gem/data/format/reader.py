@@ -1,4 +1,4 @@
-"""The streaming Parquet reader: sharded, shuffled, token-balanced, resumable.
+"""The one Parquet reader: sharded, shuffled, token-balanced, resumable.
 
 How an epoch is cut (every rank computes the same plan from the Parquet footers, no
 communication)::
@@ -10,13 +10,14 @@ communication)::
     worker's rows -> windows of `window_batches * batch_size` rows; in each window:
         read the row groups it spans (only the layout's columns), check every row,
         shuffle the rows (seeded by the window's place in the stream: the shuffle buffer),
-        deal them into batches of equal tokens (gem.data.balance), one Arrow `take`,
+        deal them into batches of equal tokens (gem.data.pipeline.balance), one Arrow `take`,
         and slice each batch's list offsets / values into KeyedJaggedTensors.
 
 Since a window is a pure function of (files, seed, epoch, its place), the reader resumes
 exactly by counting the batches each worker has handed over: :class:`BatchLoader` records
 them in the main process (prefetched, unconsumed batches are not counted, so they are made
-again) and a restarted worker rebuilds its current window and skips what was consumed.
+again) and a restarted worker rebuilds its current window and skips what was consumed
+(:class:`BatchLoader` is in gem/data/pipeline/loader.py).
 
 Copies per batch: Arrow reads the row groups (decode), one gather (`take`) per window for
 shuffling / balancing, and one concatenation of the per-key values into the KJT's values.
@@ -35,17 +36,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from gem.data.balance import deal_by_length
-from gem.data.batch import Batch
-from gem.data.checks import Violation, check_same_schema, error_policy, file_violations, row_violations
 from gem.data.errors import DataError
-from gem.data.parquet import OPTIONAL_COLUMNS, arrow_schema, present_teachers, table_to_batch, teacher_columns
-from gem.data.schema import FeatureSchema
+from gem.data.format.checks import Violation, cell, check_same_schema, error_policy, file_violations, row_violations
+from gem.data.format.layout import OPTIONAL_COLUMNS, TEACHER_PREFIX, arrow_schema, present_teachers, teacher_columns
+from gem.data.pipeline.balance import deal_by_length
+from gem.data.pipeline.batch import Batch
+from gem.data.pipeline.schema import FeatureSchema
 
 logger = logging.getLogger("gem")
-
-STATE_VERSION = 1
 
 
 @dataclass
@@ -56,7 +56,7 @@ class LoaderOptions:
         window_batches: batches per window; the window is the shuffle buffer and the balancing unit.
         balance: deal rows to batches by length so that every batch holds about the same tokens.
         prefetch_factor: batches each DataLoader worker prepares ahead.
-        on_error: ``{case: "fail" | "skip"}`` per bad-input case (gem/data/checks.py), plus ``default``.
+        on_error: ``{case: "fail" | "skip"}`` per bad-input case (gem/data/format/checks.py), plus ``default``.
     """
 
     window_batches: int = 8
@@ -202,7 +202,7 @@ class StreamingParquetReader(torch.utils.data.IterableDataset):
         worker = (worker + self.rotation) % num_workers
         if num_workers != max(self.num_workers, 1):
             raise RuntimeError(f"the reader was planned for {self.num_workers} workers but runs in {num_workers}; "
-                               "build it with the DataLoader's num_workers (gem.data.loader.build_loader does)")
+                               "build it with the DataLoader's num_workers (gem.data.pipeline.loader.build_loader does)")
         units, starts = self._epoch_units()
         _, num_batches, row, end = self._worker_plan(worker, num_workers)
         k = self.options.window_batches
@@ -241,8 +241,9 @@ class StreamingParquetReader(torch.utils.data.IterableDataset):
         for case, column, rows, message in row_violations(table, self.schema):
             if self.policy[case] == "fail":
                 path, file_row = self._locate(where, int(rows[0]))
-                raise DataError(f"{path}, row {file_row}: column {column!r}: {message}; set "
-                                f"data.loader.on_error.{case}=skip to skip and count such rows")
+                raise DataError(f"{path}, row {file_row}: column {column!r}: {message}; the row holds "
+                                f"{cell(table, column, int(rows[0]))}; set data.loader.on_error.{case}=skip to skip "
+                                "and count such rows")
             fresh = rows[~bad[rows]]
             case_of[fresh] = case
             bad[fresh] = True
@@ -304,91 +305,84 @@ class StreamingParquetReader(torch.utils.data.IterableDataset):
         raise IndexError(row)
 
 
-class BatchLoader:
-    """A DataLoader over a :class:`StreamingParquetReader` that knows where it stands.
+def _list_parts(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """Lengths ``[B]`` and values ``[T]`` of a list column; views of the Arrow buffers, no copy."""
+    arr = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+    offsets = arr.offsets.to_numpy()
+    values = arr.values.slice(offsets[0], offsets[-1] - offsets[0]).to_numpy()
+    return np.diff(offsets), values
 
-    Iterate it for one epoch of Batches (``set_epoch`` first); ``state_dict()`` is a plain
-    dict of ints / strings / lists that ``load_state_dict`` restores to continue with the
-    next unconsumed batch. ``stats`` counts rows, batches, tokens, skipped rows (per case)
-    and truncated histories over the batches handed out.
+
+def table_to_batch(table: pa.Table, schema: FeatureSchema) -> tuple[Batch, int]:
+    """A checked Arrow table in the gem layout -> (Batch, number of histories truncated to max_len).
+
+    The reader's conversion (also the teacher export's); ``table`` has passed gem/data/format/checks.py (no nulls, ids in
+    range, equal lengths within a sequence group, ``num_dense`` values per row).
     """
+    num_rows = table.num_rows
+    lengths, values = [], []
+    for f in schema.id_features:
+        ln, vals = _list_parts(table.column(f.name))
+        lengths.append(ln)
+        values.append(vals)
+    sparse = _kjt(schema.id_feature_names, lengths, values)
 
-    def __init__(self, reader: StreamingParquetReader, pin_memory: bool = False) -> None:
-        self.reader = reader
-        self.pin_memory = pin_memory
-        self.epoch = 0
-        self.consumed = [0] * max(reader.num_workers, 1)
-        self.stats: Counter = Counter(reader.plan_stats)
-        self._warned_truncation = False
+    lengths, values, max_seq_len, truncated = [], [], {}, 0
+    for g in schema.sequence_groups:
+        for f in g.features:
+            ln, vals = _list_parts(table.column(f.name))
+            ln, vals, cut = _keep_most_recent(ln, vals, g.max_len)
+            lengths.append(ln)
+            values.append(vals)
+        truncated += cut
+        max_seq_len[g.name] = int(lengths[-1].max()) if num_rows else 0
+    sequences = _kjt(schema.sequence_feature_names, lengths, values)
 
-    def __len__(self) -> int:
-        return self.reader.num_batches()
-
-    @property
-    def steps_per_epoch(self) -> int:
-        """Batches every rank has: the steps a synchronous epoch can take."""
-        return min(self.reader.num_batches(r) for r in range(self.reader.world_size))
-
-    def num_rows(self) -> int:
-        return self.reader.num_rows()
-
-    def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            self.epoch = epoch
-            self.consumed = [0] * len(self.consumed)
-
-    def _next_worker(self) -> int:
-        """The worker whose batch the DataLoader's round robin hands out next (any, at epoch end)."""
-        r = self.reader
-        counts = [r._worker_plan(w, len(self.consumed))[1] for w in range(len(self.consumed))]
-        active = [w for w, c in enumerate(counts) if self.consumed[w] < c]
-        return min(active, key=lambda w: (self.consumed[w], w)) if active else 0
-
-    def __iter__(self) -> Iterator[Batch]:
-        r = self.reader
-        # Rotate the workers so that a resumed epoch continues the round robin in the same order.
-        r.epoch, r.resume, r.rotation = self.epoch, list(self.consumed), self._next_worker()
-        loader = torch.utils.data.DataLoader(r, batch_size=None, num_workers=r.num_workers, pin_memory=self.pin_memory,
-                                             prefetch_factor=r.options.prefetch_factor if r.num_workers else None)
-        for (worker, position), stats, batch in loader:
-            self.consumed[worker] = position + 1
-            self.stats.update(stats)
-            if stats.get("truncated_histories") and not self._warned_truncation:
-                self._warned_truncation = True
-                logger.warning("histories longer than the group's max_len are cut to the most recent events "
-                               "(counted in loader stats 'truncated_histories')")
-            if batch is not None:
-                yield batch
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": STATE_VERSION, "epoch": self.epoch, "consumed": list(self.consumed),
-                "stats": dict(self.stats), **self._plan_key()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"loader state version {state.get('version')!r}, expected {STATE_VERSION}")
-        for key, value in self._plan_key().items():
-            if state.get(key) != value:
-                raise ValueError(f"loader state was saved with {key}={state.get(key)!r}, this run has {value!r}; "
-                                 f"resume with the same {key} (data.* config) or start the epoch afresh")
-        self.epoch = int(state["epoch"])
-        self.consumed = [int(c) for c in state["consumed"]]
-        self.stats = Counter({k: int(v) for k, v in state["stats"].items()})
-
-    def _plan_key(self) -> dict[str, Any]:
-        r = self.reader
-        return {"files": [str(f) for f in r.files], "batch_size": r.batch_size, "shuffle": r.shuffle, "seed": r.seed,
-                "drop_last": r.drop_last, "rank": r.rank, "world_size": r.world_size,
-                "num_workers": r.num_workers, "window_batches": r.options.window_batches,
-                "balance": r.options.balance}
+    _, dense = _list_parts(table.column("dense"))
+    tasks = schema.tasks
+    labels = np.stack([table.column(f"label_{t}").to_numpy() for t in tasks], axis=1).astype(np.float32)
+    mask = np.stack([table.column(f"label_mask_{t}").to_numpy(zero_copy_only=False) for t in tasks], axis=1)
+    labels[~mask] = 0.0
+    optional = {}
+    if "weight" in table.column_names:
+        optional["weights"] = torch.from_numpy(table.column("weight").to_numpy().astype(np.float32))
+    if "request_id" in table.column_names:
+        optional["request_id"] = torch.from_numpy(table.column("request_id").to_numpy().astype(np.int64))
+    if any(f"{TEACHER_PREFIX}{t}" in table.column_names for t in tasks):  # absent tasks: NaN
+        optional["teacher"] = torch.from_numpy(np.stack(
+            [table.column(f"{TEACHER_PREFIX}{t}").to_numpy().astype(np.float32) if f"{TEACHER_PREFIX}{t}" in
+             table.column_names else np.full(num_rows, np.nan, np.float32) for t in tasks], axis=1))
+    batch = Batch(
+        sparse=sparse,
+        sequences=sequences,
+        max_seq_len=max_seq_len,
+        dense=torch.from_numpy(dense.astype(np.float32).reshape(num_rows, schema.num_dense)),
+        labels=torch.from_numpy(labels),
+        label_mask=torch.from_numpy(mask),
+        domain=torch.from_numpy(table.column("domain").to_numpy().astype(np.int64)),
+        **optional,
+    )
+    return batch, truncated
 
 
-def build_loader(files: list[Path], schema: FeatureSchema, batch_size: int, *, shuffle: bool = False, seed: int = 0,
-                 drop_last: bool = False, rank: int = 0, world_size: int = 1, num_workers: int = 0,
-                 pin_memory: bool = False, options: LoaderOptions | Mapping[str, Any] | None = None) -> BatchLoader:
-    """The training / evaluation loader of one rank (arguments as in :class:`StreamingParquetReader`)."""
-    if not isinstance(options, LoaderOptions):
-        options = LoaderOptions.from_config(options)
-    reader = StreamingParquetReader(files, schema, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
-                                    rank=rank, world_size=world_size, num_workers=num_workers, options=options)
-    return BatchLoader(reader, pin_memory=pin_memory)
+def _keep_most_recent(lengths: np.ndarray, values: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Truncate each history to its ``max_len`` most recent (last) events; returns the count of cut rows."""
+    cut = int((lengths > max_len).sum())
+    if not cut:
+        return lengths, values, 0
+    new_lengths = np.minimum(lengths, max_len)
+    ends = np.cumsum(lengths)
+    starts = ends - new_lengths
+    keep = np.repeat(starts - np.concatenate([[0], np.cumsum(new_lengths)[:-1]]), new_lengths) + np.arange(new_lengths.sum())
+    return new_lengths, values[keep], cut
+
+
+def _kjt(keys: list[str], lengths: list[np.ndarray], values: list[np.ndarray]) -> KeyedJaggedTensor:
+    """A KJT from per-key lengths and values (key-major), ids as int64, lengths as int32. The ids
+    per key are counted here, on the host: a KJT on the GPU without them counts them with a
+    device-to-host copy (a sync) at its first ``to_dict()``, every step."""
+    if not keys:
+        return KeyedJaggedTensor.empty()
+    return KeyedJaggedTensor(keys=keys, values=torch.from_numpy(np.concatenate(values).astype(np.int64, copy=False)),
+                             lengths=torch.from_numpy(np.concatenate(lengths).astype(np.int32)),
+                             length_per_key=[int(n.sum()) for n in lengths])

@@ -1,50 +1,21 @@
-"""Find (or, for synthetic data, create) a data set and open readers over its splits."""
+"""A data set on disk: a folder of ``train/``, ``val/`` and ``test/`` splits of Parquet files in the gem
+layout; the files of a split, and the schema the files carry."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import re
 import time
 from pathlib import Path
-from typing import Any, Mapping
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gem.data.checks import metadata_schema, schema_differences, schema_mismatch_message
+from gem.data.format.checks import metadata_schema, schema_differences, schema_mismatch_message
 from gem.data.errors import DataError, MissingDataError
-from gem.data.schema import FeatureSchema
-from gem.data.synthetic import SyntheticConfig, write_dataset
+from gem.data.pipeline.schema import FeatureSchema
 
 SPLITS = ("train", "val", "test")
-
-
-def synthetic_dir(cache_dir: str, name: str, schema: FeatureSchema, num_examples: Mapping[str, int],
-                  seed: int, knobs: Mapping[str, Any]) -> Path:
-    """The cache folder of a synthetic data set: its name plus a hash of everything that shapes it."""
-    key = json.dumps({"schema": schema.to_config(), "n": dict(num_examples), "seed": seed, "knobs": dict(knobs)}, sort_keys=True)
-    return Path(cache_dir) / f"{name}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
-
-
-def prepare_synthetic(cache_dir: str, name: str, schema: FeatureSchema, num_examples: Mapping[str, int], seed: int,
-                      knobs: Mapping[str, Any], is_writer: bool = True) -> Path:
-    """Return the synthetic data set's folder, generating it first if absent.
-
-    Only ``is_writer`` (rank 0) generates; other ranks wait for the folder to appear.
-    """
-    try:
-        cfg = SyntheticConfig(**knobs)
-    except TypeError as e:
-        raise ValueError(f"data.synthetic: {e}; known knobs: {list(SyntheticConfig.__dataclass_fields__)}") from None
-    directory = synthetic_dir(cache_dir, name, schema, num_examples, seed, knobs)
-    if not directory.exists():
-        if is_writer:
-            write_dataset(directory, schema, dict(num_examples), seed, cfg)
-        else:
-            wait_for_folder(directory, 600, "generate")
-    return directory
 
 
 def wait_for_folder(directory: Path, timeout_s: float, what: str) -> None:
@@ -72,7 +43,7 @@ def split_files(directory: str | os.PathLike, split: str) -> list[Path]:
     if not files:
         raise MissingDataError(f"{folder} holds no *.parquet files (it holds {_found(folder)}); put the {split} "
                                f"split's Parquet files there (gem layout, docs/data.md; check a data set with "
-                               f"`python -m gem.data.validate {directory}`){_generated_hint(directory)}")
+                               f"`python -m gem.data.format.validate {directory}`){_generated_hint(directory)}")
     return files
 
 

@@ -40,9 +40,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 
-from gem.data.dataset import wait_for_folder
-from gem.data.parquet import write_parquet
-from gem.data.schema import FeatureSchema
+from gem.data.format.dataset import wait_for_folder
+from gem.data.format.layout import write_parquet
+from gem.data.pipeline.schema import FeatureSchema
 
 logger = logging.getLogger("gem")
 
@@ -421,3 +421,14 @@ def prepare_seqrec(source: str | Path, name: str, cache_dir: str | Path, options
                 time.perf_counter() - start, summary["rows"], summary["users_dropped_under_3_events"],
                 summary["item_ids_never_seen"], summary["items_only_in_evaluation"], summary["items_without_attributes"])
     return out
+
+
+def open_source(data_cfg: Any, is_writer: bool = True) -> "DataSource":
+    """``data.dir/<data.name>.txt`` (S3-Rec) or an interaction table, converted once into
+    ``data.cache_dir`` (rank 0 converts; the other ranks wait)."""
+    from gem.data.sources.base import DataSource
+
+    d = data_cfg
+    if not d.dir:
+        raise ValueError("data.dir is required when data.kind=seqrec; set data.dir=/folder/with/<data.name>.txt")
+    return DataSource.from_folder(d, prepare_seqrec(d.dir, d.name, d.cache_dir, d.seqrec, is_writer=is_writer))

@@ -2,8 +2,8 @@
 
 Every check is vectorized over a table and returns *all* offending rows, so that the same code
 serves the validator (which reports every violation with its row and column), the
-streaming reader (which, per case, fails on the first or skips and counts the rows) and the
-reference reader ``ParquetBatchReader`` (which fails on the first).
+streaming reader (which, per case, fails on the first or skips and counts the rows) and
+:func:`check_rows` (which fails on the first: the teacher export).
 
 Cases (keys of ``on_error``; each is ``"fail"`` or ``"skip"``):
 
@@ -45,8 +45,8 @@ import numpy as np
 import pyarrow as pa
 
 from gem.data.errors import DataError
-from gem.data.parquet import LAYOUT_VERSION, READABLE_VERSIONS, arrow_schema, is_optional_column
-from gem.data.schema import FeatureSchema
+from gem.data.format.layout import LAYOUT_VERSION, READABLE_VERSIONS, arrow_schema, is_optional_column
+from gem.data.pipeline.schema import FeatureSchema
 
 FILE_CASES = ("unreadable_file", "layout_version", "missing_column", "schema_mismatch")
 ROW_CASES = ("null_value", "id_out_of_range", "sequence_mismatch", "dense_length", "non_finite_dense",
@@ -98,7 +98,7 @@ def file_violations(file_schema: pa.Schema, schema: FeatureSchema) -> list[Viola
         if field.name not in file_schema.names:
             if not is_optional_column(field.name):
                 out.append(Violation("missing_column", field.name, None,
-                                     f"missing; layout v{LAYOUT_VERSION} needs it (gem/data/parquet.py)"))
+                                     f"missing; layout v{LAYOUT_VERSION} needs it (gem/data/format/layout.py)"))
             continue
         got = file_schema.field(field.name).type
         if not _compatible(got, field.type):
@@ -207,7 +207,7 @@ def metadata_schema(file_schema: pa.Schema, path: str | Path) -> FeatureSchema |
         return FeatureSchema.from_config(json.loads(raw))
     except ValueError as e:  # bad JSON or a malformed schema
         raise DataError(f"{path}: its gem.schema metadata is not a valid schema ({e}); rewrite the file with "
-                        "gem.data.parquet.write_parquet, or give the schema in config (data.schema)") from None
+                        "gem.data.format.layout.write_parquet, or give the schema in config (data.schema)") from None
 
 
 def _features(schema: FeatureSchema) -> dict[str, tuple[str, dict[str, Any]]]:
@@ -262,7 +262,7 @@ def schema_mismatch_message(odd: Path, odd_schema: FeatureSchema, ref: Path, ref
     head = f"{odd} and {ref} carry different" if subject else f"its gem.schema differs from {ref}'s; they carry different"
     return (f"{head} gem.schema metadata ({shown}{more}); every file of a data set must "
             "be written with one schema: rewrite the odd file with the data set's schema "
-            "(gem.data.parquet.write_parquet) or move it out of the data set")
+            "(gem.data.format.layout.write_parquet) or move it out of the data set")
 
 
 def check_same_schema(path: Path, file_schema: pa.Schema, reference: tuple[Path, FeatureSchema] | None,
@@ -287,3 +287,19 @@ def check_same_schema(path: Path, file_schema: pa.Schema, reference: tuple[Path,
         odd, ref = (reference, ours) if not schema_differences(schema, in_use) else (ours, reference)
         raise DataError(schema_mismatch_message(odd[0], odd[1], ref[0], ref[1]))
     return reference
+
+
+def check_rows(table: pa.Table, schema: FeatureSchema, where: str) -> None:
+    """Raise on the first bad row of ``table`` , naming ``where``, the row, the column and the fix."""
+    for case, column, rows, message in row_violations(table, schema):
+        row = int(rows[0])
+        raise DataError(f"{where}: {Violation(case, column, row, message)}; "
+                        f"the row holds {cell(table, column, row)}")
+
+
+def cell(table: pa.Table, column: str, row: int, limit: int = 8) -> str:
+    """The value in ``column`` at ``row``, for an error message; a long list is shortened."""
+    value = table.column(column)[row].as_py()
+    if isinstance(value, list) and len(value) > limit:
+        return f"[{', '.join(map(str, value[:limit]))}, ...] ({len(value)} values)"
+    return str(value)
