@@ -146,8 +146,8 @@ def build_model(config: Config, schema: FeatureSchema, env: DistEnv, timer: Star
             raise ConfigError(str(e)) from None
     else:
         sparse.init_weights()
-        if env.world_size > 1:
-            sparse = nn.parallel.DistributedDataParallel(sparse)
+        if env.world_size > 1:  # the only buffers are sparse.ids' maps, kept equal by their own all-gather
+            sparse = nn.parallel.DistributedDataParallel(sparse, broadcast_buffers=False)
     arch = sparse.module if hasattr(sparse, "module") else sparse
     feature_dims = {f: arch.pooled_dim(f) for f in schema.id_feature_names}
     feature_dims.update({g.name: arch.sequence_dim(g.name) for g in schema.sequence_groups})
