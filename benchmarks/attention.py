@@ -15,7 +15,7 @@ a baseline that is missing or runs out of memory is recorded as such.
     python benchmarks/attention.py --quick          # two shapes, no compiled baseline
     GEM_KERNELS_AUTOTUNE=0 python benchmarks/attention.py --quick   # default configs, no tuning
     GEM_KERNELS_TUNE_SPACE=wide python benchmarks/attention.py     # a larger autotune search
-    python benchmarks/attention.py --no-sweep --variants           # + every switch of KERNEL_VARIANTS
+    python benchmarks/attention.py --no-sweep --variants           # + every setting of KERNEL_VARIANTS
     python benchmarks/attention.py --lengths    # GDPA without a mask, 128..2048 at fill 0.5: which
                                                 # forward and backward win where (its own JSON)
 """
@@ -23,7 +23,6 @@ a baseline that is missing or runs out of memory is recorded as such.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -39,7 +38,8 @@ import triton
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from kernels import jagged_attention  # noqa: E402
-from kernels.jagged_attention import jagged_attention_reference, num_visible_pairs  # noqa: E402
+from kernels.jagged_attention import jagged_attention_reference, num_visible_pairs, settings, testing  # noqa: E402
+from kernels.jagged_attention.autotune import tuned_configs  # noqa: E402
 from kernels.jagged_attention.inputs import make_inputs, random_lengths  # noqa: E402
 
 NUM_HEADS, HEAD_DIM, DTYPE = 4, 128, torch.bfloat16
@@ -194,32 +194,16 @@ def _baselines(inputs, activation, mask, compiled_reference):
     return out
 
 
-# --variants: the kernel's switches (module flags read at each launch) measured in the same run
-# as the default, forward and backward. Not all apply to every activation.
+# --variants: the kernels' settings (kernels/jagged_attention/settings.py) measured in the same
+# run as the default, forward and backward. Not all apply to every activation.
 KERNEL_VARIANTS = {
-    "gem triton (float32 activation)": dict(PACKED_ACT=False),  # GEM_KERNELS_PACKED_ACT=0
-    "gem triton (TMA loads)": dict(USE_TMA=True),  # GEM_KERNELS_TMA=1
-    "gem triton (no gluon forward)": dict(USE_GLUON=False),  # GEM_KERNELS_GLUON=0
-    "gem triton (gluon forward at every length)": dict(GLUON_MIN_Q_LEN=0),
-    "gem triton (recomputing dQ backward)": dict(STORE_DS=False),  # GEM_KERNELS_STORE_DS=0
-    "gem triton (triton dK/dV)": dict(USE_GLUON_BWD=False),  # GEM_KERNELS_GLUON_BWD=0
+    "gem triton (float32 activation)": dict(packed_act=False),  # GEM_KERNELS_PACKED_ACT=0
+    "gem triton (no gluon forward)": dict(gluon=False),  # GEM_KERNELS_GLUON=0
+    "gem triton (gluon forward at every length)": dict(gluon_min_q_len=0),
+    "gem triton (recomputing dQ backward)": dict(store_ds=False),  # GEM_KERNELS_STORE_DS=0
+    "gem triton (triton dK/dV)": dict(gluon_bwd=False),  # GEM_KERNELS_GLUON_BWD=0
 }
-_GDPA_ONLY = {"PACKED_ACT", "USE_GLUON", "GLUON_MIN_Q_LEN", "USE_GLUON_BWD"}  # flags that change nothing for softmax
-
-
-@contextlib.contextmanager
-def kernel_flags(**flags):
-    """Sets module flags of kernels/jagged_attention/triton.py for the duration."""
-    from kernels.jagged_attention import triton as tk
-
-    saved = {name: getattr(tk, name) for name in flags}
-    for name, value in flags.items():
-        setattr(tk, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(tk, name, value)
+_GDPA_ONLY = {"packed_act", "gluon", "gluon_min_q_len", "gluon_bwd"}  # settings that change nothing for softmax
 
 
 def run_case(shape_name, layout, num_batches, max_len, fill, activation, mask, *,
@@ -246,7 +230,7 @@ def run_case(shape_name, layout, num_batches, max_len, fill, activation, mask, *
         impls += [(name, make, {}) for name, make in _baselines(inputs, activation, mask, compiled_reference)]
     rows = []
     for name, make_forward, flags in impls:
-        with kernel_flags(**flags):
+        with testing.override(**flags):
             row = run_impl(name, make_forward, tensors, flops_fwd)
         row.update(shape=shape_name, layout=layout, batch=num_batches, max_len=max_len,
                    fill=fill, activation=activation, mask=mask, num_tokens=int(lengths.sum()),
@@ -266,8 +250,7 @@ def _format(row) -> str:
 
 
 def _versions() -> dict:
-    from kernels.jagged_attention import triton as tk
-
+    config = settings.current()
     commit = os.environ.get("GIT_COMMIT")  # set it where the checkout's .git is not this tree's
     if not commit:
         try:
@@ -281,16 +264,10 @@ def _versions() -> dict:
         "hardware": torch.cuda.get_device_name(),
         "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
         "python": platform.python_version(),
-        # the kernels' switches (docs/kernels.md, "Settings")
-        "autotune": tk.autotune_enabled(),
-        "tune_space": tk.TUNE_SPACE,  # GEM_KERNELS_TUNE_SPACE
-        "packed_act": tk.PACKED_ACT,  # bf16x2 activations
-        "tma": tk.USE_TMA,  # tensor-descriptor loads
-        "gluon": tk.USE_GLUON,  # the Gluon GDPA forward (sm_90)
-        "gluon_min_q_len": tk.GLUON_MIN_Q_LEN,  # the Gluon forward above this max_q_len
-        "store_ds": tk.STORE_DS,  # the stored-dS backward (GEM_KERNELS_STORE_DS)
-        "gluon_bwd": tk.USE_GLUON_BWD,  # its dK/dV in Gluon (sm_90, bf16 silu / fast_gelu)
-        "store_ds_max_mib": tk.STORE_DS_MAX_BYTES >> 20,  # its buffer's cap
+        # the kernels' settings (docs/kernels.md, "Settings"), under their config keys
+        **{name: getattr(config, name) for name in ("autotune", "tune_space", "packed_act", "gluon",
+                                                    "gluon_min_q_len", "store_ds", "gluon_bwd",
+                                                    "store_ds_max_mib")},
     }
 
 
@@ -451,10 +428,7 @@ def length_sweep(out_dir: pathlib.Path) -> None:
 
 def _tuned_configs() -> dict:
     """{kernel kind: {autotune key: chosen config}} for every shape bucket tuned in this run."""
-    from kernels.jagged_attention import triton as tk
-
-    return {kind: {str(key): str(config) for key, config in getattr(tuned, "cache", {}).items()}
-            for kind, (_, tuned) in tk._KERNELS.items()}
+    return tuned_configs()
 
 
 def summarize(rows) -> dict:

@@ -1,15 +1,23 @@
 """Jagged attention: Jagged Flash Attention (softmax), GDPA (pointwise), BlockAttention.
 
-The public entry point is :func:`jagged_attention`; ``reference.py`` is the spec.
+The public entry point is :func:`jagged_attention` (validation, layouts, backend choice);
+``reference.py`` is the spec. The package by role (docs/kernels.md, "Layout"):
+
+* ``settings.py``: the switches (one frozen object; config, then ``GEM_KERNELS_*`` overrides);
+* ``op.py``: the torch.library ops, which choose the kernels (Triton, Gluon, stored dS);
+* ``triton_common.py``, ``triton_fwd.py``, ``triton_bwd.py``, ``batch_order.py``,
+  ``autotune.py``: the Triton kernels, their launchers and launch configs;
+* ``gluon_common.py``, ``gluon_fwd.py``, ``gluon_bwd.py``: the Hopper (sm_90) Gluon kernels;
+* ``inputs.py`` (random inputs) and ``testing.py`` (hooks) for tests and benchmarks.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
+from kernels.jagged_attention import settings
 from kernels.jagged_attention.reference import (
     ACTIVATIONS,
     jagged_attention_reference,
@@ -19,10 +27,6 @@ from kernels.jagged_attention.reference import (
 __all__ = ["ACTIVATIONS", "jagged_attention", "jagged_attention_reference", "num_visible_pairs"]
 
 BACKENDS = ("triton", "reference")
-
-# GEM_KERNELS_CHECK=1: check offsets and max lengths on the device too (a device-to-host copy, so a
-# sync, per call: for debugging). Read at import; the ``check`` argument overrides it per call.
-CHECK = os.environ.get("GEM_KERNELS_CHECK", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def jagged_attention(
@@ -86,7 +90,8 @@ def jagged_attention(
         causal, window, block_size: masks, see above.
         backend: ``"triton"``, ``"reference"`` or None (Triton on CUDA, reference elsewhere).
         check: check the offsets against the contract below on the device too (one
-            device-to-host copy, a sync); None: the ``GEM_KERNELS_CHECK`` environment variable.
+            device-to-host copy, a sync); None: ``settings.current().check``
+            (``kernels.check``, ``GEM_KERNELS_CHECK``).
 
     Contract of the host arguments (the kernels trust them: a violation reads out of range or
     gives wrong output silently):
@@ -98,7 +103,7 @@ def jagged_attention(
 
     Checked, with a ``ValueError`` naming the argument, whenever it costs no device sync: offsets
     on the CPU (the reference backend, Triton's interpreter), outside ``torch.compile`` tracing.
-    CUDA offsets are checked only with ``check=True`` or ``GEM_KERNELS_CHECK=1``, because the check
+    CUDA offsets are checked only with ``check=True`` or the ``check`` setting, because the check
     waits for the device; the default CUDA path adds no sync.
 
     Returns:
@@ -146,11 +151,11 @@ def jagged_attention(
             break  # may be symbolic
         if isinstance(value, bool) or int(value) != value or value < 0:
             raise ValueError(f"{name}={value!r} must be a non-negative integer: a host-side upper bound on the lengths")
-    check = CHECK if check is None else check
+    check = settings.current().check if check is None else check
     if q_offsets is not None:
-        _check_offsets("q_offsets", q_offsets, "q", q.shape[0], "max_q_len", max_q_len, check)
+        check_offsets("q_offsets", q_offsets, "q", q.shape[0], "max_q_len", max_q_len, check)
     if kv_offsets is not None:
-        _check_offsets("kv_offsets", kv_offsets, "k / v", k.shape[0], "max_kv_len", max_kv_len, check)
+        check_offsets("kv_offsets", kv_offsets, "k / v", k.shape[0], "max_kv_len", max_kv_len, check)
     if activation != "softmax" and post_scale is None:
         post_scale = 1.0 / max(int(max_kv_len), 1)
 
@@ -186,9 +191,11 @@ def jagged_attention(
     return out
 
 
-def _check_offsets(name: str, offsets: torch.Tensor, rows_of: str, rows: int, max_name: str, max_len: int,
+def check_offsets(name: str, offsets: torch.Tensor, rows_of: str, rows: int, max_name: str, max_len: int,
                    on_device: bool) -> None:
-    """The offsets contract (see :func:`jagged_attention`), where it costs no sync or ``on_device``."""
+    """Raises a ValueError naming ``name`` where ``offsets`` break the contract of
+    :func:`jagged_attention` (rows of ``rows_of``, bound ``max_name``); reads the values only where
+    that costs no sync (CPU offsets, not tracing) or ``on_device``."""
     if offsets.dim() != 1 or offsets.numel() < 1:
         raise ValueError(f"{name} must be [B+1] (one dimension, at least one element), got shape {tuple(offsets.shape)}")
     if torch.compiler.is_compiling() or isinstance(offsets, torch._subclasses.FakeTensor) or offsets.is_meta:

@@ -1,4 +1,4 @@
-"""torch.library registration of the Triton jagged attention: ops, autograd, FLOP formulas.
+"""torch.library registration of the jagged attention kernels: which kernels run, autograd, FLOPs.
 
 Two ops in the ``gem_kernels`` namespace, both ``triton_op`` so that ``torch.compile`` sees
 the Triton kernels inside them (no graph break) and a ``FlopCounterMode`` counts them:
@@ -6,31 +6,216 @@ the Triton kernels inside them (no graph break) and a ``FlopCounterMode`` counts
 * ``gem_kernels::jagged_attention_fwd(...) -> (out, lse, batch_order)``
 * ``gem_kernels::jagged_attention_bwd(grad_out, ...) -> (dq, dk, dv)``
 
-The forward computes the order in which the kernels' programs take the examples
-(``triton.batch_order``) and returns it for the backward.
+This module chooses the kernels, from the settings in force (``settings.py``) and the inputs:
 
-Callers use :func:`kernels.jagged_attention`, which normalizes layouts and calls
+* forward (:func:`launch_forward`): the Gluon GDPA forward (``gluon_fwd.py``) where it applies
+  and ``max_q_len > settings.gluon_min_q_len``, else the Triton one (``triton_fwd.py``);
+* backward (:func:`launch_backward`): the stored-dS backward where it applies and its buffer
+  fits (:func:`store_ds_bytes`, ``settings.store_ds_max_mib``; dK/dV store dS, dQ = dS K reads
+  it), its dK/dV in Gluon (``gluon_bwd.py``) for bf16 silu / fast_gelu on sm_90; else the
+  Triton dK/dV and the recomputing dQ kernel (``triton_bwd.py``).
+
+The forward computes the order in which the kernels' programs take the examples
+(``batch_order.py``) and returns it for the backward. Callers use
+:func:`kernels.jagged_attention`, which validates, normalizes layouts and calls
 :func:`jagged_attention_triton` below.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+import triton
 from torch.library import triton_op, wrap_triton
 from torch.utils.flop_counter import register_flop_formula
 
-from kernels.jagged_attention import triton as tk
+from kernels.jagged_attention import triton_bwd, triton_fwd
+from kernels.jagged_attention.batch_order import batch_order
 from kernels.jagged_attention.reference import num_visible_pairs
+from kernels.jagged_attention.settings import KernelSettings
+from kernels.jagged_attention.settings import current as current_settings
+from kernels.jagged_attention.triton_common import (
+    ACT_UNIT, INTERPRET, LOG2E, device_capability, identity, launch_meta, no_launch, packed_act,
+)
+
+# Test-facing (``testing.record_paths``): where not None, each launch appends the kernels it
+# chose ("gluon_fwd", "triton_fwd", "gluon_dkdv", "triton_dkdv", "dq_from_ds", "dq").
+_paths: list | None = None
 
 
-if tk.INTERPRET:
+def _took(path: str) -> None:
+    if _paths is not None:
+        _paths.append(path)
+
+
+# ---------------------------------------------------------------------------------------
+# the kernels' choice and launch (no autograd)
+# ---------------------------------------------------------------------------------------
+
+
+def _gluon_applies(q, k, v, activation, causal, window, block_size, q_broadcast) -> bool:
+    if INTERPRET or not q.is_cuda:
+        return False
+    from kernels.jagged_attention import gluon_common
+
+    return gluon_common.applies(q, k, v, activation, causal, window, block_size, q_broadcast)
+
+
+def launch_forward(
+    q, k, v, q_offsets, kv_offsets, batch_order, max_q_len, max_kv_len, activation, scale,
+    post_scale, causal, window, block_size, q_broadcast, *, wrap=identity,
+    config: KernelSettings | None = None, arch: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of the forward; arguments as ``triton_fwd.forward``'s. ``config`` (default:
+    the settings in force) and ``arch`` (a compute capability standing in for q's device's, e.g.
+    ``(9, 0)`` to compile for Hopper without one) are for tools that compile the kernels."""
+    config = config or current_settings()
+    packed = packed_act(q, activation, config, arch)
+    meta = launch_meta(q, activation, causal, window, block_size, q_broadcast, packed)
+    num_rows = (kv_offsets.numel() - 1) * q.shape[0] if q_broadcast else q.shape[0]
+    if (config.gluon and activation != "softmax" and num_rows > 0 and max_q_len > config.gluon_min_q_len
+            and _gluon_applies(q, k, v, activation, causal, window, block_size, q_broadcast)):
+        from kernels.jagged_attention import gluon_fwd
+
+        _took("gluon_fwd")
+        out = q.new_empty(q.shape)
+        lse = q.new_empty((1,), dtype=torch.float32)
+        gluon_fwd.forward(q, k, v, out, q_offsets, kv_offsets, batch_order, max_q_len,
+                          meta["ACTIVATION"], scale, triton_fwd.output_scale(activation, scale, post_scale),
+                          packed)
+        return out, lse
+    _took("triton_fwd")
+    return triton_fwd.forward(q, k, v, q_offsets, kv_offsets, batch_order, max_q_len, max_kv_len,
+                              activation, scale, post_scale, window, block_size, q_broadcast,
+                              meta, config, wrap)
+
+
+def store_ds_row(max_q_len: int) -> int:
+    """Elements per row of the stored-dS buffer: ``max_q_len`` rounded up to a multiple of 128,
+    which every BLOCK_M divides, so that whole query blocks fit (``_bwd_dq_from_ds_kernel``)."""
+    return triton.cdiv(max(int(max_q_len), 1), 128) * 128
+
+
+def store_ds_bytes(q, k, max_q_len, causal, window, block_size, q_broadcast) -> int:
+    """Bytes of the stored-dS buffer, ``H x (K/V rows) x store_ds_row(max_q_len)`` elements, or 0
+    where the stored-dS backward does not apply (a causal, window or block mask, whose dK/dV
+    kernel skips tiles; a broadcast Q)."""
+    if causal or window >= 0 or block_size > 0 or q_broadcast:
+        return 0
+    return q.shape[1] * k.shape[0] * store_ds_row(max_q_len) * q.element_size()
+
+
+def _store_ds_buffer(q, k, max_q_len) -> torch.Tensor | None:
+    """The stored-dS buffer, or None (the backward then recomputes dQ) where the device has no
+    room for it even under the cap: the caching allocator has already freed what it could."""
+    shape = (q.shape[1], k.shape[0], store_ds_row(max_q_len))
+    try:
+        return q.new_empty(shape)
+    except torch.OutOfMemoryError:
+        mib = q.shape[1] * k.shape[0] * shape[2] * q.element_size() >> 20
+        warnings.warn(
+            f"jagged attention backward: no memory for the stored-dS buffer ({mib} MiB); dQ is "
+            f"recomputed instead. Set kernels.store_ds_max_mib (GEM_KERNELS_STORE_DS_MAX_MIB) below "
+            f"{mib} to skip the attempt, or kernels.store_ds=false (GEM_KERNELS_STORE_DS=0).",
+            stacklevel=2)
+        return None
+
+
+def _gluon_dkdv(q, k, v, grad_out, activation, causal, window, block_size, q_broadcast, store_ds,
+                packed, config) -> bool:
+    """Whether gluon_bwd's dK/dV kernel runs the backward's dK/dV (and stores dS): with
+    ``config.gluon_bwd``, the stored-dS backward in bf16 silu / fast_gelu (the bf16x2 path),
+    where the Gluon kernels apply to q, k, v and dO's rows can be addressed as q's."""
+    if not (config.gluon_bwd and store_ds and packed):
+        return False
+    if not _gluon_applies(q, k, v, activation, causal, window, block_size, q_broadcast):
+        return False
+    from kernels.jagged_attention import gluon_common
+
+    return gluon_common._addressable(grad_out)
+
+
+def launch_backward(
+    grad_out, q, k, v, out, lse, q_offsets, kv_offsets, batch_order, max_q_len, max_kv_len,
+    activation, scale, post_scale, causal, window, block_size, q_broadcast, *, wrap=identity,
+    config: KernelSettings | None = None, arch: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``dq, dk, dv`` shaped like ``q, k, v``; arguments as :func:`launch_forward`, ``grad_out``
+    shaped like ``out``. With ``q_broadcast``, dQ is computed per example in float32 and summed
+    over the batch."""
+    config = config or current_settings()
+    num_batches = kv_offsets.numel() - 1
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_rows = out.shape[0]
+    packed = packed_act(q, activation, config, arch)
+    meta = launch_meta(q, activation, causal, window, block_size, q_broadcast, packed)
+    # Every row of an example is written by the kernels (an empty example has no rows).
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    if q_broadcast:
+        dq_rows = q.new_empty(num_rows, num_heads, head_dim, dtype=torch.float32)
+    else:
+        dq_rows = torch.empty_like(q)
+    if num_rows == 0 or num_heads == 0 or num_batches == 0 or max_q_len == 0 or max_kv_len == 0:
+        return torch.zeros_like(q), dk.zero_(), dv.zero_()
+    grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
+
+    if activation == "softmax":
+        delta = triton_bwd.preprocess(out, grad_out, lse, meta["BLOCK_D"], wrap)
+        qk_scale, grad_scale, dv_scale = scale * LOG2E, scale, 1.0
+    else:
+        delta = lse
+        # The kernels' activation factors leave out unit * scale (value) and unit (gradient).
+        unit = ACT_UNIT[activation]
+        qk_scale, grad_scale, dv_scale = scale, scale * post_scale * unit, post_scale * unit * scale
+
+    store_ds = config.store_ds and 0 < store_ds_bytes(
+        q, k, max_q_len, causal, window, block_size, q_broadcast) <= config.store_ds_max_bytes
+    # dS[h, kv row, query of its example], rows padded (dk stands in, unused, without a buffer)
+    ds = _store_ds_buffer(q, k, max_q_len) if store_ds else None
+    store_ds = ds is not None
+    if ds is None:
+        ds = dk
+    if _gluon_dkdv(q, k, v, grad_out, activation, causal, window, block_size, q_broadcast,
+                   store_ds, packed, config):
+        from kernels.jagged_attention import gluon_bwd
+
+        _took("gluon_dkdv")
+        gluon_bwd.dkdv(q, k, v, grad_out, dk, dv, ds, q_offsets, kv_offsets, batch_order,
+                       max_kv_len, meta["ACTIVATION"], qk_scale, grad_scale, dv_scale)
+    else:
+        _took("triton_dkdv")
+        triton_bwd.dkdv(q, k, v, grad_out, lse, delta, dk, dv, ds, q_offsets, kv_offsets,
+                        batch_order, max_q_len, max_kv_len, qk_scale, grad_scale, dv_scale, window,
+                        block_size, store_ds, meta, config, wrap)
+    if store_ds:
+        _took("dq_from_ds")
+        triton_bwd.dq_from_ds(ds, k, dq_rows, q_offsets, kv_offsets, batch_order, max_q_len,
+                              max_kv_len, grad_scale, meta, config, wrap)
+        return dq_rows, dk, dv
+    _took("dq")
+    triton_bwd.dq(q, k, v, grad_out, lse, delta, dq_rows, q_offsets, kv_offsets, batch_order,
+                  max_q_len, max_kv_len, qk_scale, grad_scale, window, block_size, meta, config,
+                  wrap)
+    if q_broadcast:
+        dq = dq_rows.view(num_batches, q.shape[0], num_heads, head_dim).sum(0).to(q.dtype)
+        return dq, dk, dv
+    return dq_rows, dk, dv
+
+
+# ---------------------------------------------------------------------------------------
+# the registered ops
+# ---------------------------------------------------------------------------------------
+
+
+if INTERPRET:
     # Interpreted kernels cannot be traced into a graph (wrap_triton hands them back raw),
     # so under TRITON_INTERPRET=1 the same ops are opaque custom ops with a fake impl.
     def _define(name):
         return torch.library.custom_op(name, mutates_args=())
 
-    def _wrap(kernel):  # launch the interpreted kernels directly
-        return kernel
+    _wrap = identity  # launch the interpreted kernels directly
 else:
     def _define(name):
         return triton_op(name, mutates_args=())
@@ -39,11 +224,8 @@ else:
 
 
 # The ops take their scalars packed: sizes = [max_q_len, max_kv_len, causal, window, block_size,
-# q_broadcast] and scales = [scale, post_scale]. PyTorch's autograd path for custom ops
-# (torch._library.utils.fill_defaults) costs time quadratic in the number of schema arguments:
-# 50 us per forward call with them unpacked (15 arguments), 16 packed (8), timed alone on a CPU.
-# With that and the batch order computed inside the forward op (one op call less), a whole
-# forward call (launches replaced by no-ops) went from 180 to 125 us.
+# q_broadcast] and scales = [scale, post_scale] (fewer schema arguments cost less per call in
+# PyTorch's custom-op autograd path; measured in docs/kernels-log.md).
 def _unpack(sizes: list[int], activation: str, scales: list[float]) -> tuple:
     """The launchers' scalar arguments (``max_q_len`` to ``q_broadcast``) from the packed ones."""
     max_q_len, max_kv_len, causal, window, block_size, q_broadcast = sizes
@@ -54,10 +236,10 @@ def _unpack(sizes: list[int], activation: str, scales: list[float]) -> tuple:
 def _forward(q, k, v, q_offsets, kv_offsets, sizes, activation, scales, wrap):
     """(out, lse, batch_order): the forward, and the order its programs took the examples in
     (longest first), which the backward's take too."""
-    batch_order = tk.batch_order(q_offsets, kv_offsets, wrap=wrap)
-    out, lse = tk.jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, batch_order,
-                                       *_unpack(sizes, activation, scales), wrap=wrap)
-    return out, lse, batch_order
+    order = batch_order(q_offsets, kv_offsets, wrap=wrap)
+    out, lse = launch_forward(q, k, v, q_offsets, kv_offsets, order,
+                              *_unpack(sizes, activation, scales), wrap=wrap)
+    return out, lse, order
 
 
 @_define("gem_kernels::jagged_attention_fwd")
@@ -68,10 +250,10 @@ def _fwd_op(
     return _forward(q, k, v, q_offsets, kv_offsets, sizes, activation, scales, _wrap)
 
 
-def _backward_kernels(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, batch_order, sizes,
+def _backward_kernels(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, order, sizes,
                       activation, scales, wrap):
-    return tk.jagged_attention_bwd(grad_out, q, k, v, out, lse, q_offsets, kv_offsets,
-                                   batch_order, *_unpack(sizes, activation, scales), wrap=wrap)
+    return launch_backward(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, order,
+                           *_unpack(sizes, activation, scales), wrap=wrap)
 
 
 @_define("gem_kernels::jagged_attention_bwd")
@@ -84,27 +266,27 @@ def _bwd_op(
                              sizes, activation, scales, _wrap)
 
 
-if tk.INTERPRET:
+if INTERPRET:
     @_fwd_op.register_fake
     def _fwd_fake(*args):
-        return _forward(*args, wrap=tk.no_launch)
+        return _forward(*args, wrap=no_launch)
 
     @_bwd_op.register_fake
     def _bwd_fake(*args):
-        return _backward_kernels(*args, wrap=tk.no_launch)
+        return _backward_kernels(*args, wrap=no_launch)
 
 
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, q_offsets, kv_offsets, *params = inputs
-    out, lse, batch_order = output
-    ctx.save_for_backward(q, k, v, out, lse, q_offsets, kv_offsets, batch_order)
+    out, lse, order = output
+    ctx.save_for_backward(q, k, v, out, lse, q_offsets, kv_offsets, order)
     ctx.params = params  # sizes, activation, scales
 
 
 def _backward(ctx, grad_out, grad_lse, grad_order):
-    q, k, v, out, lse, q_offsets, kv_offsets, batch_order = ctx.saved_tensors
+    q, k, v, out, lse, q_offsets, kv_offsets, order = ctx.saved_tensors
     dq, dk, dv = torch.ops.gem_kernels.jagged_attention_bwd(
-        grad_out, q, k, v, out, lse, q_offsets, kv_offsets, batch_order, *ctx.params
+        grad_out, q, k, v, out, lse, q_offsets, kv_offsets, order, *ctx.params
     )
     return dq, dk, dv, None, None, *([None] * len(ctx.params))
 
@@ -147,7 +329,7 @@ def jagged_attention_triton(
     q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, activation, scale, post_scale,
     causal, window, block_size, q_broadcast,
 ) -> torch.Tensor:
-    """Calls the registered forward op (differentiable); arguments as in ``triton.py``."""
+    """Calls the registered forward op (differentiable); arguments as in ``triton_fwd.forward``."""
     out, _, _ = torch.ops.gem_kernels.jagged_attention_fwd(
         q, k, v, q_offsets, kv_offsets,
         [max_q_len, max_kv_len, int(causal), window, block_size, int(q_broadcast)], activation,

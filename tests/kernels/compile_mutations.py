@@ -24,8 +24,10 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from kernels.jagged_attention import triton as kernels  # noqa: E402
+from kernels.jagged_attention import settings  # noqa: E402
+from kernels.jagged_attention.batch_order import batch_order  # noqa: E402
 from kernels.jagged_attention.inputs import make_inputs  # noqa: E402
+from kernels.jagged_attention.testing import launch_backward, launch_forward  # noqa: E402
 
 OUTPUTS = {
     "_batch_order_kernel": {"ORDER"},
@@ -87,16 +89,16 @@ def main() -> None:
             q_offsets = torch.arange(4, dtype=torch.int32) * q.shape[0]
         max_q_len = q.shape[0] if layout == "broadcast_q" else inputs.max_q_len
         max_kv_len = 4 if layout == "dense_kv" else inputs.max_kv_len
-        kernels.batch_order(q_offsets, kv_offsets, wrap=checked)
+        batch_order(q_offsets, kv_offsets, wrap=checked)
         for activation, causal, window, store_ds in (("softmax", False, -1, True), ("softmax", True, 2, False),
                                                      ("silu", False, -1, True), ("fast_gelu", False, -1, False)):
             if layout != "jagged" and (causal or window >= 0):
                 continue
-            kernels.STORE_DS = store_ds
+            config = settings.current().replace(store_ds=store_ds)
             common = (q_offsets, kv_offsets, order, max_q_len, max_kv_len, activation, 0.125,
                       1.0 if activation == "softmax" else 0.25, causal, window, 0, layout == "broadcast_q")
-            out, lse = kernels.jagged_attention_fwd(q, k, v, *common, wrap=checked)
-            kernels.jagged_attention_bwd(torch.randn_like(out), q, k, v, out, lse, *common, wrap=checked)
+            out, lse = launch_forward(q, k, v, *common, wrap=checked, config=config)
+            launch_backward(torch.randn_like(out), q, k, v, out, lse, *common, wrap=checked, config=config)
     print("every kernel writes only its outputs")
 
 

@@ -1,13 +1,13 @@
 """Compiles the Triton kernels for sm_90 (Hopper) without a GPU: ``python tests/kernels/sm90_compile.py``.
 
 Runs the real launchers on CPU tensors with a ``wrap`` that compiles each kernel to a cubin
-(Triton frontend, PTX and ptxas, all CPU-side) instead of launching it, with the bf16x2
-activation path and the tensor-descriptor loads forced on. The CPU test tier runs it in a subprocess (the interpreter's
+(Triton frontend, PTX and ptxas, all CPU-side) instead of launching it, for an sm_90 device
+(``arch=(9, 0)``: the bf16x2 activation path where it applies). The CPU test tier runs it in a subprocess (the interpreter's
 settings are fixed at import time), so the inline PTX of the GPU-only paths is checked in CI.
 
 Autotuned kernels compile their first config, and the forward's LATE_PV config where it applies;
 the backward also with GEM_KERNELS_STORE_DS's kernels.
-Last, the Gluon forward (``gluon.py``: inline PTX, TMA, warp specialization) for every
+Last, the Gluon forward (``gluon_fwd.py``: inline PTX, TMA, warp specialization) for every
 pointwise activation, whose cubins must not spill, and the Gluon dK/dV kernel (bf16 silu and
 fast_gelu), whose cubins may spill at most ``GLUON_DKDV_STACK`` bytes per thread.
 ``python tests/kernels/sm90_compile.py --resources [activation ...]`` compiles every autotune
@@ -36,9 +36,12 @@ from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction 
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
 
-from kernels.jagged_attention import gluon  # noqa: E402
-from kernels.jagged_attention import triton as kernels  # noqa: E402
+from kernels.jagged_attention import gluon_bwd, gluon_fwd, settings, testing  # noqa: E402
+from kernels.jagged_attention.autotune import late_pv_applies  # noqa: E402
+from kernels.jagged_attention.batch_order import batch_order  # noqa: E402
 from kernels.jagged_attention.inputs import make_inputs  # noqa: E402
+
+HOPPER = (9, 0)
 
 TARGET = GPUTarget("cuda", 90, 32)
 GLUON_DKDV_STACK = 64  # spill bytes per thread allowed in the Gluon dK/dV kernel
@@ -103,7 +106,7 @@ def compile_only(kernel, float_type="fp32"):
                 if not tuned:
                     return _compile(fn, args, kwargs, float_type)
                 configs = kernel.configs if RESOURCES else kernel.configs[:1] + [
-                    c for c in kernel.configs if c.kwargs.get("LATE_PV") and kernels._late_pv_applies(kwargs)]
+                    c for c in kernel.configs if c.kwargs.get("LATE_PV") and late_pv_applies(kwargs)]
                 for config in configs:
                     _compile(fn, args, kwargs | config.kwargs | dict(
                         num_warps=config.num_warps, num_stages=config.num_stages), float_type)
@@ -137,14 +140,12 @@ def _compile(fn, args, kwargs, float_type):
         return
     if kwargs.get("PACKED_ACT"):
         assert "tanh.approx.bf16x2" in compiled.asm["ptx"], fn.__name__
-    if kwargs.get("USE_TMA"):
-        assert "cp.async.bulk.tensor" in compiled.asm["ptx"], fn.__name__
     # fp64 scale arguments are converted once; no float64 arithmetic per element
     assert not re.search(r"\b(add|sub|mul|fma|div|max|min)(\.\w+)*\.f64\b",
                          compiled.asm["ptx"]), fn.__name__
     line = (f"compiled {fn.__name__} activation={kwargs.get('ACTIVATION')} "
             f"causal={kwargs.get('CAUSAL')} packed={kwargs.get('PACKED_ACT')} "
-            f"tma={kwargs.get('USE_TMA')} floats={float_type}")
+            f"floats={float_type}")
     if kwargs.get("LATE_PV"):
         line += " late_pv=1"
     if kwargs.get("STORE_DS"):
@@ -156,42 +157,37 @@ def _compile(fn, args, kwargs, float_type):
 
 
 def main() -> None:
-    kernels._packed_act = lambda q, activation: (
-        q.dtype == torch.bfloat16 and activation in ("silu", "fast_gelu"))
-    kernels.STORE_DS = False  # the recomputing dQ kernel, but where stated
+    recompute = settings.current().replace(store_ds=False)  # the recomputing dQ kernel, but where stated
+    stored = recompute.replace(store_ds=True)
     inputs = make_inputs([5, 0, 9], [7, 3, 0], num_heads=2, head_dim=128, dtype=torch.bfloat16)
     q, k, v = inputs.tensors()
     order = torch.arange(3, dtype=torch.int32)
     chosen = [arg for arg in sys.argv[1:] if arg != "--resources"]
     for activation in chosen or ("fast_gelu", "silu", "softmax", "gelu"):
-        def compile_fwd_bwd(wrap=compile_only, causal=True):
+        def compile_fwd_bwd(wrap=compile_only, causal=True, config=recompute):
             """Causal runs the kernels' three-loop path (masked diagonal tiles); no mask runs
             their one-loop path (masked loads only)."""
             common = (inputs.q_offsets, inputs.kv_offsets, order, inputs.max_q_len,
                       inputs.max_kv_len, activation, 0.088,
                       1.0 if activation == "softmax" else 0.1, causal, -1, 0, False)
-            out, lse = kernels.jagged_attention_fwd(q, k, v, *common, wrap=wrap)
-            kernels.jagged_attention_bwd(torch.randn_like(out), q, k, v, out, lse, *common, wrap=wrap)
+            out, lse = testing.launch_forward(q, k, v, *common, wrap=wrap, config=config, arch=HOPPER)
+            testing.launch_backward(torch.randn_like(out), q, k, v, out, lse, *common, wrap=wrap,
+                                    config=config, arch=HOPPER)
 
         compile_fwd_bwd()
-        if activation == "fast_gelu":  # the tensor-descriptor (TMA) loads too
-            use_tma = kernels._use_tma
-            kernels._use_tma = lambda *tensors: True
-            compile_fwd_bwd()
-            kernels._use_tma = use_tma
         if activation != "silu":  # scalars typed as torch.compile passes them, without a mask
             compile_fwd_bwd(functools.partial(compile_only, float_type="fp64"), causal=False)
         if activation in ("fast_gelu", "softmax"):  # the stored-dS backward, without a mask,
-            kernels.STORE_DS = True  # with scalars as Triton's launcher and Inductor pass them
-            compile_fwd_bwd(causal=False)
-            compile_fwd_bwd(functools.partial(compile_only, float_type="fp64"), causal=False)
-            kernels.STORE_DS = False
-    kernels.batch_order(inputs.q_offsets, inputs.kv_offsets, wrap=compile_only)
+            # with scalars as Triton's launcher and Inductor pass them
+            compile_fwd_bwd(causal=False, config=stored)
+            compile_fwd_bwd(functools.partial(compile_only, float_type="fp64"), causal=False,
+                            config=stored)
+    batch_order(inputs.q_offsets, inputs.kv_offsets, wrap=compile_only)
     # float32 inputs: the forward's plain and LATE_PV loops (float32 P)
     q32, k32, v32 = (t.float() for t in (q, k, v))
-    kernels.jagged_attention_fwd(q32, k32, v32, inputs.q_offsets, inputs.kv_offsets, order,
-                                 inputs.max_q_len, inputs.max_kv_len, "gelu", 0.088, 0.1, False,
-                                 -1, 0, False, wrap=compile_only)
+    testing.launch_forward(q32, k32, v32, inputs.q_offsets, inputs.kv_offsets, order,
+                           inputs.max_q_len, inputs.max_kv_len, "gelu", 0.088, 0.1, False, -1, 0,
+                           False, wrap=compile_only, config=recompute, arch=HOPPER)
     # the experimental Gluon forward: every pointwise activation in bf16 at head dim 128 (silu
     # and fast_gelu on the bf16x2 path), and fp16 at head dim 64
     cases = [(torch.bfloat16, 128, name) for name in ("silu", "gelu", "fast_gelu", "relu", "identity")]
@@ -199,19 +195,19 @@ def main() -> None:
         inputs = make_inputs([5, 0, 130], [7, 3, 0], num_heads=2, head_dim=head_dim, dtype=dtype)
         q, k, v = inputs.tensors()
         packed = dtype == torch.bfloat16 and activation in ("silu", "fast_gelu")
-        gluon.forward(q, k, v, torch.empty_like(q), inputs.q_offsets, inputs.kv_offsets, order,
-                      inputs.max_q_len, kernels.ACTIVATION_CODES[activation], 0.088, 0.1, packed,
-                      wrap=compile_only, num_sms=132)
+        gluon_fwd.forward(q, k, v, torch.empty_like(q), inputs.q_offsets, inputs.kv_offsets,
+                          order, inputs.max_q_len, testing.ACTIVATION_CODES[activation], 0.088, 0.1,
+                          packed, wrap=compile_only, num_sms=132)
     # the Gluon dK/dV (bf16 silu and fast_gelu at head dim 128, fast_gelu at 64)
     for head_dim, activation in ((128, "silu"), (128, "fast_gelu"), (64, "fast_gelu")):
         inputs = make_inputs([5, 0, 130], [7, 3, 200], num_heads=2, head_dim=head_dim,
                              dtype=torch.bfloat16)
         q, k, v = inputs.tensors()
-        ds = q.new_empty(2, k.shape[0], kernels._store_ds_row(inputs.max_q_len))
-        gluon.dkdv(q, k, v, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), ds,
-                   inputs.q_offsets, inputs.kv_offsets, order, inputs.max_kv_len,
-                   kernels.ACTIVATION_CODES[activation], 0.088, 0.1, 0.1, wrap=compile_only,
-                   num_sms=132)
+        ds = q.new_empty(2, k.shape[0], testing.store_ds_row(inputs.max_q_len))
+        gluon_bwd.dkdv(q, k, v, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), ds,
+                       inputs.q_offsets, inputs.kv_offsets, order, inputs.max_kv_len,
+                       testing.ACTIVATION_CODES[activation], 0.088, 0.1, 0.1, wrap=compile_only,
+                       num_sms=132)
 
 if __name__ == "__main__":
     main()

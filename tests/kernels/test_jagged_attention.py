@@ -6,6 +6,7 @@ included). GPU tier (``-m gpu``): real shapes on CUDA, torch.compile with Induct
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import subprocess
@@ -18,7 +19,9 @@ from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
 from kernels import jagged_attention
-from kernels.jagged_attention import ACTIVATIONS, num_visible_pairs
+from kernels.jagged_attention import ACTIVATIONS, check_offsets, num_visible_pairs, testing
+from kernels.jagged_attention import settings as kernel_config
+from kernels.jagged_attention.batch_order import batch_order
 from kernels.jagged_attention.inputs import LAYOUTS, make_inputs
 
 # ||triton - reference|| / ||reference||, reference in float64 on the same rounded inputs.
@@ -38,6 +41,21 @@ requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def kernel_settings():
+    """``kernel_settings(store_ds=False, ...)`` changes the kernels' settings for the rest of the
+    test (``testing.override``); they are restored after it."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **values: stack.enter_context(testing.override(**values))
+
+
+@pytest.fixture
+def paths():
+    """The kernels each launch of the test chose, in order (``testing.record_paths``)."""
+    with testing.record_paths() as chosen:
+        yield chosen
 
 
 def _run_python(args: list[str], timeout: int, drop=(), **env) -> subprocess.CompletedProcess:
@@ -201,9 +219,9 @@ def test_flop_counter_counts_true_jagged_lengths():
 
 
 @pytest.mark.parametrize("mask", [{"window": 4}, {}])  # without a mask, the stored-dS backward
-def test_torch_compile_fullgraph(mask, monkeypatch):
+def test_torch_compile_fullgraph(mask, kernel_settings, paths):
     """No graph break: fullgraph=True raises on one. CPU: aot_eager; CUDA: Inductor."""
-    calls = _dq_from_ds_calls(monkeypatch)
+    kernel_settings(store_ds=True)
     inputs = make_inputs([6, 0, 19], [11, 2, 19], device=DEVICE)
 
     def attention(q, k, v):
@@ -218,7 +236,7 @@ def test_torch_compile_fullgraph(mask, monkeypatch):
     ref_grads = torch.autograd.grad(ref.sum(), inputs.tensors())
     for actual, expected in zip((out, *grads), (ref, *ref_grads)):
         assert _relative_error(actual, expected) < 1e-5
-    assert bool(calls) == (not mask)
+    assert ("dq_from_ds" in paths) == (not mask)
 
 
 def test_inductor_counts_only_the_kernels_outputs_as_written():
@@ -242,13 +260,12 @@ def test_kernels_compile_for_hopper_without_a_gpu():
                          drop=("TRITON_INTERPRET",))
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
-    # fast_gelu (three times: pointer loads, TMA loads, fp64 scalars as Inductor passes them)
-    # and silu: fwd, dK/dV, dQ on the bf16x2 path; gelu (float32 activations; fp32 and fp64
-    # scalars): fwd, dK/dV, dQ; softmax (fp32 and fp64 scalars): fwd, preprocess, dK/dV, dQ.
+    # fast_gelu (fp32 scalars, and fp64 ones as Inductor passes them) and silu: fwd, dK/dV, dQ on
+    # the bf16x2 path; gelu (float32 activations; fp32 and fp64 scalars): fwd, dK/dV, dQ; softmax (fp32 and fp64 scalars): fwd, preprocess, dK/dV, dQ.
     # The fp64 passes run without a mask (the kernels' one-loop path), the others causal; the
     # fp64 fast_gelu and gelu passes compile the forward's LATE_PV loop too; last, the float32
     # input forward, plain and LATE_PV. fast_gelu and softmax again without a mask and with
-    # GEM_KERNELS_STORE_DS (the forward, LATE_PV for fast_gelu, the preprocess for softmax, dK/dV
+    # the stored-dS backward (the forward, LATE_PV for fast_gelu, the preprocess for softmax, dK/dV
     # storing dS, dQ from dS), with fp32 and with fp64 scalars, and the batch order kernel. Then
     # the Gluon forward (six cases, each with its work-list kernel): bf16 silu and fast_gelu on
     # the bf16x2 path, no spills (checked in the script); the Gluon dK/dV (three cases, bf16x2,
@@ -256,142 +273,95 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     assert sum(line.startswith("compiled gluon") for line in lines) == 9, lines
     assert sum("bf16x2=True" in line for line in lines) == 5, lines
     assert sum("_work_list_kernel" in line for line in lines) == 9, lines
-    assert sum("packed=True" in line for line in lines) == 19, lines
-    assert sum("tma=True" in line for line in lines) == 3, lines
+    assert sum("packed=True" in line for line in lines) == 16, lines
     assert sum("floats=fp64" in line for line in lines) == 20, lines
     assert sum("causal=False" in line for line in lines) == 23, lines
     assert sum("late_pv=1" in line for line in lines) == 5, lines
     assert sum("store_ds=1" in line for line in lines) == 4, lines
     assert sum("_bwd_dq_from_ds_kernel" in line for line in lines) == 4, lines
     assert sum("_batch_order_kernel" in line for line in lines) == 1, lines
-    assert len(lines) == 65, lines
+    assert len(lines) == 62, lines
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("activation", ["softmax", "fast_gelu"])
-def test_tensor_descriptor_loads(activation, layout, monkeypatch):
-    """GEM_KERNELS_TMA: the streamed tiles read through tensor descriptors (zero fill past each
-    sequence instead of masked loads) give the reference's output and gradients for every mask;
-    tensors a descriptor cannot address (a base not 16-byte aligned) fall back to pointer loads."""
-    from kernels.jagged_attention import triton as triton_kernels
-
-    if HAS_CUDA and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("tensor descriptors need sm_90")
-    monkeypatch.setattr(triton_kernels, "USE_TMA", True)
-    monkeypatch.setattr(triton_kernels, "USE_GLUON", False)  # TMA loads are the Triton kernels'
-    torch.manual_seed(0)
-    inputs = make_inputs([0, 17, 33, 1], [3, 0, 37, 1], num_heads=2, head_dim=48, layout=layout,
-                         num_dense_kv=5, num_queries=6, device=DEVICE)
-    assert triton_kernels._use_tma(inputs.q, inputs.k, inputs.v)
-    for mask in MASKS.values():
-        _check_against_reference(inputs, torch.float32, activation=activation, **mask)
-    shifted = torch.empty(inputs.k.numel() + 1, device=DEVICE)[1:].view_as(inputs.k)
-    assert not triton_kernels._use_tma(shifted, inputs.v)
-
-
-def _force_late_pv(monkeypatch):
+@pytest.fixture
+def late_pv(kernel_settings):
     """Launch the forward's LATE_PV loop, an autotune candidate that the default config (the
-    interpreter's, and the GPU tests' with autotuning off) never takes."""
-    from kernels.jagged_attention import triton as triton_kernels
-
-    default = triton_kernels._default_config
-    monkeypatch.setattr(triton_kernels, "USE_GLUON", False)
-    monkeypatch.setattr(triton_kernels, "_default_config", lambda kind, *args: (
-        default(kind, *args) | dict(LATE_PV=1) if kind == "fwd" else default(kind, *args)))
+    interpreter's, and the GPU tests' with autotuning off) never takes; the Gluon forward off."""
+    kernel_settings(gluon=False)
+    with testing.forced_config("fwd", LATE_PV=1):
+        yield
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("activation", ["fast_gelu", "relu"])
-def test_late_pv_forward_loop(activation, layout, monkeypatch):
-    _force_late_pv(monkeypatch)
+def test_late_pv_forward_loop(activation, layout, late_pv):
     torch.manual_seed(0)
     inputs = make_inputs([0, 17, 33, 1], [3, 0, 37, 16], num_heads=2, head_dim=48, layout=layout,
                          num_dense_kv=5, num_queries=6, device=DEVICE)
     _check_against_reference(inputs, torch.float32, activation=activation)
 
 
-def _dq_from_ds_calls(monkeypatch) -> list:
-    """Switch on GEM_KERNELS_STORE_DS and record each backward that takes the dQ-from-dS
-    kernel."""
-    from kernels.jagged_attention import triton as triton_kernels
-
-    monkeypatch.setattr(triton_kernels, "STORE_DS", True)
-    calls = []
-    choose = triton_kernels._kernel_and_config
-
-    def recorded(kind, *args):
-        if kind == "dq_ds":
-            calls.append(kind)
-        return choose(kind, *args)
-
-    monkeypatch.setattr(triton_kernels, "_kernel_and_config", recorded)
-    return calls
+def _stored_ds(paths):
+    """A function counting the backwards in ``paths`` that took the dQ-from-dS kernel."""
+    return lambda: [path for path in paths if path == "dq_from_ds"]
 
 
 @pytest.mark.parametrize("layout", ["jagged", "dense_kv"])
 @pytest.mark.parametrize("activation", ["softmax", "fast_gelu", "silu", "identity"])
-def test_stored_ds_backward(activation, layout, monkeypatch):
-    """GEM_KERNELS_STORE_DS (the default): dQ from the dS that the dK/dV kernel stored matches
-    the reference (empty and odd lengths, more and fewer keys than queries, several key and query
-    blocks); with a mask, a broadcast Q or a buffer over STORE_DS_MAX_BYTES the dQ kernel
-    recomputes, and matches too."""
-    from kernels.jagged_attention import triton as triton_kernels
-
-    calls = _dq_from_ds_calls(monkeypatch)
+def test_stored_ds_backward(activation, layout, kernel_settings, paths):
+    """The stored-dS backward (settings.store_ds, the default): dQ from the dS that the dK/dV
+    kernel stored matches the reference (empty and odd lengths, more and fewer keys than queries,
+    several key and query blocks); with a mask, a broadcast Q or a buffer over
+    settings.store_ds_max_mib the dQ kernel recomputes, and matches too."""
+    kernel_settings(store_ds=True)
+    calls = _stored_ds(paths)
     torch.manual_seed(0)
     inputs = make_inputs([0, 17, 40, 1, 33], [5, 0, 37, 16, 50], num_heads=2, head_dim=48,
                          layout=layout, num_dense_kv=21, max_len_slack=3, device=DEVICE)
     for dtype in (torch.float32, torch.bfloat16):
         inputs.q, inputs.k, inputs.v = (t.detach().to(dtype).requires_grad_() for t in inputs.tensors())
         _check_against_reference(inputs, dtype, activation=activation)
-    assert len(calls) == 2
+    assert len(calls()) == 2
     _check_against_reference(inputs, torch.bfloat16, activation=activation, causal=True)
-    monkeypatch.setattr(triton_kernels, "STORE_DS_MAX_BYTES", 1)
+    kernel_settings(store_ds_max_mib=0)
     for dtype in (torch.float32, torch.bfloat16):
         inputs.q, inputs.k, inputs.v = (t.detach().to(dtype).requires_grad_() for t in inputs.tensors())
         _check_against_reference(inputs, dtype, activation=activation)
-    assert len(calls) == 2
+    assert len(calls()) == 2
     broadcast = make_inputs([0, 17, 40], [5, 0, 37], num_heads=2, head_dim=48,
                             layout="broadcast_q", num_queries=6, device=DEVICE)
-    monkeypatch.setattr(triton_kernels, "STORE_DS_MAX_BYTES", 8 << 30)
+    kernel_settings(store_ds_max_mib=8192)
     _check_against_reference(broadcast, torch.float32, activation=activation)
-    assert len(calls) == 2
+    assert len(calls()) == 2
 
 
-def test_stored_ds_out_of_memory(monkeypatch):
-    """No room for the dS buffer: the backward warns, names the setting, recomputes dQ and
+def test_stored_ds_out_of_memory(kernel_settings, paths, monkeypatch):
+    """No room for the dS buffer (its allocation, the only ``new_empty`` of a shape tuple of three,
+    raises the allocator's error): the backward warns, names the setting, recomputes dQ and
     still matches the reference."""
-    from kernels.jagged_attention import triton as triton_kernels
+    kernel_settings(store_ds=True)
+    allocate = torch.Tensor.new_empty
 
-    calls = _dq_from_ds_calls(monkeypatch)
-    allocate = triton_kernels._store_ds_buffer
+    def no_room_for_ds(self, *size, **kwargs):
+        if len(size) == 1 and isinstance(size[0], tuple) and len(size[0]) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return allocate(self, *size, **kwargs)
 
-    def out_of_memory(*args, **kwargs):
-        raise torch.OutOfMemoryError("CUDA out of memory (test)")
-
-    def no_room(*args):
-        with monkeypatch.context() as patch:
-            patch.setattr(torch.Tensor, "new_empty", out_of_memory)
-            return allocate(*args)
-
-    monkeypatch.setattr(triton_kernels, "_store_ds_buffer", no_room)
+    monkeypatch.setattr(torch.Tensor, "new_empty", no_room_for_ds)
     torch.manual_seed(0)
     inputs = make_inputs([0, 17, 40, 1], [5, 0, 37, 16], num_heads=2, head_dim=48, device=DEVICE)
-    with pytest.warns(UserWarning, match="GEM_KERNELS_STORE_DS_MAX_MIB"):
+    with pytest.warns(UserWarning, match="kernels.store_ds_max_mib .GEM_KERNELS_STORE_DS_MAX_MIB."):
         _check_against_reference(inputs, torch.float32, activation="fast_gelu")
-    assert calls == []
+    assert "dq" in paths and "dq_from_ds" not in paths
 
 
 @pytest.mark.parametrize("offsets_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("counting", [True, False])
-def test_batch_order(offsets_dtype, counting, monkeypatch):
+def test_batch_order(offsets_dtype, counting):
     """The order programs take examples in: the stable descending argsort of query rows x keys,
     from the counting kernel (many ties, empty examples, more examples than its blocks) and from
-    torch.argsort above COUNTING_ORDER_MAX_BATCHES."""
-    from kernels.jagged_attention import triton as triton_kernels
-
-    if not counting:
-        monkeypatch.setattr(triton_kernels, "COUNTING_ORDER_MAX_BATCHES", 100)
+    torch.argsort above ``max_counting_batches``."""
+    most = 8192 if counting else 100
     gen = torch.Generator().manual_seed(1)
     q_lengths = torch.randint(0, 9, (1100,), generator=gen)
     kv_lengths = torch.randint(0, 9, (1100,), generator=gen)
@@ -399,11 +369,11 @@ def test_batch_order(offsets_dtype, counting, monkeypatch):
     kv_lengths[3] = 40_000
     offsets = [torch.cat([torch.zeros(1, dtype=torch.int64), n.cumsum(0)]).to(offsets_dtype)
                for n in (q_lengths, kv_lengths)]
-    order = triton_kernels.batch_order(*(o.to(DEVICE) for o in offsets))
+    order = batch_order(*(o.to(DEVICE) for o in offsets), max_counting_batches=most)
     expected = torch.argsort(q_lengths * kv_lengths, descending=True, stable=True)
     assert order.dtype == torch.int32
     assert order.cpu().tolist() == expected.tolist()
-    assert triton_kernels.batch_order(offsets[0][:1], offsets[1][:1]).numel() == 0
+    assert batch_order(offsets[0][:1], offsets[1][:1]).numel() == 0
 
 
 def test_invalid_arguments_are_rejected():
@@ -446,9 +416,9 @@ def test_host_arguments_that_break_the_contract_are_rejected_on_the_cpu(backend)
 
 def test_offsets_on_the_device_are_checked_only_on_request():
     """The default CUDA path trusts its arguments (reading device offsets is a sync); the debug
-    switch (check=True, or GEM_KERNELS_CHECK=1 read at import) checks them there too. A stand-in
-    for device offsets counts the reads here; test_gpu_offsets_are_checked_only_on_request runs on CUDA."""
-    entry = sys.modules["kernels.jagged_attention"]
+    switch (check=True, or the check setting: kernels.check, GEM_KERNELS_CHECK=1) checks them there
+    too. A stand-in for device offsets counts the reads here; test_gpu_offsets_are_checked_only_on_request
+    runs on CUDA."""
 
     class DeviceOffsets:  # offsets that live on a GPU: reading them is a device-to-host copy
         device, is_meta, reads = torch.device("cuda", 0), False, 0
@@ -467,55 +437,69 @@ def test_offsets_on_the_device_are_checked_only_on_request():
             return self.values
 
     bad = DeviceOffsets([0, 3, 8])
-    entry._check_offsets("kv_offsets", bad, "k / v", 8, "max_kv_len", 2, on_device=False)
+    check_offsets("kv_offsets", bad, "k / v", 8, "max_kv_len", 2, on_device=False)
     assert bad.reads == 0
     with pytest.raises(ValueError, match="max_kv_len=2 is less than the longest sequence in kv_offsets"):
-        entry._check_offsets("kv_offsets", bad, "k / v", 8, "max_kv_len", 2, on_device=True)
+        check_offsets("kv_offsets", bad, "k / v", 8, "max_kv_len", 2, on_device=True)
     assert bad.reads == 1
     meta = torch.tensor([0, 3, 2], device="meta")  # no values (FLOP counting, building on meta): never read
-    entry._check_offsets("q_offsets", meta, "q", 2, "max_q_len", 3, on_device=True)
-    out = _run_python(["-c", "import sys, kernels; print(sys.modules['kernels.jagged_attention'].CHECK)"],
+    check_offsets("q_offsets", meta, "q", 2, "max_q_len", 3, on_device=True)
+    out = _run_python(["-c", "from kernels.jagged_attention import settings; print(settings.current().check)"],
                       timeout=300, GEM_KERNELS_CHECK="1")
     assert out.stdout.strip() == "True", out.stderr
 
 
-def test_environment_settings(monkeypatch):
-    """GEM_KERNELS_* values: 1 / 0 and their spellings, unset or empty for the default, and a
-    clear error that names the variable for anything else, also when importing the kernels."""
-    from kernels.jagged_attention import triton as triton_kernels
-
-    for value, expected in [("1", True), ("true", True), (" ON ", True), ("0", False),
-                            ("no", False), ("", True)]:
-        monkeypatch.setenv("GEM_KERNELS_EXAMPLE", value)
-        assert triton_kernels._env_flag("GEM_KERNELS_EXAMPLE", True) is expected
-    monkeypatch.delenv("GEM_KERNELS_EXAMPLE")
-    assert triton_kernels._env_flag("GEM_KERNELS_EXAMPLE", False) is False
-    monkeypatch.setenv("GEM_KERNELS_EXAMPLE", "2")
-    with pytest.raises(ValueError, match="GEM_KERNELS_EXAMPLE='2': expected 1 or 0"):
-        triton_kernels._env_flag("GEM_KERNELS_EXAMPLE", True)
-    monkeypatch.setenv("GEM_KERNELS_EXAMPLE", "Wide")
-    assert triton_kernels._env_choice("GEM_KERNELS_EXAMPLE", "default", ("default", "wide")) == "wide"
-    monkeypatch.setenv("GEM_KERNELS_EXAMPLE", "narrow")
-    with pytest.raises(ValueError, match="GEM_KERNELS_EXAMPLE='narrow': expected one of default, wide"):
-        triton_kernels._env_choice("GEM_KERNELS_EXAMPLE", "default", ("default", "wide"))
-    monkeypatch.setenv("GEM_KERNELS_EXAMPLE", "100")
-    assert triton_kernels._env_mib("GEM_KERNELS_EXAMPLE", 8192) == 100 << 20
-    monkeypatch.setenv("GEM_KERNELS_EXAMPLE", "8G")
-    with pytest.raises(ValueError, match="GEM_KERNELS_EXAMPLE='8G': expected a whole number of MiB"):
-        triton_kernels._env_mib("GEM_KERNELS_EXAMPLE", 8192)
-    result = _run_python(["-c", "import kernels.jagged_attention.triton"], timeout=300,
-                         GEM_KERNELS_STORE_DS="maybe")
+def test_settings_from_config_and_environment(monkeypatch):
+    """The settings: one default each, config values over the defaults, ``GEM_KERNELS_*`` over the
+    config (1 / 0 and their spellings; unset or empty: no override), and a clear error naming the
+    key or the variable for a bad value, also at the first call of a fresh process."""
+    for name in kernel_config.ENV.values():
+        monkeypatch.delenv(name, raising=False)
+    saved = kernel_config.current()
+    try:
+        assert kernel_config.configure() == kernel_config.KernelSettings()
+        assert kernel_config.configure(store_ds=False, tune_space="wide").store_ds is False
+        assert kernel_config.current().tune_space == "wide"
+        for value, expected in [("1", True), ("true", True), (" ON ", True), ("0", False),
+                                ("no", False), ("", False)]:
+            monkeypatch.setenv("GEM_KERNELS_STORE_DS", value)
+            assert kernel_config.configure(store_ds=False).store_ds is expected
+        monkeypatch.setenv("GEM_KERNELS_STORE_DS", "2")
+        with pytest.raises(ValueError, match="GEM_KERNELS_STORE_DS='2': expected 1 or 0"):
+            kernel_config.configure()
+        monkeypatch.delenv("GEM_KERNELS_STORE_DS")
+        monkeypatch.setenv("GEM_KERNELS_TUNE_SPACE", "Wide")
+        assert kernel_config.configure().tune_space == "wide"
+        monkeypatch.setenv("GEM_KERNELS_TUNE_SPACE", "narrow")
+        with pytest.raises(ValueError, match="GEM_KERNELS_TUNE_SPACE='narrow': expected one of default, wide"):
+            kernel_config.configure()
+        monkeypatch.delenv("GEM_KERNELS_TUNE_SPACE")
+        monkeypatch.setenv("GEM_KERNELS_STORE_DS_MAX_MIB", "100")
+        assert kernel_config.configure(store_ds_max_mib=5).store_ds_max_bytes == 100 << 20
+        monkeypatch.setenv("GEM_KERNELS_STORE_DS_MAX_MIB", "8G")
+        with pytest.raises(ValueError, match="GEM_KERNELS_STORE_DS_MAX_MIB='8G': expected a whole number"):
+            kernel_config.configure()
+        monkeypatch.delenv("GEM_KERNELS_STORE_DS_MAX_MIB")
+        with pytest.raises(ValueError, match="kernels.store_ds='yes': expected true or false"):
+            kernel_config.configure(store_ds="yes")
+        with pytest.raises(ValueError, match="kernels.gluon_min_q_len=-1: expected a whole number >= 0"):
+            kernel_config.configure(gluon_min_q_len=-1)
+        with pytest.raises(ValueError, match=r"unknown kernel setting\(s\) \['tma'\]"):
+            kernel_config.configure(tma=True)
+    finally:
+        kernel_config._set(saved)
+    result = _run_python(["-c", "from kernels.jagged_attention import settings; settings.current()"],
+                         timeout=300, GEM_KERNELS_STORE_DS="maybe")
     assert result.returncode != 0
     assert "GEM_KERNELS_STORE_DS='maybe': expected 1 or 0" in result.stderr
 
 
 @gpu
 @requires_cuda
-def test_gpu_offsets_are_checked_only_on_request(monkeypatch):
+def test_gpu_offsets_are_checked_only_on_request(kernel_settings):
     """On CUDA the default path adds no sync and trusts its arguments; check=True (or
     GEM_KERNELS_CHECK=1) reads the offsets and rejects what breaks the contract."""
-    entry = sys.modules["kernels.jagged_attention"]
-    monkeypatch.setattr(entry, "CHECK", False)
+    kernel_settings(check=False)
     inputs = make_inputs([3, 5, 0], [4, 7, 2], device="cuda", requires_grad=False)
     q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len = inputs.args()
     decreasing = torch.tensor([0, 9, 4, 13], device="cuda")
@@ -528,7 +512,7 @@ def test_gpu_offsets_are_checked_only_on_request(monkeypatch):
         torch.cuda.set_sync_debug_mode(0)
     with pytest.raises(ValueError, match=r"max_kv_len=6 is less than the longest sequence in kv_offsets \(7 rows"):
         jagged_attention(q, k, v, q_offsets, kv_offsets, max_q_len, 6, backend="triton", check=True)
-    monkeypatch.setattr(entry, "CHECK", True)
+    kernel_settings(check=True)
     with pytest.raises(ValueError, match=r"kv_offsets must be nondecreasing: kv_offsets\[1\]=9 > kv_offsets\[2\]=4"):
         jagged_attention(q, k, v, q_offsets, decreasing, max_q_len, max_kv_len, backend="triton")
     out = jagged_attention(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, backend="triton")
@@ -598,14 +582,11 @@ def test_gpu_dtypes(dtype, head_dim):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("activation", ["softmax", "fast_gelu"])
-def test_gpu_autotuned_configs(activation, dtype, causal, monkeypatch):
+def test_gpu_autotuned_configs(activation, dtype, causal, kernel_settings):
     """Every autotune candidate config runs during tuning; the chosen one must be right (float32:
     the pruned backward launches only its shared-memory-safe default; GDPA without a mask: the
     forward's candidates include the LATE_PV loop; the Gluon forward is off for that)."""
-    from kernels.jagged_attention import triton as triton_kernels
-
-    monkeypatch.setattr(triton_kernels, "USE_GLUON", False)
-    monkeypatch.setenv("GEM_KERNELS_AUTOTUNE", "1")
+    kernel_settings(gluon=False, autotune=True)
     gen = torch.Generator().manual_seed(11)
     lengths = torch.randint(0, 900, (10,), generator=gen)
     inputs = make_inputs(lengths, num_heads=4, head_dim=128, dtype=dtype, device="cuda",
@@ -617,9 +598,8 @@ def test_gpu_autotuned_configs(activation, dtype, causal, monkeypatch):
 @requires_cuda
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("activation", ["fast_gelu", "gelu"])
-def test_gpu_late_pv_forward_loop(activation, layout, monkeypatch):
+def test_gpu_late_pv_forward_loop(activation, layout, late_pv):
     """The LATE_PV loop at real shapes: bf16x2 (fast_gelu) and float32 (gelu) activations."""
-    _force_late_pv(monkeypatch)
     _check_against_reference(_gpu_layout_inputs(layout, seed=9, empty=4), torch.bfloat16,
                              activation=activation)
 
@@ -628,18 +608,15 @@ def test_gpu_late_pv_forward_loop(activation, layout, monkeypatch):
 @requires_cuda
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("activation", ["fast_gelu", "silu"])
-def test_gpu_packed_activation_path(activation, layout, monkeypatch):
+def test_gpu_packed_activation_path(activation, layout, kernel_settings):
     """bf16 silu / fast_gelu take the bf16x2 path on sm_90 (the default); it and the float32 path
-    (GEM_KERNELS_PACKED_ACT=0) both match the reference, with and without border masks."""
-    from kernels.jagged_attention import triton as triton_kernels
-
+    (settings.packed_act off) both match the reference, with and without border masks."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the bf16x2 instructions need sm_90")
-    monkeypatch.setattr(triton_kernels, "USE_GLUON", False)  # the Triton forward's bf16x2
     inputs = _gpu_layout_inputs(layout, seed=5, empty=2)
     for packed in (True, False):
-        monkeypatch.setattr(triton_kernels, "PACKED_ACT", packed)
-        assert triton_kernels._packed_act(inputs.q, activation) == packed
+        config = kernel_settings(gluon=False, packed_act=packed)  # the Triton forward's bf16x2
+        assert testing.packed_act(inputs.q, activation, config) == packed
         for mask in ({}, {"causal": True, "window": 77}):
             _check_against_reference(inputs, torch.bfloat16, activation=activation, **mask)
 
@@ -648,29 +625,28 @@ def test_gpu_packed_activation_path(activation, layout, monkeypatch):
 @requires_cuda
 @pytest.mark.parametrize("layout", ["jagged", "dense_kv"])
 @pytest.mark.parametrize("activation", ["fast_gelu", "softmax", "gelu"])
-def test_gpu_stored_ds_backward(activation, layout, monkeypatch):
-    """GEM_KERNELS_STORE_DS at real shapes (bf16, head dim 128, up to 700 rows, an empty
+def test_gpu_stored_ds_backward(activation, layout, kernel_settings, paths):
+    """The stored-dS backward at real shapes (bf16, head dim 128, up to 700 rows, an empty
     example): dQ from the stored dS matches the reference, and dQ, dK, dV match the recomputing
     backward's to rounding."""
-    from kernels.jagged_attention import triton as triton_kernels
-
-    calls = _dq_from_ds_calls(monkeypatch)
+    kernel_settings(store_ds=True)
+    calls = _stored_ds(paths)
     inputs = _gpu_layout_inputs(layout, seed=13, empty=1)
     _check_against_reference(inputs, torch.bfloat16, activation=activation)
-    assert len(calls) == 1
+    assert len(calls()) == 1
     out = jagged_attention(*inputs.args(), activation=activation, backend="triton")
     grad_out = torch.randn_like(out)
     stored = torch.autograd.grad(out, inputs.tensors(), grad_out)
-    monkeypatch.setattr(triton_kernels, "STORE_DS", False)
+    kernel_settings(store_ds=False)
     out = jagged_attention(*inputs.args(), activation=activation, backend="triton")
     recomputed = torch.autograd.grad(out, inputs.tensors(), grad_out)
-    assert len(calls) == 2
+    assert len(calls()) == 2
     for name, a, b in zip(("dq", "dk", "dv"), stored, recomputed):
         assert _relative_error(a, b) < 1e-2, name
 
 
 # --------------------------------------------------------------------------------------
-# The Gluon forward (sm_90; on by default, GEM_KERNELS_GLUON=0 turns it off)
+# The Gluon forward (sm_90; on by default, settings.gluon)
 # --------------------------------------------------------------------------------------
 
 
@@ -679,7 +655,7 @@ def test_gluon_work_list(offsets_dtype):
     """The Gluon forward's work tiles, built on the device (the interpreter here), are those of
     a Python loop: examples in batch_order, then query blocks of 128, then heads; an empty
     example has none; more examples than one chunk of the builder."""
-    from kernels.jagged_attention import gluon
+    from kernels.jagged_attention import gluon_common
 
     gen = torch.Generator().manual_seed(0)
     q_lengths = torch.randint(0, 300, (1500,), generator=gen)
@@ -689,7 +665,7 @@ def test_gluon_work_list(offsets_dtype):
     kv_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), kv_lengths.cumsum(0)]).to(offsets_dtype)
     order = torch.randperm(1500, generator=gen).to(torch.int32)
     num_heads, max_q_len = 3, 310  # max_q_len may exceed the longest example
-    work, total = gluon.work_list(q_offsets.to(DEVICE), kv_offsets.to(DEVICE), order.to(DEVICE),
+    work, total = gluon_common.work_list(q_offsets.to(DEVICE), kv_offsets.to(DEVICE), order.to(DEVICE),
                                   num_heads, max_q_len)
     expected = [[int(q_offsets[b]) + m, int(q_lengths[b]) - m, h, int(kv_offsets[b]), int(kv_lengths[b])]
                 for b in order.tolist() for m in range(0, int(q_lengths[b]), 128)
@@ -702,7 +678,7 @@ def test_gluon_work_list(offsets_dtype):
 def test_gluon_forward_rejects_an_out_it_cannot_address():
     """The Gluon forward's TMA stores address ``out`` as ``[rows, H * D]``: an ``out`` whose heads
     are not adjacent, or of another shape, is refused before anything launches."""
-    from kernels.jagged_attention import gluon
+    from kernels.jagged_attention import gluon_fwd
 
     inputs = make_inputs([70, 0, 5], num_heads=2, head_dim=64, dtype=torch.bfloat16)
     q, k, v = inputs.tensors()
@@ -710,67 +686,52 @@ def test_gluon_forward_rejects_an_out_it_cannot_address():
     heads_apart = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=q.dtype).transpose(1, 2)
     for out in (heads_apart, q.new_empty(q.shape[0] + 1, *q.shape[1:])):
         with pytest.raises(ValueError, match="adjacent heads"):
-            gluon.forward(q, k, v, out, inputs.q_offsets, inputs.kv_offsets, order,
+            gluon_fwd.forward(q, k, v, out, inputs.q_offsets, inputs.kv_offsets, order,
                           inputs.max_q_len, 3, 0.1, 0.1, True, num_sms=1)
 
 
-def _gluon_calls(monkeypatch, launcher: str, **flags) -> list:
-    """Set ``flags`` in triton.py and record the launches of ``gluon.<launcher>``."""
-    from kernels.jagged_attention import gluon
-    from kernels.jagged_attention import triton as triton_kernels
-
+def _gluon_calls(kernel_settings, paths, path: str, **values):
+    """Set ``values`` in the settings and count the launches that took ``path`` (a function
+    returning the list of them)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels need sm_90")
-    for name, value in flags.items():
-        monkeypatch.setattr(triton_kernels, name, value)
-    calls = []
-    launch = getattr(gluon, launcher)
-
-    def recorded(*args, **kwargs):
-        calls.append(args[0].shape)
-        return launch(*args, **kwargs)
-
-    monkeypatch.setattr(gluon, launcher, recorded)
-    return calls
+    kernel_settings(**values)
+    return lambda: [p for p in paths if p == path]
 
 
-def _gluon_forward_calls(monkeypatch) -> list:
-    """Enable the Gluon forward at every length and record its launches."""
-    return _gluon_calls(monkeypatch, "forward", USE_GLUON=True, GLUON_MIN_Q_LEN=0)
+def _gluon_forward_calls(kernel_settings, paths):
+    """Enable the Gluon forward at every length and count its launches."""
+    return _gluon_calls(kernel_settings, paths, "gluon_fwd", gluon=True, gluon_min_q_len=0)
 
 
 @gpu
 @requires_cuda
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("activation", ["silu", "gelu", "fast_gelu", "relu", "identity"])
-def test_gpu_gluon_forward(activation, layout, monkeypatch):
-    """GEM_KERNELS_GLUON: the Gluon forward (jagged and dense K/V; broadcast queries stay on the
+def test_gpu_gluon_forward(activation, layout, kernel_settings, paths):
+    """settings.gluon: the Gluon forward (jagged and dense K/V; broadcast queries stay on the
     Triton kernel) and the Triton backward after it match the reference; without a mask only,
-    a causal call stays on Triton, and so does a call with max_q_len up to GLUON_MIN_Q_LEN."""
-    from kernels.jagged_attention import triton as triton_kernels
-
-    calls = _gluon_forward_calls(monkeypatch)
+    a causal call stays on Triton, and so does a call with max_q_len up to gluon_min_q_len."""
+    calls = _gluon_forward_calls(kernel_settings, paths)
     inputs = _gpu_layout_inputs(layout, seed=11, empty=3)
     _check_against_reference(inputs, torch.bfloat16, activation=activation)
-    assert len(calls) == (0 if layout == "broadcast_q" else 1)
+    assert len(calls()) == (0 if layout == "broadcast_q" else 1)
     _check_against_reference(inputs, torch.bfloat16, activation=activation, causal=True)
-    monkeypatch.setattr(triton_kernels, "GLUON_MIN_Q_LEN", inputs.max_q_len)
+    kernel_settings(gluon_min_q_len=inputs.max_q_len)
     _check_against_reference(inputs, torch.bfloat16, activation=activation)
-    assert len(calls) == (0 if layout == "broadcast_q" else 1)
+    assert len(calls()) == (0 if layout == "broadcast_q" else 1)
 
 
 @gpu
 @requires_cuda
 @pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 128), (torch.float16, 64),
                                              (torch.float16, 128), (torch.bfloat16, 64)])
-def test_gpu_gluon_forward_many_tiles(dtype, head_dim, monkeypatch):
+def test_gpu_gluon_forward_many_tiles(dtype, head_dim, kernel_settings, paths):
     """Many work tiles per program (300 examples, about 3,000 tiles, every 7th example empty, K/V
     lengths cut short of a whole tile): each program's loop over tiles, its Q double buffer and
     K/V ring phases, and the masking of a tile that runs into the next example. Output within
     rounding of the Triton forward's."""
-    from kernels.jagged_attention import triton as triton_kernels
-
-    calls = _gluon_forward_calls(monkeypatch)
+    calls = _gluon_forward_calls(kernel_settings, paths)
     gen = torch.Generator().manual_seed(head_dim)
     lengths = torch.randint(1, 700, (300,), generator=gen)
     lengths[::7] = 0
@@ -778,23 +739,23 @@ def test_gpu_gluon_forward_many_tiles(dtype, head_dim, monkeypatch):
                          head_dim=head_dim, dtype=dtype, device="cuda", max_len_slack=40,
                          generator=gen)
     _check_against_reference(inputs, dtype, activation="fast_gelu")
-    assert len(calls) == 1
+    assert len(calls()) == 1
     with torch.no_grad():
         out = jagged_attention(*inputs.args(), activation="gelu", backend="triton")
-        monkeypatch.setattr(triton_kernels, "USE_GLUON", False)
+        kernel_settings(gluon=False)
         expected = jagged_attention(*inputs.args(), activation="gelu", backend="triton")
-    assert len(calls) == 2
+    assert len(calls()) == 2
     assert _relative_error(out, expected) < 1e-2
 
 
 @gpu
 @requires_cuda
-def test_gpu_gluon_forward_strided_inputs(monkeypatch):
+def test_gpu_gluon_forward_strided_inputs(kernel_settings, paths):
     """q, k, v as views of one [T, 3, H, D] projection: the descriptors take the row stride
     3 * H * D; a base that is not 16-byte aligned falls back to the Triton forward."""
-    from kernels.jagged_attention import gluon
+    from kernels.jagged_attention import gluon_common
 
-    calls = _gluon_forward_calls(monkeypatch)
+    calls = _gluon_forward_calls(kernel_settings, paths)
     gen = torch.Generator().manual_seed(3)
     lengths = torch.randint(0, 400, (9,), generator=gen)
     lengths[2] = 0
@@ -804,51 +765,49 @@ def test_gpu_gluon_forward_strided_inputs(monkeypatch):
                       requires_grad=True)
     inputs.q, inputs.k, inputs.v = qkv.unbind(1)
     _check_against_reference(inputs, torch.bfloat16, activation="silu")
-    assert len(calls) == 1
+    assert len(calls()) == 1
     shifted = torch.empty(qkv.numel() + 8, device="cuda", dtype=torch.bfloat16)[1:qkv.numel() + 1]
-    assert not gluon.applies(shifted.view_as(qkv)[:, 0], inputs.k, inputs.v, "silu", False, -1, 0, False)
+    assert not gluon_common.applies(shifted.view_as(qkv)[:, 0], inputs.k, inputs.v, "silu", False, -1, 0, False)
 
 
 # --------------------------------------------------------------------------------------
-# The Gluon dK/dV (sm_90; on by default, GEM_KERNELS_GLUON_BWD=0 turns it off)
+# The Gluon dK/dV (sm_90; on by default, settings.gluon_bwd)
 # --------------------------------------------------------------------------------------
 
 
-def _gluon_dkdv_calls(monkeypatch) -> list:
-    """Enable the Gluon dK/dV kernel and record its launches."""
-    return _gluon_calls(monkeypatch, "dkdv", USE_GLUON_BWD=True, STORE_DS=True)
+def _gluon_dkdv_calls(kernel_settings, paths):
+    """Enable the Gluon dK/dV kernel and count its launches."""
+    return _gluon_calls(kernel_settings, paths, "gluon_dkdv", gluon_bwd=True, store_ds=True)
 
 
 @gpu
 @requires_cuda
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("activation", ["silu", "fast_gelu"])
-def test_gpu_gluon_backward(activation, layout, monkeypatch):
-    """GEM_KERNELS_GLUON_BWD: the Gluon dK/dV (and the dS it stores, which the dQ kernel reads)
+def test_gpu_gluon_backward(activation, layout, kernel_settings, paths):
+    """settings.gluon_bwd: the Gluon dK/dV (and the dS it stores, which the dQ kernel reads)
     matches the reference for bf16 silu and fast_gelu without a mask, jagged and dense K/V;
     broadcast queries, a causal mask and fp16 (no bf16x2 path) stay on the Triton kernel."""
-    calls = _gluon_dkdv_calls(monkeypatch)
+    calls = _gluon_dkdv_calls(kernel_settings, paths)
     inputs = _gpu_layout_inputs(layout, seed=12, empty=3)
     _check_against_reference(inputs, torch.bfloat16, activation=activation)
-    assert len(calls) == (0 if layout == "broadcast_q" else 1)
+    assert len(calls()) == (0 if layout == "broadcast_q" else 1)
     _check_against_reference(inputs, torch.bfloat16, activation=activation, causal=True)
     inputs.q, inputs.k, inputs.v = (t.detach().half().requires_grad_() for t in inputs.tensors())
     _check_against_reference(inputs, torch.float16, activation=activation)
-    assert len(calls) == (0 if layout == "broadcast_q" else 1)
+    assert len(calls()) == (0 if layout == "broadcast_q" else 1)
 
 
 @gpu
 @requires_cuda
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_gpu_gluon_backward_many_tiles(head_dim, monkeypatch):
+def test_gpu_gluon_backward_many_tiles(head_dim, kernel_settings, paths):
     """Many key tiles per program (300 examples, every 7th without queries and every 11th without
     keys, K/V lengths apart from the query lengths, so that tiles end inside either half):
     each program's loop over tiles, the two K/V buffers and the Q/dO ring phases, the masked
     stores of a tile that runs into the next example, zero dK/dV for keys that no query sees.
     Gradients within rounding of the Triton dK/dV's and of the reference."""
-    from kernels.jagged_attention import triton as triton_kernels
-
-    calls = _gluon_dkdv_calls(monkeypatch)
+    calls = _gluon_dkdv_calls(kernel_settings, paths)
     gen = torch.Generator().manual_seed(head_dim)
     q_lengths = torch.randint(1, 700, (300,), generator=gen)
     q_lengths[::7] = 0
@@ -857,14 +816,14 @@ def test_gpu_gluon_backward_many_tiles(head_dim, monkeypatch):
     inputs = make_inputs(q_lengths, kv_lengths, num_heads=4, head_dim=head_dim,
                          dtype=torch.bfloat16, device="cuda", max_len_slack=40, generator=gen)
     _check_against_reference(inputs, torch.bfloat16, activation="fast_gelu")
-    assert len(calls) == 1
+    assert len(calls()) == 1
     out = jagged_attention(*inputs.args(), activation="silu", backend="triton")
     grad_out = torch.randn_like(out)
     grads = torch.autograd.grad(out, inputs.tensors(), grad_out)
-    monkeypatch.setattr(triton_kernels, "USE_GLUON_BWD", False)
+    kernel_settings(gluon_bwd=False)
     out = jagged_attention(*inputs.args(), activation="silu", backend="triton")
     expected = torch.autograd.grad(out, inputs.tensors(), grad_out)
-    assert len(calls) == 2
+    assert len(calls()) == 2
     for name, actual, want in zip(("dq", "dk", "dv"), grads, expected):
         assert _relative_error(actual, want) < 1e-2, name
     for start, end in zip(inputs.kv_offsets[:-1][::7].tolist(), inputs.kv_offsets[1:][::7].tolist()):

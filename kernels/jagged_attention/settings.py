@@ -1,0 +1,139 @@
+"""The jagged attention kernels' switches: one frozen object, built once, read at each launch.
+
+Every switch has one default (the dataclass below), may be set by the run's config
+(``configs/kernels/*.yaml`` -> :func:`configure`, called once before the model is built) and may
+be overridden by its ``GEM_KERNELS_*`` environment variable (:data:`ENV`), which wins over the
+config. Without a :func:`configure` call, the first :func:`current` call builds the defaults
+plus the environment. The measurements behind each default are in docs/kernels-log.md.
+
+    from kernels.jagged_attention import settings
+    settings.configure(store_ds=False)     # GEM_KERNELS_STORE_DS=1 would still win
+    settings.current().store_ds
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+TUNE_SPACES = ("default", "wide")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSettings:
+    """The switches (docs/kernels.md, "Settings").
+
+    Attributes:
+        check: check offsets and max lengths on the device too (a device-to-host copy, so a sync,
+            per call: for debugging); ``jagged_attention(check=...)`` overrides it per call.
+        autotune: time a few configs per bucketed shape key (GPU); off, each kernel launches its
+            per-head-dim default config.
+        tune_space: ``"default"`` or ``"wide"`` (about three times the tuning time at each new
+            shape bucket; for benchmarks and for choosing the default list).
+        packed_act: bf16 silu / fast_gelu run on bf16x2 pairs (sm_90+); off, float32 math.
+        gluon: the GDPA forward without a mask runs the persistent, warp-specialized Gluon kernel
+            (sm_90, eager calls) where ``max_q_len > gluon_min_q_len``.
+        gluon_min_q_len: the Gluon forward runs above this ``max_q_len`` (the Triton forward was
+            faster at 128 rows).
+        gluon_bwd: the stored-dS backward's dK/dV runs the Gluon kernel (sm_90, bf16 silu and
+            fast_gelu on the bf16x2 path).
+        store_ds: without a causal, window or block mask and without a broadcast Q, the dK/dV
+            kernel stores dS and dQ = dS K reads it instead of recomputing S and dP.
+        store_ds_max_mib: the stored-dS buffer's cap in MiB; above it dQ is recomputed.
+    """
+
+    check: bool = False
+    autotune: bool = True
+    tune_space: str = "default"
+    packed_act: bool = True
+    gluon: bool = True
+    gluon_min_q_len: int = 128
+    gluon_bwd: bool = True
+    store_ds: bool = True
+    store_ds_max_mib: int = 8192
+
+    @property
+    def store_ds_max_bytes(self) -> int:
+        return self.store_ds_max_mib << 20
+
+    def replace(self, **values) -> KernelSettings:
+        """A copy with ``values`` changed, each checked (a bad one raises naming its key)."""
+        return KernelSettings(**(dataclasses.asdict(self) | _checked(values, source="key")))
+
+
+# The environment variable of each setting.
+ENV = {field.name: "GEM_KERNELS_" + field.name.upper() for field in dataclasses.fields(KernelSettings)}
+_TYPES = {field.name: field.type for field in dataclasses.fields(KernelSettings)}
+_TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
+
+_current: KernelSettings | None = None
+
+
+def _parse(name: str, text: str, kind: str, label: str):
+    """A setting's value from its text in the environment; the error names ``label``."""
+    value = text.strip().lower()
+    if kind == "bool":
+        if value in _TRUE:
+            return True
+        if value in _FALSE:
+            return False
+        raise ValueError(f"{label}={text!r}: expected 1 or 0 (also true / false, on / off, yes / no)")
+    if kind == "int":
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"{label}={text!r}: expected a whole number, e.g. "
+                             f"{getattr(KernelSettings, name)}") from None
+    return value
+
+
+def _check(name: str, value, label: str):
+    """``value`` if it is a valid ``name``; else a ValueError naming ``label``."""
+    kind = _TYPES[name]
+    if kind == "bool" and not isinstance(value, bool):
+        raise ValueError(f"{label}={value!r}: expected true or false")
+    if kind == "int" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"{label}={value!r}: expected a whole number >= 0")
+    if name == "tune_space" and value not in TUNE_SPACES:
+        raise ValueError(f"{label}={value!r}: expected one of {', '.join(TUNE_SPACES)}")
+    return value
+
+
+def _checked(values: dict, source: str) -> dict:
+    unknown = sorted(set(values) - set(ENV))
+    if unknown:
+        raise ValueError(f"unknown kernel setting(s) {unknown}; expected some of {sorted(ENV)}")
+    return {name: _check(name, value, f"kernels.{name}") for name, value in values.items()}
+
+
+def from_environment(base: KernelSettings | None = None) -> KernelSettings:
+    """``base`` (the defaults if None) with every ``GEM_KERNELS_*`` variable that is set and not
+    empty applied; a bad value raises naming the variable."""
+    base = base or KernelSettings()
+    values = {}
+    for name, variable in ENV.items():
+        text = os.environ.get(variable, "")
+        if text.strip():
+            values[name] = _check(name, _parse(name, text, _TYPES[name], variable), variable)
+    return dataclasses.replace(base, **values)
+
+
+def configure(**values) -> KernelSettings:
+    """Sets the kernels' settings once for the process: the defaults, then ``values`` (config
+    keys, e.g. ``store_ds=False``; a bad one raises naming ``kernels.<key>``), then the
+    environment's overrides. Returns the settings now in force."""
+    global _current
+    _current = from_environment(KernelSettings().replace(**values))
+    return _current
+
+
+def current() -> KernelSettings:
+    """The settings in force (built on the first call from the defaults and the environment,
+    unless :func:`configure` ran)."""
+    return _current if _current is not None else configure()
+
+
+def _set(value: KernelSettings) -> None:
+    """Installs ``value`` as is (no environment applied): for ``testing.override``."""
+    global _current
+    _current = value
