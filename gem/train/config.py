@@ -35,6 +35,7 @@ class DataConfig:
     schema: dict[str, Any] = field(default_factory=dict)
     loader: dict[str, Any] = field(default_factory=dict)  # gem.data.loader.LoaderOptions
     seqrec: dict[str, Any] = field(default_factory=dict)  # gem.data.seqrec.SeqRecOptions
+    stream: dict[str, Any] = field(default_factory=dict)  # data.kind=stream: gem.data.sources.stream.StreamOptions
 
 
 @dataclass
@@ -243,7 +244,7 @@ def validate(cfg: DictConfig | dict) -> Config:
         key = getattr(e, "full_key", None)
         raise ConfigError(f"config key {key!r}: {e.msg if hasattr(e, 'msg') else e}") from None
     d, s, o, t, p = config.data, config.sparse, config.optim, config.trainer, config.parallelism
-    _one_of("data.kind", d.kind, ("synthetic", "parquet", "seqrec"))
+    _one_of("data.kind", d.kind, ("synthetic", "parquet", "seqrec", "stream"))
     _positive("data.batch_size", d.batch_size)
     _positive("data.eval_batch_size", d.eval_batch_size)
     _positive("data.num_workers", d.num_workers, allow_zero=True)

@@ -190,10 +190,11 @@ class DeltaExporter:
             ckpt.save(progress)
             logger.info("delta export: the chain's base is the checkpoint of step %d", progress.step)
 
-    def maybe_export(self, step: int, total_steps: int) -> None:
-        """Export every ``every_steps`` steps and after the last step (the chain reaches the end)."""
-        if step == total_steps or (self.every_steps and step % self.every_steps == 0):
-            self.export(step)
+    def maybe_export(self, step: int, total_steps: int, partition_done: str | None = None) -> None:
+        """Export every ``every_steps`` steps, after the last step (the chain reaches the end) and, for a
+        stream, after the step that finished partition ``partition_done`` (with either setting of ``every``)."""
+        if partition_done or step == total_steps or (self.every_steps and step % self.every_steps == 0):
+            self.export(step, partition_done)
 
     def export(self, step: int, partition: str | None = None) -> Path | None:
         """Write the delta of the steps since the previous one; None when no step was trained since."""

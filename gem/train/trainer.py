@@ -26,6 +26,7 @@ from gem.data.pipeline.batch import Batch
 from gem.data.pipeline.loader import BatchLoader
 from gem.data.pipeline.schema import FeatureSchema
 from gem.data.sources import DataSource, build_source
+from gem.data.sources.stream import StreamLoader
 from gem.models.gem import GEMModel
 from gem.sparse.arch import SparseArch
 from gem.train.checkpoint import Checkpointer, Progress
@@ -300,6 +301,27 @@ def evaluate(model: nn.Module, loader: BatchLoader, env: DistEnv, tasks: tuple[s
     return evaluator.compute() | (ranking.compute() if ranking.has_groups() else {})
 
 
+def score_partition(model: nn.Module, loader: BatchLoader, env: DistEnv, tasks: tuple[str, ...], partition: str,
+                    max_batches: int, autocast_dtype: torch.dtype | None) -> dict[str, float]:
+    """Progressive evaluation of a stream: ``partition``'s metrics before the model trains on it."""
+    values = evaluate(model, loader, env, tasks, max_batches, autocast_dtype)
+    logger.info("partition %s, scored before training on it: %s", partition, format_metrics(values))
+    return values
+
+
+def stream_summary(run_dir: Path, scores: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The mean of every partition's progressive metrics (this run's ``scores`` and, after a restart,
+    the earlier ones from metrics.jsonl), and ``<run_dir>/stream_metrics.json`` with each partition's."""
+    path = run_dir / "metrics.jsonl"
+    earlier = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    every = {r["partition"]: {k: v for k, v in r.items() if k not in ("kind", "step", "time", "partition")}
+             for r in earlier if r.get("kind") == "stream"} | scores
+    keys = sorted({k for v in every.values() for k, x in v.items() if isinstance(x, (int, float))})
+    mean = {k: float(np.nanmean([v.get(k, float("nan")) for v in every.values()])) for k in keys}
+    (run_dir / "stream_metrics.json").write_text(json.dumps({"mean": mean, "partitions": every}, indent=1))
+    return mean | {"partitions": float(len(every))}
+
+
 def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, float]:
     """Train and evaluate as configured; returns the final test metrics.
 
@@ -340,8 +362,13 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
     if steps_per_epoch == 0:
         raise ConfigError(f"data.batch_size={d.batch_size} x {env.world_size} ranks exceeds the training split "
                           f"({train_loader.num_rows()} rows); lower data.batch_size")
-    total_steps = t.max_steps if t.max_steps > 0 else t.epochs * steps_per_epoch
-    check_eval_splits(config, lambda split: loader(split, d.eval_batch_size, False), data_dir)
+    stream = train_loader if isinstance(train_loader, StreamLoader) else None  # data.kind=stream: one pass
+    total_steps = t.max_steps if t.max_steps > 0 else (stream.total_steps() if stream else t.epochs * steps_per_epoch)
+    if stream is None:
+        check_eval_splits(config, lambda split: loader(split, d.eval_batch_size, False), data_dir)
+    elif t.eval_every:
+        raise ConfigError("trainer.eval_every: a stream has no validation split, each partition is scored before "
+                          "training on it (progressive evaluation); set trainer.eval_every=0")
     apply_transfer(config, model, Path(config.checkpoint.dir or run_dir / "checkpoints"))
     dense_opt, sparse_opt, scheduler = build_optimizers(model, config.optim, total_steps)
     progress, ckpt = Progress(), None
@@ -351,7 +378,10 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
                                 dense_opt, sparse_opt, scheduler, config_yaml, env.rank, env.world_size,
                                 loader=train_loader)
             progress = ckpt.restore() or progress
-    deltas = build_exporter(config, model, dense_opt, sparse_opt, run_dir, env.world_size, progress.step)
+    if stream is not None:
+        stream.check_resume()  # a partition dated before the checkpoint's appeared: stop, naming it
+    deltas = build_exporter(config, model, dense_opt, sparse_opt, run_dir, env.world_size, progress.step,
+                             partitions=stream is not None)
     if deltas is not None:
         deltas.start(ckpt, progress)  # the chain's base: a checkpoint of this step
     task_weights = torch.tensor([t.task_weights.get(k, 1.0) for k in schema.tasks], device=env.device)
@@ -386,9 +416,16 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
     profiler = StepProfiler(t.profile, run_dir / "profile", env.rank, progress.step, on_cuda)
     bar = tqdm(total=total_steps, initial=step, disable=not (t.progress_bar and env.is_main), desc="train",
                dynamic_ncols=True)
-    for epoch in range(progress.epoch, t.epochs if t.max_steps <= 0 else 1 << 30):
+    scores = {}  # a stream's progressive metrics, by partition
+    for epoch in range(progress.epoch, stream.num_partitions if stream else t.epochs if t.max_steps <= 0 else 1 << 30):
         train_loader.set_epoch(epoch)  # keeps a restored position in the epoch we resume in
-        steps_left = steps_per_epoch - sum(train_loader.consumed)
+        steps_left = train_loader.steps_per_epoch - sum(train_loader.consumed)  # a stream's partitions differ
+        if stream is not None and not any(train_loader.consumed) and step < total_steps:
+            train_step.detach()
+            scores[stream.partition] = score_partition(model, loader(stream.partition, d.eval_batch_size, False), env,
+                                                       schema.tasks, stream.partition, t.eval_max_batches, autocast_dtype)
+            metrics.write("stream", step, {"partition": stream.partition, "partition_index": epoch,
+                                           **scores[stream.partition]})
         batches = TimedIterator(itertools.islice(iter(train_loader), steps_left), count_flops)
         for _ in range(steps_left):
             if step >= total_steps:
@@ -404,7 +441,8 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
                 hook(step, env.rank, train_step.last_batch)
             profiler.step()
             if deltas is not None:  # before the checkpoint: a restart from it never misses this delta
-                deltas.maybe_export(step, total_steps)
+                deltas.maybe_export(step, total_steps, partition_done=stream.partition if stream is not None and
+                                    sum(train_loader.consumed) == train_loader.steps_per_epoch else None)
             if ckpt is not None:
                 seen = progress.examples + (step - progress.step) * d.batch_size * env.world_size
                 in_epoch = sum(train_loader.consumed) * d.batch_size * env.world_size
@@ -442,8 +480,11 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
         ckpt.wait()
     if deltas is not None:
         deltas.close()
-    result = evaluate(model, loader("test", d.eval_batch_size, False), env, schema.tasks, t.eval_max_batches,
-                      autocast_dtype)
+    if stream is None:
+        result = evaluate(model, loader("test", d.eval_batch_size, False), env, schema.tasks, t.eval_max_batches,
+                          autocast_dtype)
+    else:  # the progressive metrics, averaged over the partitions
+        result = stream_summary(run_dir, scores) if env.is_main else {}
     result["train_seconds"] = time.perf_counter() - start
     result["steps"] = step
     metrics.write("test", step, result)

@@ -9,13 +9,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from gem.data.errors import DataError
-from gem.data.sources import parquet, seqrec, synthetic
+from gem.data.sources import parquet, seqrec, stream, synthetic
 from gem.data.sources.base import DataSource, dataset_schema
 
 SOURCES: dict[str, Callable[[Any, bool], DataSource]] = {
     "synthetic": synthetic.open_source,  # generated into data.cache_dir on first use
     "parquet": parquet.open_source,  # data.dir already in the gem layout
     "seqrec": seqrec.open_source,  # a public sequential-recommendation set, converted once
+    "stream": stream.open_source,  # time-ordered day=YYYY-MM-DD/ partitions, one pass (or a synthetic stream)
 }
 
 
