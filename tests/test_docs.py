@@ -99,14 +99,26 @@ def _fenced_lines(path: Path):
 
 
 def spans(path: Path) -> list[Span]:
-    """The code of one doc: every fenced line, every inline ``code`` span outside fences."""
-    out = []
+    """The code of one doc: every fenced line, every inline ``code`` span outside fences (a span may
+    wrap onto the next line of its paragraph; it is named by the line it starts on)."""
+    out, paragraph = [], []
+
+    def inline():
+        text = "\n".join(line for _, line in paragraph)
+        for m in re.finditer(r"`([^`]+)`", text):
+            number = paragraph[0][0] + text.count("\n", 0, m.start())
+            out.append(Span(_rel(path), number, " ".join(m.group(1).split()), False))
+        paragraph.clear()
+
     for number, line, fenced in _fenced_lines(path):
         if fenced:
             out.append(Span(_rel(path), number, line.strip(), True))
+        if fenced or not line.strip():
+            inline()
         else:
-            out += [Span(_rel(path), number, m.group(1).strip(), False) for m in re.finditer(r"`([^`]+)`", line)]
-    return out
+            paragraph.append((number, line))
+    inline()
+    return sorted(out, key=lambda s: s.line)
 
 
 def prose_lines(path: Path):
@@ -292,10 +304,11 @@ def _words(text: str) -> list[str]:
 
 
 def _commands(span: Span) -> list[list[str]]:
-    """The commands in a span (split at ``&&`` / ``;``), leading ``VAR=value`` dropped; only those
-    started by a runner this test knows."""
+    """The commands in a span (split at ``&&``, and at ``;`` in code blocks: inline, a ``;`` is
+    prose, as in an error message), leading ``VAR=value`` dropped; only those started by a runner
+    this test knows."""
     out = []
-    for part in re.split(r"&&|;", span.text):
+    for part in re.split(r"&&|;" if span.fenced else r"&&", span.text):
         try:
             words = _words(part)
         except ValueError:  # unbalanced quotes: prose, not a command
@@ -349,14 +362,18 @@ def check_transfer_export(args: list[str]) -> str | None:
 
 @lru_cache(maxsize=None)
 def script_arguments(path: str) -> tuple[frozenset[str], bool]:
-    """(the option strings of every ``add_argument`` call in ``path``, whether it takes ``overrides``)."""
-    flags, overrides = set(), False
+    """(the option strings of every ``add_argument`` call in ``path``, whether it takes ``overrides``).
+    A script without argparse that reads ``sys.argv`` itself: the ``--flag`` string constants it compares."""
+    flags, overrides, constants = set(), False, set()
     for node in ast.walk(ast.parse((ROOT / path).read_text())):
         if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
             names = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
             flags |= {n for n in names if n.startswith("-")}
             overrides |= "overrides" in names
-    return frozenset(flags), overrides
+        elif isinstance(node, ast.Compare):
+            constants |= {c.value for c in [node.left, *node.comparators]
+                          if isinstance(c, ast.Constant) and isinstance(c.value, str) and c.value.startswith("--")}
+    return frozenset(flags or constants), overrides
 
 
 def check_script(path: str, args: list[str]) -> str | None:
