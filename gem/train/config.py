@@ -326,7 +326,7 @@ def validate(cfg: DictConfig | dict) -> Config:
 
 def check_id_space(key: str, ids: IdSpaceConfig) -> None:
     """One ``sparse.ids.<table>`` entry; the table names are checked against the schema when the
-    SparseArch is built (gem.sparse.ids.build_id_mappers)."""
+    SparseArch is built (gem.sparse.ids.build_id_spaces)."""
     if not 1 <= ids.raw_space <= 2**63:
         raise ConfigError(f"{key}.raw_space={ids.raw_space} must be in [1, 2**63] (ids are int64); "
                           f"e.g. {key}.raw_space=9223372036854775808")
