@@ -36,9 +36,11 @@ def float8_projections(dense_arch: nn.Module, min_features: int) -> list[str]:
     A ``nn.Linear`` qualifies when both its widths are at least ``min_features`` and multiples of
     16 (the FP8 GEMM's alignment); the task heads never do, being the layers most sensitive to
     precision (and narrow). Token-level projections (Q/K/V, outputs, the pooling K/V) are the
-    GEMMs that dominate a step; everything else keeps the autocast dtype.
+    GEMMs that dominate a step; everything else keeps the autocast dtype. Their token count changes
+    every batch, and it is the inner dimension of the weight-gradient GEMM, so the scaled matmul
+    pads it to a multiple of 16 (``pad_inner_dim``).
     """
-    from torchao.float8 import convert_to_float8_training
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     chosen: list[str] = []
 
@@ -50,7 +52,7 @@ def float8_projections(dense_arch: nn.Module, min_features: int) -> list[str]:
             chosen.append(name)
         return ok
 
-    convert_to_float8_training(dense_arch, module_filter_fn=take)
+    convert_to_float8_training(dense_arch, module_filter_fn=take, config=Float8LinearConfig(pad_inner_dim=True))
     return chosen
 
 
