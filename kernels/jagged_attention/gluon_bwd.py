@@ -16,16 +16,11 @@ identical to it. The Triton dQ kernel then reads dS.
 
 from __future__ import annotations
 
-import functools
-
 import torch
-import triton
-import triton.language as tl
-from torch._subclasses.fake_tensor import is_fake
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels.jagged_attention import triton_common as tc

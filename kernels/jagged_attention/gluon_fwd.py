@@ -32,21 +32,15 @@ Gluon forward"); tested on the GPU by ``test_gpu_gluon_forward*``.
 
 from __future__ import annotations
 
-import functools
-
 import torch
-import triton
-import triton.language as tl
-from torch._subclasses.fake_tensor import is_fake
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels.jagged_attention import triton_common as tc
 from kernels.jagged_attention.gluon_common import (
-    BLOCK_M, CONSUMER_REGS, FAST_GELU, GELU, RELU, SILU, _addressable, _barriers, _num_sms,
+    CONSUMER_REGS, FAST_GELU, GELU, RELU, SILU, _addressable, _barriers, _num_sms,
     _store_tile, _tile, work_list,
 )
 from kernels.jagged_attention.triton_common import FAST_GELU_BF16X2, SILU_BF16X2

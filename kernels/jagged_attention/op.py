@@ -36,7 +36,7 @@ from kernels.jagged_attention.reference import num_visible_pairs
 from kernels.jagged_attention.settings import KernelSettings
 from kernels.jagged_attention.settings import current as current_settings
 from kernels.jagged_attention.triton_common import (
-    ACT_UNIT, INTERPRET, LOG2E, device_capability, identity, launch_meta, no_launch, packed_act,
+    ACT_UNIT, INTERPRET, LOG2E, identity, launch_meta, no_launch, packed_act,
 )
 
 # Test-facing (``testing.record_paths``): where not None, each launch appends the kernels it

@@ -18,11 +18,11 @@ the wide list.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import re
 import subprocess
-import sys
 import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
@@ -45,7 +45,7 @@ HOPPER = (9, 0)
 
 TARGET = GPUTarget("cuda", 90, 32)
 GLUON_DKDV_STACK = 64  # spill bytes per thread allowed in the Gluon dK/dV kernel
-RESOURCES = "--resources" in sys.argv
+RESOURCES = False  # --resources: every autotune config, with registers and spills (set in main)
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
          torch.int64: "i64", torch.int32: "i32"}
 
@@ -157,12 +157,19 @@ def _compile(fn, args, kwargs, float_type):
 
 
 def main() -> None:
+    global RESOURCES
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--resources", action="store_true",
+                        help="compile every autotune config and print its registers and spill bytes")
+    parser.add_argument("activations", nargs="*", help="only these activations (default: all four)")
+    args = parser.parse_args()
+    RESOURCES = args.resources
     recompute = settings.current().replace(store_ds=False)  # the recomputing dQ kernel, but where stated
     stored = recompute.replace(store_ds=True)
     inputs = make_inputs([5, 0, 9], [7, 3, 0], num_heads=2, head_dim=128, dtype=torch.bfloat16)
     q, k, v = inputs.tensors()
     order = torch.arange(3, dtype=torch.int32)
-    chosen = [arg for arg in sys.argv[1:] if arg != "--resources"]
+    chosen = args.activations
     for activation in chosen or ("fast_gelu", "silu", "softmax", "gelu"):
         def compile_fwd_bwd(wrap=compile_only, causal=True, config=recompute):
             """Causal runs the kernels' three-loop path (masked diagonal tiles); no mask runs
