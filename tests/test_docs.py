@@ -21,6 +21,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import io
+import os
 import re
 import shlex
 from dataclasses import dataclass
@@ -275,9 +276,8 @@ def _now_at(path: str) -> str:
 
 @pytest.mark.parametrize("doc", DOCS, ids=_rel)
 def test_every_link_and_repository_path_exists(doc):
-    problems = [f"{_rel(doc)}:{n}: link ({t}) points to {_rel(doc.parent / t) if (doc.parent / t).resolve().is_relative_to(ROOT) else t}, "
-                "which does not exist; fix the link"
-                for n, t in links(doc) if not exists(t, doc.parent)]
+    problems = [f"{_rel(doc)}:{n}: link ({t}) points to {os.path.relpath(doc.parent / t, ROOT)}, which does not "
+                "exist; fix the link" for n, t in links(doc) if not exists(t, doc.parent)]
     problems += [f"{_rel(doc)}:{n}: `{p}` does not exist in the repository{_now_at(p)}; write the path it has "
                  "now (or mark a placeholder as <name>)"
                  for n, p in sorted(set(mentioned_paths(doc))) if not exists(p)]
