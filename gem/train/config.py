@@ -8,7 +8,7 @@ checks the values that types cannot (with a message naming the key and the fix).
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -159,7 +159,24 @@ class ParallelismConfig:
 
 @dataclass
 class KernelsConfig:
+    """``configs/kernels/``: the attention backend, and the kernels' settings (defaults as in
+    ``kernels.jagged_attention.settings.KernelSettings``; a ``GEM_KERNELS_<KEY>`` variable overrides
+    each), applied once by the trainer before the model is built (docs/kernels.md, "Settings")."""
+
     attention_backend: Optional[str] = None  # None: Triton on CUDA, reference elsewhere
+    check: bool = False  # check offsets on the device too (a sync per call)
+    autotune: bool = True
+    tune_space: str = "default"  # default | wide
+    packed_act: bool = True  # bf16x2 silu / fast_gelu (sm_90+)
+    gluon: bool = True  # the Gluon GDPA forward (sm_90) above gluon_min_q_len
+    gluon_min_q_len: int = 128
+    gluon_bwd: bool = True  # the stored-dS dK/dV in Gluon (sm_90)
+    store_ds: bool = True  # the stored-dS backward
+    store_ds_max_mib: int = 8192  # its buffer's cap
+
+    def kernel_settings(self) -> dict:
+        """The keys ``kernels.jagged_attention.settings.configure`` takes (all but the backend)."""
+        return {k: v for k, v in asdict(self).items() if k != "attention_backend"}
 
 
 @dataclass
@@ -301,6 +318,9 @@ def validate(cfg: DictConfig | dict) -> Config:
     check_model_args(config.model)
     if config.kernels.attention_backend is not None:
         _one_of("kernels.attention_backend", config.kernels.attention_backend, ("triton", "reference"))
+    _one_of("kernels.tune_space", config.kernels.tune_space, ("default", "wide"))
+    for key in ("gluon_min_q_len", "store_ds_max_mib"):
+        _positive(f"kernels.{key}", getattr(config.kernels, key), allow_zero=True)
     c = config.checkpoint
     _positive("checkpoint.every_steps", c.every_steps, allow_zero=True)
     _positive("checkpoint.keep_last", c.keep_last, allow_zero=True)

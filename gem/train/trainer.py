@@ -127,7 +127,9 @@ def build_model(config: Config, schema: FeatureSchema, env: DistEnv, timer: Star
     then ``parallelize_gem`` (FSDP2 / HSDP on the ParallelDims mesh when ``world_size > 1``)."""
     from gem.distributed.parallel_dims import dtype_from_name
     from gem.distributed.parallelize import parallelize_gem
+    from kernels.jagged_attention import settings as kernel_settings
 
+    kernel_settings.configure(**config.kernels.kernel_settings())  # once, before any kernel runs
     timer = timer or StartupTimer()
     s, p = config.sparse, config.parallelism
     dims = parallel_dims(config, env)
