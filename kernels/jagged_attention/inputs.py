@@ -6,6 +6,8 @@ import dataclasses
 
 import torch
 
+from kernels.jagged import lengths_to_offsets
+
 LAYOUTS = ("jagged", "dense_kv", "broadcast_q")
 
 
@@ -18,13 +20,6 @@ def random_lengths(
         return torch.full((num_batches,), max_len, dtype=torch.int64)
     high = max(2, min(max_len, round(2 * fill * max_len)))
     return torch.randint(1, high, (num_batches,), generator=generator)
-
-
-def lengths_to_offsets(lengths: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """``[B]`` lengths -> ``[B+1]`` offsets starting at 0."""
-    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
-    offsets[1:] = torch.cumsum(lengths.to(torch.int64), 0)
-    return offsets.to(dtype)
 
 
 @dataclasses.dataclass
