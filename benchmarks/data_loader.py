@@ -3,7 +3,7 @@ plus the token imbalance across ranks with and without balancing.
 
     python benchmarks/data_loader.py [--rows 20000] [--workers 0 1 2] [--out benchmarks/results]
 
-Two shapes, both from the synthetic generator (gem/data/synthetic.py) with the default schema
+Two shapes, both from the synthetic generator (gem/data/sources/synthetic.py) with the default schema
 (configs/data/synthetic.yaml: 5 id features, 4 per-event features, 8 dense, 2 tasks):
 
 - ``quickstart``: histories up to 64 events (median ~16), batch 256, the embedded DLRM default;
@@ -37,9 +37,9 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gem.data.format.layout import write_parquet  # noqa: E402
 from gem.data.pipeline.balance import imbalance  # noqa: E402
 from gem.data.pipeline.loader import build_loader  # noqa: E402
-from gem.data.format.layout import write_parquet  # noqa: E402
 from gem.data.pipeline.schema import FeatureSchema  # noqa: E402
 from gem.data.sources.synthetic import SyntheticConfig, generate  # noqa: E402
 

@@ -54,8 +54,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/transfer-cpu.json"))
     args = parser.parse_args()
 
-    from gem.data.pipeline.loader import build_loader
     from gem.data.format.dataset import split_files
+    from gem.data.pipeline.loader import build_loader
     from gem.train.checkpoint import list_checkpoints
     from gem.train.config import validate
     from gem.train.metrics import TaskEvaluator

@@ -21,8 +21,8 @@ from omegaconf import OmegaConf
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from gem.data.format.dataset import split_files
-from gem.data.sources.synthetic import synthetic_dir
 from gem.data.pipeline.schema import FeatureSchema
+from gem.data.sources.synthetic import synthetic_dir
 from gem.train.checkpoint import Checkpointer, CheckpointError, Progress, list_checkpoints
 from gem.train.config import ConfigError, validate
 from gem.train.optim import build_optimizers

@@ -57,9 +57,9 @@ def test_the_fix_a_data_error_prints_works_as_printed(tmp_path, tiny_schema, dat
     import pyarrow as pa
 
     from gem.data.format.checks import error_policy
+    from gem.data.format.layout import write_parquet
     from gem.data.format.reader import LoaderOptions
     from gem.data.pipeline.loader import build_loader
-    from gem.data.format.layout import write_parquet
     from gem.data.sources.synthetic import generate
 
     table = generate(tiny_schema, 6, seed=0)

@@ -13,15 +13,15 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from gem.data.pipeline.batch import Batch
 from gem.data.format.dataset import split_files
 from gem.data.format.reader import table_to_batch
+from gem.data.pipeline.batch import Batch
 from gem.data.pipeline.loader import build_loader
 from gem.data.pipeline.schema import FeatureSchema
+from gem.data.sources.synthetic import SyntheticConfig, generate
 from gem.models.gem import GEMModel
 from gem.models.gem_arch import GEMDenseArch
 from gem.models.sequence import self_attention_pairs
-from gem.data.sources.synthetic import SyntheticConfig, generate
 from gem.sparse.arch import JaggedEmbeddings, SparseArch, SparseOutput
 from gem.train.flops import batch_lengths, mfu, step_flops
 from gem.train.losses import multitask_bce

@@ -6,11 +6,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from gem.data.pipeline.balance import deal_by_length, imbalance
 from gem.data.format.dataset import split_files
-from gem.data.format.reader import LoaderOptions
-from gem.data.pipeline.loader import build_loader
 from gem.data.format.layout import write_parquet
+from gem.data.format.reader import LoaderOptions
+from gem.data.pipeline.balance import deal_by_length, imbalance
+from gem.data.pipeline.loader import build_loader
 from gem.data.sources.synthetic import generate
 
 

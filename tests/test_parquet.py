@@ -6,9 +6,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from gem.data.pipeline.batch import Batch
 from gem.data.format.dataset import schema_from_files, split_files
 from gem.data.format.layout import write_parquet
+from gem.data.pipeline.batch import Batch
 from gem.data.pipeline.loader import build_loader
 from gem.data.sources.synthetic import generate
 
@@ -125,8 +125,8 @@ def test_bad_files_and_folders(tmp_path, tiny_schema):
 
 def _odd_schema():
     """The tiny schema without 'ad_cluster' and with another 'ad_id' cardinality."""
-    from tests.conftest import TINY_SCHEMA
     from gem.data.pipeline.schema import FeatureSchema
+    from tests.conftest import TINY_SCHEMA
 
     cfg = {**TINY_SCHEMA, "id_features": [dict(f, cardinality=90) if f["name"] == "ad_id" else dict(f)
                                           for f in TINY_SCHEMA["id_features"] if f["name"] != "ad_cluster"]}
@@ -136,8 +136,8 @@ def _odd_schema():
 def test_files_written_with_different_schemas_fail_naming_both_files_and_the_feature(tmp_path, tiny_schema, capsys):
     """Issue #27.1: the schema was read from the first file only, so an odd file trained silently,
     or, sorting first, was taken for the data set's schema and the others were blamed ("layout v2")."""
-    from gem.data.pipeline.loader import build_loader
     from gem.data.format.validate import main
+    from gem.data.pipeline.loader import build_loader
 
     odd = _odd_schema()
     for i in range(3):

@@ -183,8 +183,8 @@ def test_export_writes_teacher_columns_resumably_and_the_loader_reads_them(tiny_
 
 
 def test_non_finite_teacher_columns_are_a_data_error(tiny_dataset, tmp_path):
-    from gem.data.pipeline.loader import build_loader
     from gem.data.format.checks import check_rows
+    from gem.data.pipeline.loader import build_loader
     import json
     from gem.data.pipeline.schema import FeatureSchema
 

@@ -115,10 +115,10 @@ def build_data(cfg: "DictConfig | dict | Config") -> Data:
     ``data.cache_dir`` on first use)."""
     import torch
 
+    from gem.data.sources import build_source
     from gem.train.config import Config, check_schema_refs, validate
     from gem.train.logging import logger
     from gem.train.startup import configure_threads
-    from gem.data.sources import build_source
     from gem.train.trainer import init_distributed, parallel_dims, seed_everything
 
     config = cfg if isinstance(cfg, Config) else validate(cfg)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gem.data.format.checks import metadata_schema, schema_differences, schema_mismatch_message
 from gem.data.errors import DataError, MissingDataError
+from gem.data.format.checks import metadata_schema, schema_differences, schema_mismatch_message
 from gem.data.pipeline.schema import FeatureSchema
 
 SPLITS = ("train", "val", "test")
