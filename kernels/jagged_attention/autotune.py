@@ -17,7 +17,7 @@ from kernels.jagged_attention.triton_common import INTERPRET, SOFTMAX
 
 def _default_config(kind: str, block_d: int, elem_bytes: int = 2) -> dict:
     """Block sizes, warps and stages per kernel kind and padded head dim (and the forward's
-    plain loop, ``LATE_PV=0``), used when autotuning is off (GEM_KERNELS_AUTOTUNE=0) and for head
+    plain loop, ``LATE_PV=0``), used when autotuning is off (the autotune setting) and for head
     dims above 128."""
     config = _default_tiles(kind, block_d, elem_bytes)
     config = config | dict(LATE_PV=0) if kind == "fwd" else config
@@ -53,7 +53,7 @@ def _default_tiles(kind: str, block_d: int, elem_bytes: int) -> dict:
 # 128: the configs the wide search below picked on an H200 for the benchmark's shapes (bf16,
 # D=128; benchmarks/results/attention-h200.json, "tuned_configs"), and the forward's LATE_PV
 # loop (_fwd_gdpa_late_pv): forced, it was faster than the plain loop on the benchmark's rows of
-# up to 1024 and 2048 keys, slower on those of 256 and up to 512 (docs/kernels.md); the
+# up to 1024 and 2048 keys, slower on those of 256 and up to 512 (docs/kernels-log.md); the
 # benchmark's tuning chose it at 2048.
 _TUNE_SPACE = {
     "fwd": [(128, 32, 4, 4), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4, 1)],

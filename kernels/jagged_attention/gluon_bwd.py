@@ -25,7 +25,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels.jagged_attention import triton_common as tc
 from kernels.jagged_attention.gluon_common import (
-    CONSUMER_REGS, SILU, _barriers, _num_sms, _store_tile, _tile, work_list,
+    CONSUMER_REGS, SILU, barriers, sm_count, store_tile, work_tile, work_list,
 )
 
 BWD_BLOCK_M = 32  # query rows per step
@@ -35,7 +35,7 @@ BWD_STAGES = 4  # Q/dO ring slots
 @gluon.jit
 def _grads(st, dpt, j, q_len, scale, ACTIVATION: gl.constexpr):
     """(P^T, dS^T) of step j from the float32 ``S^T`` and ``dP^T`` tiles ([keys, queries]), in
-    bf16: triton_common's ``_gdpa_act_and_grad_packed``. Query columns past the example's end (the
+    bf16: triton_common's ``gdpa_act_and_grad_packed``. Query columns past the example's end (the
     next example's rows) give zeros."""
     BLOCK_M: gl.constexpr = st.shape[1]
     layout: gl.constexpr = st.type.layout
@@ -74,7 +74,7 @@ def _dkdv_loader(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_sme
     it = 0  # Q/dO tiles loaded so far
     done = 0  # work tiles loaded so far
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
-        row0, num_keys, h, q_start, q_len = _tile(WORK, t, True)
+        row0, num_keys, h, q_start, q_len = work_tile(WORK, t, True)
         b = done % 2
         mbarrier.wait(kv_free.index(b), phase=((done // 2) + 1) & 1, pred=done >= 2)
         bar = kv_ready.index(b)
@@ -122,14 +122,14 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, kv_free, 
     step = gl.num_programs(0)
     it = 0
     done = 0
-    next_row0, next_keys, next_h, _, next_q_len = _tile(WORK, gl.program_id(0),
+    next_row0, next_keys, next_h, _, next_q_len = work_tile(WORK, gl.program_id(0),
                                                         gl.program_id(0) < total)
     for t in range(gl.program_id(0), total, step):
         row0 = next_row0 + HALF * 64
         num_keys = next_keys - HALF * 64
         h = next_h
         q_len = next_q_len
-        next_row0, next_keys, next_h, _, next_q_len = _tile(WORK, t + step, t + step < total)
+        next_row0, next_keys, next_h, _, next_q_len = work_tile(WORK, t + step, t + step < total)
         b = done % 2
         k = k_smem.index(2 * b + HALF)
         v = v_smem.index(2 * b + HALF)
@@ -147,7 +147,7 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, kv_free, 
                                 is_async=True)
             st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
             p, ds = _grads(st, dpt, 0, q_len, scale, ACTIVATION)
-            _store_tile(ds, DS, ds_desc, ds_buf, ds_row0, 0, num_keys, stride_dst)
+            store_tile(ds, DS, ds_desc, ds_buf, ds_row0, 0, num_keys, stride_dst)
             p = gl.convert_layout(p, a_layout)
             ds = gl.convert_layout(ds, a_layout)
             for j in range(1, n_steps):
@@ -165,7 +165,7 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, kv_free, 
                 p_next, ds_next = _grads(st, dpt, j, q_len, scale, ACTIVATION)
                 dv, dk, p, ds = warpgroup_mma_wait(0, deps=(dv, dk, p, ds))
                 mbarrier.arrive(free.index(prev), count=1)
-                _store_tile(ds_next, DS + j * BLOCK_M, ds_desc, ds_buf, ds_row0, j * BLOCK_M,
+                store_tile(ds_next, DS + j * BLOCK_M, ds_desc, ds_buf, ds_row0, j * BLOCK_M,
                             num_keys, stride_dst)
                 p = gl.convert_layout(p_next, a_layout)
                 ds = gl.convert_layout(ds_next, a_layout)
@@ -176,9 +176,9 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, kv_free, 
             mbarrier.arrive(free.index(last), count=1)
             it += n_steps
         # every product that read this tile's K and V is complete: they take dK and dV
-        _store_tile((dk * dk_scale).to(dtype), DK + h * HEAD_D, dk_desc, k, row0, h * HEAD_D,
+        store_tile((dk * dk_scale).to(dtype), DK + h * HEAD_D, dk_desc, k, row0, h * HEAD_D,
                     num_keys, stride_dkt)
-        _store_tile((dv * dv_scale).to(dtype), DV + h * HEAD_D, dv_desc, v, row0, h * HEAD_D,
+        store_tile((dv * dv_scale).to(dtype), DV + h * HEAD_D, dv_desc, v, row0, h * HEAD_D,
                     num_keys, stride_dvt)
         tma.store_wait(0)
         mbarrier.arrive(kv_free.index(b), count=1)
@@ -214,10 +214,10 @@ def _gdpa_dkdv_kernel(k_desc, v_desc, q_desc, do_desc, dk_desc, dv_desc, ds_desc
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_M], ds_desc.layout)  # per consumer
-    kv_ready = _barriers(2, 1)
-    kv_free = _barriers(2, 2)
-    ready = _barriers(STAGES, 1)
-    free = _barriers(STAGES, 2)
+    kv_ready = barriers(2, 1)
+    kv_free = barriers(2, 2)
+    ready = barriers(STAGES, 1)
+    free = barriers(STAGES, 2)
     consumer_args = (k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, kv_free, ready, free,
                      DK, DV, DS, dk_desc, dv_desc, ds_desc, stride_dkt, stride_dvt, stride_dst,
                      kv_rows, WORK, TOTAL, scale, dk_scale, dv_scale, ACTIVATION)
@@ -251,7 +251,7 @@ def dkdv(q, k, v, grad_out, dk, dv, ds, q_offsets, kv_offsets, batch_order, max_
     ds_desc = TensorDescriptor(ds_rows, list(ds_rows.shape), [ds_rows.stride(0), 1], [64, block_m],
                                ds_layout)
     if num_sms is None:
-        num_sms = _num_sms(torch.cuda.current_device() if q.device.index is None else q.device.index)
+        num_sms = sm_count(torch.cuda.current_device() if q.device.index is None else q.device.index)
     wrap(_gdpa_dkdv_kernel)[(max(1, min(work.shape[0], num_sms)),)](
         descriptor(k, 64, kv_layout), descriptor(v, 64, kv_layout), descriptor(q, block_m, q_layout),
         descriptor(grad_out, block_m, q_layout), descriptor(dk, 64, kv_layout),

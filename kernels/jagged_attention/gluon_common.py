@@ -43,10 +43,10 @@ def applies(q, k, v, activation, causal, window, block_size, q_broadcast) -> boo
     if tc.capability(q.device.index)[0] != 9:
         return False
     return q.shape[2] in HEAD_DIMS and all(
-        t.dtype == q.dtype and _addressable(t) for t in (q, k, v))
+        t.dtype == q.dtype and addressable(t) for t in (q, k, v))
 
 
-def _addressable(t) -> bool:
+def addressable(t) -> bool:
     """Whether a 2-D descriptor over ``[rows, H * D]`` can address the ``[rows, H, D]`` tensor t:
     heads adjacent, 16-byte aligned base and row stride, 1 to 2^31 - 1 rows."""
     return (t.stride(2) == 1 and t.stride(1) == t.shape[2] and t.data_ptr() % 16 == 0
@@ -90,7 +90,7 @@ def _work_list_kernel(q_offsets, kv_offsets, batch_order, WORK, TOTAL, num_batch
 
 
 @gluon.jit
-def _tile(WORK, t, valid):
+def work_tile(WORK, t, valid):
     """Work tile t of the list (zeros where not ``valid``)."""
     row = WORK + t.to(gl.int64) * WORK_FIELDS
     return (gl.load(row, mask=valid, other=0), gl.load(row + 1, mask=valid, other=0),
@@ -100,7 +100,7 @@ def _tile(WORK, t, valid):
 
 
 @gluon.jit
-def _store_tile(tile, X, desc, buf, row0, col0, num_rows, stride_row):
+def store_tile(tile, X, desc, buf, row0, col0, num_rows, stride_row):
     """Stores rows ``0 .. num_rows - 1`` of ``tile`` (in registers, the output dtype) at rows
     ``row0 + i`` and columns ``col0 ..`` of the 2-D tensor that ``desc`` addresses (``X``:
     its column ``col0`` of row 0; ``stride_row`` its row stride), through the shared buffer
@@ -128,7 +128,7 @@ def _store_tile(tile, X, desc, buf, row0, col0, num_rows, stride_row):
 
 
 @gluon.jit
-def _barriers(n: gl.constexpr, count: gl.constexpr):
+def barriers(n: gl.constexpr, count: gl.constexpr):
     bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(n):
         mbarrier.init(bars.index(i), count=count)
@@ -137,7 +137,7 @@ def _barriers(n: gl.constexpr, count: gl.constexpr):
 
 
 @functools.cache
-def _num_sms(device_index: int) -> int:
+def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 

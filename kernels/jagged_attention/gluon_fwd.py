@@ -3,8 +3,8 @@
 On by default (``settings.gluon``; ``GEM_KERNELS_GLUON=0`` turns it off; imported at the first
 GDPA forward): ``op.py`` takes this kernel instead of the Triton forward where
 ``gluon_common.applies`` holds and ``max_q_len`` exceeds ``settings.gluon_min_q_len`` (128; there
-the Triton forward measured faster). Same math as the Triton forward (``_gdpa_act`` /
-``_gdpa_act_packed``, the output scale folded by the launcher), so the two agree to rounding.
+the Triton forward measured faster). Same math as the Triton forward (``gdpa_act`` /
+``gdpa_act_packed``, the output scale folded by the launcher), so the two agree to rounding.
 
 Structure (FlashAttention-3's forward, for a pointwise activation):
 
@@ -40,8 +40,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels.jagged_attention.gluon_common import (
-    CONSUMER_REGS, FAST_GELU, GELU, RELU, SILU, _addressable, _barriers, _num_sms,
-    _store_tile, _tile, work_list,
+    CONSUMER_REGS, FAST_GELU, GELU, RELU, SILU, addressable, barriers, sm_count,
+    store_tile, work_tile, work_list,
 )
 from kernels.jagged_attention.triton_common import FAST_GELU_BF16X2, SILU_BF16X2
 
@@ -58,8 +58,8 @@ def _tanh(x):
 
 @gluon.jit
 def _activation(s, scale, ACTIVATION: gl.constexpr, PACKED: gl.constexpr, dtype: gl.constexpr):
-    """P of the float32 scores s, in ``dtype``: triton_common's ``_gdpa_act`` (FAST) or, where
-    PACKED (bf16 silu / fast_gelu), ``_gdpa_act_packed``."""
+    """P of the float32 scores s, in ``dtype``: triton_common's ``gdpa_act`` (FAST) or, where
+    PACKED (bf16 silu / fast_gelu), ``gdpa_act_packed``."""
     if PACKED:
         x = s.to(dtype)
         if ACTIVATION == SILU:
@@ -113,7 +113,7 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, kv_
     it = 0  # K/V tiles loaded so far
     done = 0  # work tiles loaded so far
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
-        row0, num_rows, h, kv_start, kv_len = _tile(WORK, t, True)
+        row0, num_rows, h, kv_start, kv_len = work_tile(WORK, t, True)
         qb = done % Q_BUFFERS
         mbarrier.wait(q_free.index(qb), phase=((done // Q_BUFFERS) + 1) & 1, pred=done >= Q_BUFFERS)
         bar = q_ready.index(qb)
@@ -137,8 +137,8 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, kv_
 @gluon.jit
 def _epilogue(acc, O, o_desc, o_buf, row0, num_rows, h, stride_ot, stride_oh, out_scale,
               dtype: gl.constexpr):
-    """Stores a consumer's 64 output rows (those below ``num_rows``), see :func:`_store_tile`."""
-    _store_tile((acc * out_scale).to(dtype), O + h * stride_oh, o_desc, o_buf, row0,
+    """Stores a consumer's 64 output rows (those below ``num_rows``), see :func:`store_tile`."""
+    store_tile((acc * out_scale).to(dtype), O + h * stride_oh, o_desc, o_buf, row0,
                 h * acc.shape[1], num_rows, stride_ot)
 
 
@@ -179,14 +179,14 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_free, kv_ready, kv_free, O, o_d
     out_row0 = 0
     out_rows = 0
     out_h = 0
-    next_row0, next_rows, next_h, _, next_kv_len = _tile(WORK, gl.program_id(0),
+    next_row0, next_rows, next_h, _, next_kv_len = work_tile(WORK, gl.program_id(0),
                                                          gl.program_id(0) < total)
     for t in range(gl.program_id(0), total, step):
         row0 = next_row0 + HALF * 64
         num_rows = next_rows - HALF * 64
         h = next_h
         kv_len = next_kv_len
-        next_row0, next_rows, next_h, _, next_kv_len = _tile(WORK, t + step, t + step < total)
+        next_row0, next_rows, next_h, _, next_kv_len = work_tile(WORK, t + step, t + step < total)
         n_tiles = gl.cdiv(kv_len, BLOCK_N)
         qb = done % Q_BUFFERS
         q = q_smem.index(2 * qb + HALF)
@@ -276,10 +276,10 @@ def _gdpa_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, WORK, TOTAL, stride_ot, 
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
     o_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_D], o_desc.layout)  # one per consumer
-    q_ready = _barriers(Q_BUFFERS, 1)
-    q_free = _barriers(Q_BUFFERS, 2)
-    kv_ready = _barriers(STAGES, 1)
-    kv_free = _barriers(STAGES, 2)
+    q_ready = barriers(Q_BUFFERS, 1)
+    q_free = barriers(Q_BUFFERS, 2)
+    kv_ready = barriers(STAGES, 1)
+    kv_free = barriers(STAGES, 2)
     consumer_args = (q_smem, k_smem, v_smem, q_ready, q_free, kv_ready, kv_free, O, o_desc, o_smem,
                      stride_ot, stride_oh, WORK, TOTAL, scale, out_scale, ACTIVATION, PACKED)
     gl.warp_specialize([
@@ -300,7 +300,7 @@ def forward(q, k, v, out, q_offsets, kv_offsets, batch_order, max_q_len, activat
     ``out_scale`` is the launcher's ``post_scale * ACT_UNIT * scale``; ``num_sms`` (the grid
     size; default, the GPU's SM count) and ``wrap`` (see ``triton_fwd.forward``) let tests compile
     without launching."""
-    if out.shape != q.shape or not _addressable(out):
+    if out.shape != q.shape or not addressable(out):
         raise ValueError(f"gluon.forward: out must have q's shape {tuple(q.shape)}, adjacent heads "
                          f"and 16-byte aligned rows; got shape {tuple(out.shape)}, strides "
                          f"{out.stride()}")
@@ -316,7 +316,7 @@ def forward(q, k, v, out, q_offsets, kv_offsets, batch_order, max_q_len, activat
                                 [block_rows, head_dim], layout)
 
     if num_sms is None:
-        num_sms = _num_sms(torch.cuda.current_device() if q.device.index is None else q.device.index)
+        num_sms = sm_count(torch.cuda.current_device() if q.device.index is None else q.device.index)
     wrap(_gdpa_fwd_kernel)[(max(1, min(work.shape[0], num_sms)),)](
         descriptor(q, 64, q_layout), descriptor(k, BLOCK_N, kv_layout),
         descriptor(v, BLOCK_N, kv_layout), descriptor(out, 64, q_layout), out, work, total,

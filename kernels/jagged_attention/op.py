@@ -73,8 +73,10 @@ def launch_forward(
     config = config or current_settings()
     packed = packed_act(q, activation, config, arch)
     meta = launch_meta(q, activation, causal, window, block_size, q_broadcast, packed)
-    num_rows = (kv_offsets.numel() - 1) * q.shape[0] if q_broadcast else q.shape[0]
-    if (config.gluon and activation != "softmax" and num_rows > 0 and max_q_len > config.gluon_min_q_len
+    num_batches = kv_offsets.numel() - 1
+    num_rows = num_batches * q.shape[0] if q_broadcast else q.shape[0]
+    empty = num_rows == 0 or q.shape[1] == 0 or num_batches == 0  # the Triton launcher's zeros
+    if (not empty and config.gluon and activation != "softmax" and max_q_len > config.gluon_min_q_len
             and _gluon_applies(q, k, v, activation, causal, window, block_size, q_broadcast)):
         from kernels.jagged_attention import gluon_fwd
 
@@ -133,7 +135,7 @@ def _gluon_dkdv(q, k, v, grad_out, activation, causal, window, block_size, q_bro
         return False
     from kernels.jagged_attention import gluon_common
 
-    return gluon_common._addressable(grad_out)
+    return gluon_common.addressable(grad_out)
 
 
 def launch_backward(

@@ -4,7 +4,7 @@ The library never calls these; they change the settings in force or watch the ke
 through documented names, so tests and benchmarks need no private ones:
 
 * :func:`override`: the settings in force, changed for a ``with`` block (the environment is not
-  applied on top).
+  applied on top); :func:`preserved`: whatever a block configures is undone after it.
 * :func:`record_paths`: the kernels each launch in the block chose, e.g. ``["triton_fwd",
   "triton_dkdv", "dq_from_ds"]`` (names in ``op.py``).
 * :func:`forced_config`: launch-config entries that replace the per-head-dim defaults (autotuning
@@ -24,7 +24,7 @@ from kernels.jagged_attention.op import launch_backward, launch_forward, store_d
 from kernels.jagged_attention.triton_common import ACTIVATION_CODES, packed_act
 
 __all__ = ["ACTIVATION_CODES", "forced_config", "launch_backward", "launch_forward", "override",
-           "packed_act", "record_paths", "store_ds_row"]
+           "packed_act", "preserved", "record_paths", "store_ds_row"]
 
 
 @contextlib.contextmanager
@@ -36,6 +36,17 @@ def override(**values):
     settings._set(changed)
     try:
         yield changed
+    finally:
+        settings._set(saved)
+
+
+@contextlib.contextmanager
+def preserved():
+    """The settings in force when the block starts are back in force after it (e.g. around
+    ``settings.configure`` calls); yields them."""
+    saved = settings.current()
+    try:
+        yield saved
     finally:
         settings._set(saved)
 

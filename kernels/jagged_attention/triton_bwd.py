@@ -17,9 +17,9 @@ import triton.language as tl
 from kernels.jagged_attention import autotune
 from kernels.jagged_attention.settings import KernelSettings
 from kernels.jagged_attention.triton_common import (
-    BOUNDS, UNMASKED, VISIBLE, _dot, _example_rows, _gdpa_act_and_grad,
-    _gdpa_act_and_grad_packed, _key_interval, _load_rows, _load_tile, _program_block,
-    _query_interval, _split_blocks, _visible, bucket, identity,
+    BOUNDS, UNMASKED, VISIBLE, dot, example_rows, gdpa_act_and_grad,
+    gdpa_act_and_grad_packed, key_interval, load_rows, load_tile, program_block,
+    query_interval, split_blocks, visible_mask, bucket, identity,
 )
 
 # ---------------------------------------------------------------------------------------
@@ -56,10 +56,10 @@ def _bwd_dkdv_inner(
     offs_m = tl.arange(0, BLOCK_M)
     for m0 in range(start, end, BLOCK_M):
         rows = m0 + offs_m
-        q = _load_tile(Q, stride_qt, m0, rows, q_len, offs_d, dmask, MASK != UNMASKED, EVEN_D)
-        do = _load_tile(DO, stride_dot, m0, rows, q_len, offs_d, dmask, MASK != UNMASKED, EVEN_D)
-        x_t = _dot(k, tl.trans(q), None, DOT_PRECISION)  # [N, M] raw scores
-        dp_t = _dot(v, tl.trans(do), None, DOT_PRECISION)  # [N, M]
+        q = load_tile(Q, stride_qt, m0, rows, q_len, offs_d, dmask, MASK != UNMASKED, EVEN_D)
+        do = load_tile(DO, stride_dot, m0, rows, q_len, offs_d, dmask, MASK != UNMASKED, EVEN_D)
+        x_t = dot(k, tl.trans(q), None, DOT_PRECISION)  # [N, M] raw scores
+        dp_t = dot(v, tl.trans(do), None, DOT_PRECISION)  # [N, M]
         if ACTIVATION == 0:
             s_t = x_t * qk_scale
             if MASK != UNMASKED:  # (rows past the end: p = 0)
@@ -70,17 +70,17 @@ def _bwd_dkdv_inner(
                 delta = tl.load(DELTA + rows)
             p_t = tl.math.exp2(s_t - lse[None, :])
             if MASK == VISIBLE:
-                vis = _visible(rows, cols, q_len, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK)
+                vis = visible_mask(rows, cols, q_len, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK)
                 p_t = tl.where(tl.trans(vis), p_t, 0.0)
             ds_t = p_t * (dp_t - delta[None, :])
         else:
             if PACKED_ACT:
-                p_t, ds_t = _gdpa_act_and_grad_packed(x_t.to(do.dtype), dp_t.to(do.dtype), qk_scale, ACTIVATION)
+                p_t, ds_t = gdpa_act_and_grad_packed(x_t.to(do.dtype), dp_t.to(do.dtype), qk_scale, ACTIVATION)
             else:
-                p_t, g_t = _gdpa_act_and_grad(x_t, qk_scale, ACTIVATION, DOT_PRECISION != "ieee")
+                p_t, g_t = gdpa_act_and_grad(x_t, qk_scale, ACTIVATION, DOT_PRECISION != "ieee")
                 ds_t = dp_t * g_t
             if MASK == VISIBLE:
-                vis_t = tl.trans(_visible(rows, cols, q_len, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK))
+                vis_t = tl.trans(visible_mask(rows, cols, q_len, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK))
                 p_t = tl.where(vis_t, p_t, 0.0)
                 ds_t = tl.where(vis_t, ds_t, 0.0)
         ds_t = ds_t.to(q.dtype)
@@ -88,8 +88,8 @@ def _bwd_dkdv_inner(
             # rows past q_len hold zeros (no row mask, so the stores vectorize)
             tl.store(DS + cols.to(tl.int64)[:, None] * stride_dst + rows[None, :], ds_t,
                      mask=(cols < kv_len)[:, None])
-        dv = _dot(p_t.to(do.dtype), do, dv, DOT_PRECISION)
-        dk = _dot(ds_t, q, dk, DOT_PRECISION)
+        dv = dot(p_t.to(do.dtype), do, dv, DOT_PRECISION)
+        dk = dot(ds_t, q, dk, DOT_PRECISION)
     return dk, dv
 
 
@@ -108,9 +108,9 @@ def _bwd_dkdv_kernel(
     qk_scale = tl.cast(qk_scale, tl.float32)  # fp64 under Inductor, as in _fwd_kernel
     dk_scale = tl.cast(dk_scale, tl.float32)
     dv_scale = tl.cast(dv_scale, tl.float32)
-    n_block, rank, h = _program_block(tl.program_id(0), max_kv_len, BLOCK_N, num_heads)
+    n_block, rank, h = program_block(tl.program_id(0), max_kv_len, BLOCK_N, num_heads)
     b = tl.load(batch_order + rank)
-    o_start, q_len, kv_start, kv_len = _example_rows(
+    o_start, q_len, kv_start, kv_len = example_rows(
         tl.load(q_offsets + b), tl.load(q_offsets + b + 1), tl.load(kv_offsets + b), tl.load(kv_offsets + b + 1))
     n0 = n_block * BLOCK_N
     if n0 >= kv_len:
@@ -124,8 +124,8 @@ def _bwd_dkdv_kernel(
     dmask = offs_d < head_dim
     K += kv_start * stride_kt + h * stride_kh
     V += kv_start * stride_vt + h * stride_vh
-    k = _load_rows(K + cols[:, None] * stride_kt + offs_d[None, :], cols, kv_len, dmask, True, EVEN_D)
-    v = _load_rows(V + cols[:, None] * stride_vt + offs_d[None, :], cols, kv_len, dmask, True, EVEN_D)
+    k = load_rows(K + cols[:, None] * stride_kt + offs_d[None, :], cols, kv_len, dmask, True, EVEN_D)
+    v = load_rows(V + cols[:, None] * stride_vt + offs_d[None, :], cols, kv_len, dmask, True, EVEN_D)
     Q += q_start * stride_qt + h * stride_qh
     DO += o_start * stride_dot + h * stride_doh
     LSE += h * stride_lse_h + o_start
@@ -136,9 +136,9 @@ def _bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     if CAUSAL or HAS_WINDOW or HAS_BLOCK:
         j_last = tl.minimum(n0 + BLOCK_N, kv_len) - 1
-        lo_any, lo_all, hi_all, hi_any = _query_interval(
+        lo_any, lo_all, hi_all, hi_any = query_interval(
             n0, j_last, q_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK)
-        first, full_start, full_end, last = _split_blocks(lo_any, lo_all, hi_all, hi_any, BLOCK_M)
+        first, full_start, full_end, last = split_blocks(lo_any, lo_all, hi_all, hi_any, BLOCK_M)
         dk, dv = _bwd_dkdv_inner(
             dk, dv, k, v, Q, DO, LSE, DELTA, DS, stride_qt, stride_dot, stride_dst, cols, offs_d,
             dmask, first, full_start, q_len, kv_len, qk_scale, window, block_size, VISIBLE,
@@ -179,10 +179,10 @@ def _bwd_dq_inner(
     offs_n = tl.arange(0, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + offs_n
-        k = _load_tile(K, stride_kt, n0, cols, kv_len, offs_d, dmask, MASK != UNMASKED, EVEN_D)
-        v = _load_tile(V, stride_vt, n0, cols, kv_len, offs_d, dmask, MASK != UNMASKED, EVEN_D)
-        x = _dot(q, tl.trans(k), None, DOT_PRECISION)  # [M, N] raw scores
-        dp = _dot(do, tl.trans(v), None, DOT_PRECISION)  # [M, N]
+        k = load_tile(K, stride_kt, n0, cols, kv_len, offs_d, dmask, MASK != UNMASKED, EVEN_D)
+        v = load_tile(V, stride_vt, n0, cols, kv_len, offs_d, dmask, MASK != UNMASKED, EVEN_D)
+        x = dot(q, tl.trans(k), None, DOT_PRECISION)  # [M, N] raw scores
+        dp = dot(do, tl.trans(v), None, DOT_PRECISION)  # [M, N]
         if ACTIVATION == 0:
             p = tl.math.exp2(x * qk_scale - lse[:, None])
             if MASK == BOUNDS:  # a key past the end scores 0: exp2(-lse) overflows for lse < -128
@@ -190,13 +190,13 @@ def _bwd_dq_inner(
             ds = p * (dp - delta[:, None])
         else:
             if PACKED_ACT:
-                ds = _gdpa_act_and_grad_packed(x.to(k.dtype), dp.to(k.dtype), qk_scale, ACTIVATION)[1]
+                ds = gdpa_act_and_grad_packed(x.to(k.dtype), dp.to(k.dtype), qk_scale, ACTIVATION)[1]
             else:
-                ds = dp * _gdpa_act_and_grad(x, qk_scale, ACTIVATION, DOT_PRECISION != "ieee")[1]
+                ds = dp * gdpa_act_and_grad(x, qk_scale, ACTIVATION, DOT_PRECISION != "ieee")[1]
         if MASK == VISIBLE:  # (keys past the end: k = 0, so a finite ds there adds nothing)
-            vis = _visible(rows, cols, q_len, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK)
+            vis = visible_mask(rows, cols, q_len, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK)
             ds = tl.where(vis, ds, 0.0)
-        dq = _dot(ds.to(k.dtype), k, dq, DOT_PRECISION)
+        dq = dot(ds.to(k.dtype), k, dq, DOT_PRECISION)
     return dq
 
 
@@ -214,9 +214,9 @@ def _bwd_dq_kernel(
 ):
     qk_scale = tl.cast(qk_scale, tl.float32)  # fp64 under Inductor, as in _fwd_kernel
     dq_scale = tl.cast(dq_scale, tl.float32)
-    m_block, rank, h = _program_block(tl.program_id(0), max_q_len, BLOCK_M, num_heads)
+    m_block, rank, h = program_block(tl.program_id(0), max_q_len, BLOCK_M, num_heads)
     b = tl.load(batch_order + rank)
-    o_start, q_len, kv_start, kv_len = _example_rows(
+    o_start, q_len, kv_start, kv_len = example_rows(
         tl.load(q_offsets + b), tl.load(q_offsets + b + 1), tl.load(kv_offsets + b), tl.load(kv_offsets + b + 1))
     m0 = m_block * BLOCK_M
     if m0 >= q_len:
@@ -233,8 +233,8 @@ def _bwd_dq_kernel(
     DO += o_start * stride_dot + h * stride_doh
     K += kv_start * stride_kt + h * stride_kh
     V += kv_start * stride_vt + h * stride_vh
-    q = _load_rows(Q + rows[:, None] * stride_qt + offs_d[None, :], rows, q_len, dmask, True, EVEN_D)
-    do = _load_rows(DO + rows[:, None] * stride_dot + offs_d[None, :], rows, q_len, dmask, True, EVEN_D)
+    q = load_rows(Q + rows[:, None] * stride_qt + offs_d[None, :], rows, q_len, dmask, True, EVEN_D)
+    do = load_rows(DO + rows[:, None] * stride_dot + offs_d[None, :], rows, q_len, dmask, True, EVEN_D)
     if ACTIVATION == 0:
         lse = tl.load(LSE + h * stride_lse_h + o_start + rows, mask=row_mask, other=float("inf"))
         delta = tl.load(DELTA + h * stride_lse_h + o_start + rows, mask=row_mask, other=0.0)
@@ -245,9 +245,9 @@ def _bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if CAUSAL or HAS_WINDOW or HAS_BLOCK:
         i_last = tl.minimum(m0 + BLOCK_M, q_len) - 1
-        lo_any, lo_all, hi_all, hi_any = _key_interval(
+        lo_any, lo_all, hi_all, hi_any = key_interval(
             m0, i_last, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK)
-        first, full_start, full_end, last = _split_blocks(lo_any, lo_all, hi_all, hi_any, BLOCK_N)
+        first, full_start, full_end, last = split_blocks(lo_any, lo_all, hi_all, hi_any, BLOCK_N)
         dq = _bwd_dq_inner(
             dq, q, do, lse, delta, K, V, stride_kt, stride_vt, rows, offs_d, dmask, first,
             full_start, q_len, kv_len, qk_scale, window, block_size, VISIBLE, ACTIVATION, CAUSAL,
@@ -285,9 +285,9 @@ def _bwd_dq_from_ds_kernel(
     masked; queries are not (so the loads vectorize): the rows are padded to a multiple of
     every BLOCK_M, and a query past the end only reaches its own dQ row, which is not stored."""
     dq_scale = tl.cast(dq_scale, tl.float32)  # fp64 under Inductor, as in _fwd_kernel
-    m_block, rank, h = _program_block(tl.program_id(0), max_q_len, BLOCK_M, num_heads)
+    m_block, rank, h = program_block(tl.program_id(0), max_q_len, BLOCK_M, num_heads)
     b = tl.load(batch_order + rank)
-    o_start, q_len, kv_start, kv_len = _example_rows(
+    o_start, q_len, kv_start, kv_len = example_rows(
         tl.load(q_offsets + b), tl.load(q_offsets + b + 1), tl.load(kv_offsets + b), tl.load(kv_offsets + b + 1))
     m0 = m_block * BLOCK_M
     if m0 >= q_len:
@@ -305,9 +305,9 @@ def _bwd_dq_from_ds_kernel(
         cols = n0 + offs_n
         ds_t = tl.load(DS + cols.to(tl.int64)[:, None] * stride_dst + rows[None, :],
                        mask=(cols < kv_len)[:, None], other=0.0)
-        k = _load_rows(K + cols[:, None] * stride_kt + offs_d[None, :], cols, kv_len, dmask,
+        k = load_rows(K + cols[:, None] * stride_kt + offs_d[None, :], cols, kv_len, dmask,
                        True, EVEN_D)
-        dq = _dot(tl.trans(ds_t), k, dq, DOT_PRECISION)
+        dq = dot(tl.trans(ds_t), k, dq, DOT_PRECISION)
 
     DQ += o_start * stride_dqt + h * stride_dqh
     dq_ptrs = DQ + rows[:, None] * stride_dqt + offs_d[None, :]

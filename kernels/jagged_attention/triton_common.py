@@ -31,15 +31,15 @@ ACTIVATION_CODES = {name: code for code, name in enumerate(ACTIVATIONS)}
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# act(scale * x) = ACT_UNIT * scale * _gdpa_act(x) and act'(scale * x) = ACT_UNIT * (its
-# second factor in _gdpa_act_and_grad): the launchers fold these constants into the output,
+# act(scale * x) = ACT_UNIT * scale * gdpa_act(x) and act'(scale * x) = ACT_UNIT * (its
+# second factor in gdpa_act_and_grad): the launchers fold these constants into the output,
 # dV and dQ / dK scales.
 ACT_UNIT = {"silu": 0.5, "gelu": 0.5, "fast_gelu": 0.5, "relu": 1.0, "identity": 1.0}
 
 
 # Triton 3.7's interpreter gets bf16 tl.dot wrong; there every dot runs on float32 copies of
 # its (already rounded) operands, which keeps the numerics of the compiled kernel.
-_UPCAST_DOTS = tl.constexpr(INTERPRET)
+UPCAST_DOTS = tl.constexpr(INTERPRET)
 
 LOG2E = 1.4426950408889634
 SQRT_2_OVER_PI = 0.7978845608028654
@@ -63,9 +63,9 @@ UNMASKED, BOUNDS, VISIBLE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
-def _dot(a, b, acc, DOT_PRECISION: tl.constexpr):
+def dot(a, b, acc, DOT_PRECISION: tl.constexpr):
     """acc + a @ b with a float32 accumulator."""
-    if _UPCAST_DOTS:
+    if UPCAST_DOTS:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
@@ -73,14 +73,14 @@ def _dot(a, b, acc, DOT_PRECISION: tl.constexpr):
 @triton.jit
 def _tanh(x, FAST: tl.constexpr):
     """tanh; FAST uses the hardware approximation (MUFU.TANH, rel. error ~5e-4, 16-bit inputs)."""
-    if FAST and not _UPCAST_DOTS:
+    if FAST and not UPCAST_DOTS:
         return tl.inline_asm_elementwise(
             "tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
     return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
 
 @triton.jit
-def _gdpa_act(x, scale, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
+def gdpa_act(x, scale, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
     """act(scale * x) / (unit * scale) for the raw score x = q . k (float32).
 
     The constant factor ``unit * scale`` (``ACT_UNIT``) is left to the launchers, which fold it
@@ -103,7 +103,7 @@ def _gdpa_act(x, scale, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
         return x
 
 
-# The bf16x2 PTX of _gdpa_act_packed (also used by gluon.py): two scores per 32-bit register.
+# The bf16x2 PTX of gdpa_act_packed (also used by gluon.py): two scores per 32-bit register.
 # silu: $0 = x + x tanh(h x) for x = $1, h = $2 (scale / 2).
 SILU_BF16X2 = tl.constexpr(
     "{ .reg .b32 h, t; mul.rn.bf16x2 h, $1, $2; tanh.approx.bf16x2 t, h; "
@@ -115,10 +115,10 @@ FAST_GELU_BF16X2 = tl.constexpr(
 
 
 @triton.jit
-def _gdpa_act_packed(x, scale, ACTIVATION: tl.constexpr):
-    """:func:`_gdpa_act` of bf16 scores x (silu, fast_gelu), two at a time: bf16x2 multiplies
+def gdpa_act_packed(x, scale, ACTIVATION: tl.constexpr):
+    """:func:`gdpa_act` of bf16 scores x (silu, fast_gelu), two at a time: bf16x2 multiplies
     and FMAs, and one MUFU.TANH for two values. Returns bf16. The PTX (``mul.rn.bf16x2``,
-    ``tanh.approx.bf16x2``) needs sm_90; the launchers check (:func:`_packed_act`)."""
+    ``tanh.approx.bf16x2``) needs sm_90; ``packed_act`` checks that."""
     if ACTIVATION == 1:
         h = tl.full(x.shape, 0.5 * scale, x.dtype)
         return tl.inline_asm_elementwise(SILU_BF16X2, "=r,r,r", [x, h], dtype=x.dtype,
@@ -132,17 +132,17 @@ def _gdpa_act_packed(x, scale, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _gdpa_p(x, scale, dtype: tl.constexpr, ACTIVATION: tl.constexpr, PACKED_ACT: tl.constexpr,
+def gdpa_p(x, scale, dtype: tl.constexpr, ACTIVATION: tl.constexpr, PACKED_ACT: tl.constexpr,
             DOT_PRECISION: tl.constexpr):
-    """The forward's P = :func:`_gdpa_act` of the float32 scores x, in ``dtype`` (bf16x2 math
+    """The forward's P = :func:`gdpa_act` of the float32 scores x, in ``dtype`` (bf16x2 math
     where PACKED_ACT)."""
     if PACKED_ACT:
-        return _gdpa_act_packed(x.to(dtype), scale, ACTIVATION)
-    return _gdpa_act(x, scale, ACTIVATION, DOT_PRECISION != "ieee").to(dtype)
+        return gdpa_act_packed(x.to(dtype), scale, ACTIVATION)
+    return gdpa_act(x, scale, ACTIVATION, DOT_PRECISION != "ieee").to(dtype)
 
 
-# The bf16x2 PTX of _gdpa_act_and_grad_packed (also used by gluon.py): $0 = P and $1 = dP * g
-# (the value and gradient factors of _gdpa_act_and_grad) for x = $2, dP = $3.
+# The bf16x2 PTX of gdpa_act_and_grad_packed (also used by gluon.py): $0 = P and $1 = dP * g
+# (the value and gradient factors of gdpa_act_and_grad) for x = $2, dP = $3.
 # silu: h = $4 (scale / 2).
 SILU_GRAD_BF16X2 = tl.constexpr(
     "{ .reg .b32 h, t, one, opt, omt, g; mov.b32 one, 0x3F803F80; "
@@ -160,8 +160,8 @@ FAST_GELU_GRAD_BF16X2 = tl.constexpr(
 
 
 @triton.jit
-def _gdpa_act_and_grad_packed(x, dp, scale, ACTIVATION: tl.constexpr):
-    """(p, dp * g) of :func:`_gdpa_act_and_grad` for bf16 scores x and bf16 dP (silu,
+def gdpa_act_and_grad_packed(x, dp, scale, ACTIVATION: tl.constexpr):
+    """(p, dp * g) of :func:`gdpa_act_and_grad` for bf16 scores x and bf16 dP (silu,
     fast_gelu), two at a time in bf16x2 (sm_90). Returns bf16."""
     if ACTIVATION == 1:
         h = tl.full(x.shape, 0.5 * scale, x.dtype)
@@ -179,9 +179,9 @@ def _gdpa_act_and_grad_packed(x, dp, scale, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _gdpa_act_and_grad(x, scale, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
+def gdpa_act_and_grad(x, scale, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
     """(act(s) / (unit * scale), act'(s) / unit) at s = scale * x, x float32: the dV and dS
-    factors of the backward, sharing one tanh (``unit`` as in :func:`_gdpa_act`)."""
+    factors of the backward, sharing one tanh (``unit`` as in :func:`gdpa_act`)."""
     if ACTIVATION == 1:  # silu: act' = sig (1 + s (1 - sig)), sig = (1 + t) / 2, t = tanh(s / 2)
         h = x * (0.5 * scale)
         t = _tanh(h, FAST)
@@ -205,7 +205,7 @@ def _gdpa_act_and_grad(x, scale, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _visible(
+def visible_mask(
     rows, cols, num_rows, num_cols, window, block_size,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
 ):
@@ -223,7 +223,7 @@ def _visible(
 
 
 @triton.jit
-def _key_interval(
+def key_interval(
     i_first, i_last, num_keys, window, block_size,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
 ):
@@ -249,7 +249,7 @@ def _key_interval(
 
 
 @triton.jit
-def _query_interval(
+def query_interval(
     j_first, j_last, num_queries, window, block_size,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
 ):
@@ -275,7 +275,7 @@ def _query_interval(
 
 
 @triton.jit
-def _split_blocks(lo_any, lo_all, hi_all, hi_any, BLOCK: tl.constexpr):
+def split_blocks(lo_any, lo_all, hi_all, hi_any, BLOCK: tl.constexpr):
     """Splits [lo_any, hi_any) into masked [first, full_start), unmasked [full_start, full_end)
     (whole blocks inside [lo_all, hi_all)) and masked [full_end, hi_any)."""
     first = (lo_any // BLOCK) * BLOCK
@@ -287,7 +287,7 @@ def _split_blocks(lo_any, lo_all, hi_all, hi_any, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _program_block(pid, max_len, BLOCK: tl.constexpr, num_heads):
+def program_block(pid, max_len, BLOCK: tl.constexpr, num_heads):
     """(block, rank in ``batch_order``, head) of program ``pid`` of a grid of one program per
     (example in ``batch_order``, head, block of ``BLOCK`` of the ``max_len`` rows)."""
     num_blocks = tl.cdiv(max_len, BLOCK)
@@ -296,7 +296,7 @@ def _program_block(pid, max_len, BLOCK: tl.constexpr, num_heads):
 
 
 @triton.jit
-def _example_rows(q_start, q_end, kv_start, kv_end):
+def example_rows(q_start, q_end, kv_start, kv_end):
     """(first output row, query rows, first K/V row, keys) of an example from its loaded offsets.
     The kernels load the offsets themselves: a pointer passed to a helper whose result feeds a
     store address counts as written for Inductor, which then clones it (compile_mutations.py)."""
@@ -305,7 +305,7 @@ def _example_rows(q_start, q_end, kv_start, kv_end):
 
 
 @triton.jit
-def _load_rows(ptrs, rows, num_rows, dmask, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
+def load_rows(ptrs, rows, num_rows, dmask, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
     if MASK_ROWS:
         if EVEN_D:
             return tl.load(ptrs, mask=(rows < num_rows)[:, None], other=0.0)
@@ -317,11 +317,11 @@ def _load_rows(ptrs, rows, num_rows, dmask, MASK_ROWS: tl.constexpr, EVEN_D: tl.
 
 
 @triton.jit
-def _load_tile(X, stride, start, rows, num_rows, offs_d, dmask, MASKED: tl.constexpr,
+def load_tile(X, stride, start, rows, num_rows, offs_d, dmask, MASKED: tl.constexpr,
                EVEN_D: tl.constexpr):
     """Rows ``start + [0, BLOCK)`` of one example's ``[num_rows, D]`` operand; X points at its
     first row, ``rows = start + arange(BLOCK)``, masked loads where MASKED."""
-    return _load_rows(X + rows[:, None] * stride + offs_d[None, :], rows, num_rows, dmask, MASKED,
+    return load_rows(X + rows[:, None] * stride + offs_d[None, :], rows, num_rows, dmask, MASKED,
                       EVEN_D)
 
 

@@ -14,8 +14,8 @@ import triton.language as tl
 from kernels.jagged_attention import autotune
 from kernels.jagged_attention.settings import KernelSettings
 from kernels.jagged_attention.triton_common import (
-    _UPCAST_DOTS, ACT_UNIT, BOUNDS, LOG2E, UNMASKED, VISIBLE, _dot, _example_rows, _gdpa_p,
-    _key_interval, _load_rows, _load_tile, _program_block, _split_blocks, _visible, bucket,
+    UPCAST_DOTS, ACT_UNIT, BOUNDS, LOG2E, UNMASKED, VISIBLE, dot, example_rows, gdpa_p,
+    key_interval, load_rows, load_tile, program_block, split_blocks, visible_mask, bucket,
     identity,
 )
 
@@ -35,15 +35,15 @@ def _fwd_inner(
     offs_n = tl.arange(0, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + offs_n
-        k = _load_tile(K, stride_kt, n0, cols, kv_len, offs_d, dmask, MASK != UNMASKED, EVEN_D)
-        v = _load_tile(V, stride_vt, n0, cols, kv_len, offs_d, dmask, MASK != UNMASKED, EVEN_D)
-        x = _dot(q, tl.trans(k), None, DOT_PRECISION)  # [M, N] raw scores
+        k = load_tile(K, stride_kt, n0, cols, kv_len, offs_d, dmask, MASK != UNMASKED, EVEN_D)
+        v = load_tile(V, stride_vt, n0, cols, kv_len, offs_d, dmask, MASK != UNMASKED, EVEN_D)
+        x = dot(q, tl.trans(k), None, DOT_PRECISION)  # [M, N] raw scores
         if ACTIVATION == 0:  # online softmax, log2 domain
             s = x * qk_scale
             if MASK == BOUNDS:
                 s = tl.where((cols < kv_len)[None, :], s, float("-inf"))
             elif MASK == VISIBLE:
-                vis = _visible(rows, cols, q_len, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK)
+                vis = visible_mask(rows, cols, q_len, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK)
                 s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -53,11 +53,11 @@ def _fwd_inner(
             acc = acc * alpha[:, None]
             m_i = m_new
         else:
-            p = _gdpa_p(x, qk_scale, v.dtype, ACTIVATION, PACKED_ACT, DOT_PRECISION)
+            p = gdpa_p(x, qk_scale, v.dtype, ACTIVATION, PACKED_ACT, DOT_PRECISION)
             if MASK == VISIBLE:
-                vis = _visible(rows, cols, q_len, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK)
+                vis = visible_mask(rows, cols, q_len, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK)
                 p = tl.where(vis, p, 0.0)
-        acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION)
+        acc = dot(p.to(v.dtype), v, acc, DOT_PRECISION)
     return acc, m_i, l_i
 
 
@@ -90,19 +90,19 @@ def _fwd_gdpa_late_pv(
     p = tl.zeros([acc.shape[0], BLOCK_N], dtype=V.dtype.element_ty)
     for n0 in range(0, kv_len + BLOCK_N, BLOCK_N):
         cols = n0 + offs_n
-        k = _load_tile(K, stride_kt, n0, cols, kv_len, offs_d, dmask, True, EVEN_D)
+        k = load_tile(K, stride_kt, n0, cols, kv_len, offs_d, dmask, True, EVEN_D)
         prev = cols - BLOCK_N  # the rows of the tile whose P V runs now
         v_mask = ((prev >= 0) & (prev < kv_len))[:, None]
         if not EVEN_D:
             v_mask = v_mask & dmask[None, :]
         v = tl.load(V + prev[:, None] * stride_vt + offs_d[None, :], mask=v_mask, other=0.0)
-        x = _dot(q, tl.trans(k), None, DOT_PRECISION)
-        if not _UPCAST_DOTS:
+        x = dot(q, tl.trans(k), None, DOT_PRECISION)
+        if not UPCAST_DOTS:
             # An opaque copy inside the loop: Triton would stage the loop-carried operand
             # through shared memory and then wait on the product at once.
             p = _opaque_copy(p)
-        acc = _dot(p, v, acc, DOT_PRECISION)
-        p = _gdpa_p(x, qk_scale, v.dtype, ACTIVATION, PACKED_ACT, DOT_PRECISION)
+        acc = dot(p, v, acc, DOT_PRECISION)
+        p = gdpa_p(x, qk_scale, v.dtype, ACTIVATION, PACKED_ACT, DOT_PRECISION)
     return acc
 
 
@@ -120,9 +120,9 @@ def _fwd_kernel(
     # Inductor passes Python floats as fp64 scalars: keep the math (and acc) in float32.
     qk_scale = tl.cast(qk_scale, tl.float32)
     out_scale = tl.cast(out_scale, tl.float32)
-    m_block, rank, h = _program_block(tl.program_id(0), max_q_len, BLOCK_M, num_heads)
+    m_block, rank, h = program_block(tl.program_id(0), max_q_len, BLOCK_M, num_heads)
     b = tl.load(batch_order + rank)
-    o_start, q_len, kv_start, kv_len = _example_rows(
+    o_start, q_len, kv_start, kv_len = example_rows(
         tl.load(q_offsets + b), tl.load(q_offsets + b + 1), tl.load(kv_offsets + b), tl.load(kv_offsets + b + 1))
     m0 = m_block * BLOCK_M
     if m0 >= q_len:
@@ -137,16 +137,16 @@ def _fwd_kernel(
     Q += q_start * stride_qt + h * stride_qh
     K += kv_start * stride_kt + h * stride_kh
     V += kv_start * stride_vt + h * stride_vh
-    q = _load_rows(Q + rows[:, None] * stride_qt + offs_d[None, :], rows, q_len, dmask, True, EVEN_D)
+    q = load_rows(Q + rows[:, None] * stride_qt + offs_d[None, :], rows, q_len, dmask, True, EVEN_D)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if CAUSAL or HAS_WINDOW or HAS_BLOCK:
         i_last = tl.minimum(m0 + BLOCK_M, q_len) - 1
-        lo_any, lo_all, hi_all, hi_any = _key_interval(
+        lo_any, lo_all, hi_all, hi_any = key_interval(
             m0, i_last, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK)
-        first, full_start, full_end, last = _split_blocks(lo_any, lo_all, hi_all, hi_any, BLOCK_N)
+        first, full_start, full_end, last = split_blocks(lo_any, lo_all, hi_all, hi_any, BLOCK_N)
         acc, m_i, l_i = _fwd_inner(
             acc, m_i, l_i, q, K, V, stride_kt, stride_vt, rows, offs_d, dmask, first, full_start,
             q_len, kv_len, qk_scale, window, block_size, VISIBLE, ACTIVATION, CAUSAL, HAS_WINDOW,

@@ -455,8 +455,7 @@ def test_settings_from_config_and_environment(monkeypatch):
     key or the variable for a bad value, also at the first call of a fresh process."""
     for name in kernel_config.ENV.values():
         monkeypatch.delenv(name, raising=False)
-    saved = kernel_config.current()
-    try:
+    with testing.preserved():
         assert kernel_config.configure() == kernel_config.KernelSettings()
         assert kernel_config.configure(store_ds=False, tune_space="wide").store_ds is False
         assert kernel_config.current().tune_space == "wide"
@@ -486,8 +485,6 @@ def test_settings_from_config_and_environment(monkeypatch):
             kernel_config.configure(gluon_min_q_len=-1)
         with pytest.raises(ValueError, match=r"unknown kernel setting\(s\) \['tma'\]"):
             kernel_config.configure(tma=True)
-    finally:
-        kernel_config._set(saved)
     result = _run_python(["-c", "from kernels.jagged_attention import settings; settings.current()"],
                          timeout=300, GEM_KERNELS_STORE_DS="maybe")
     assert result.returncode != 0

@@ -13,6 +13,7 @@ import pytest
 
 from gem.train.config import ConfigError, KernelsConfig, validate
 from kernels.jagged_attention import settings as kernel_config
+from kernels.jagged_attention import testing
 from tests.conftest import compose
 
 
@@ -21,9 +22,8 @@ def restored(monkeypatch):
     """No GEM_KERNELS_* variable set; the settings in force restored after the test."""
     for name in kernel_config.ENV.values():
         monkeypatch.delenv(name, raising=False)
-    saved = kernel_config.current()
-    yield
-    kernel_config._set(saved)
+    with testing.preserved():
+        yield
 
 
 @pytest.mark.parametrize("option", ["auto", "triton", "reference"])
@@ -59,7 +59,7 @@ def test_the_trainer_applies_the_settings_before_it_builds_the_model(restored, t
                                "kernels.store_ds=false"]))
     env = init_distributed("cpu", need_process_group=False)
     schema, _ = load_data(config, env)
-    kernel_config._set(kernel_config.KernelSettings())
+    assert kernel_config.configure() == kernel_config.KernelSettings()
     build_model(config, schema, env)
     applied = kernel_config.current()
     assert (applied.gluon_min_q_len, applied.store_ds) == (512, False)
