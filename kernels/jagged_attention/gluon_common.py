@@ -59,9 +59,8 @@ def _work_list_kernel(q_offsets, kv_offsets, batch_order, WORK, TOTAL, num_batch
     """Program (m, h) writes the work tiles of query block m and head h of every example:
     ``WORK[e]`` = (first Q row, valid rows, head, K/V start, K/V length, 0, 0, 0) for tile
     ``e`` = (blocks of the examples before it in ``batch_order`` + m) * heads + h, one 32-byte
-    row store per tile. (One program per m storing each field apart took 31 us at 1,152
-    examples and 186 us at 8,192 on an H200, against 21 and 28 us; do_bench, launches
-    included.) Program (0, 0) writes their number to ``TOTAL``."""
+    row store per tile (faster than a store per field; docs/kernels-log.md). Program (0, 0)
+    writes their number to ``TOTAL``."""
     m = tl.program_id(0)
     h = tl.program_id(1)
     field = tl.arange(0, FIELDS)[None, :]
@@ -108,8 +107,8 @@ def store_tile(tile, X, desc, buf, row0, col0, num_rows, stride_row):
     thread (the descriptor's rows run on into the next example). The TMA store is left in
     flight; the next call, and the caller before it reuses ``buf`` or ends, wait for it.
 
-    Stored straight from the accumulator's registers (4-byte pieces per thread), the output took
-    about a fifth of the forward's time at 512 rows (fill 0.5) and pffn (docs/kernels-log.md)."""
+    (Straight from the accumulator's registers, 4-byte pieces per thread, the stores cost the
+    short rows much of their time; docs/kernels-log.md.)"""
     BLOCK_C: gl.constexpr = tile.shape[1]
     tma.store_wait(0)
     buf.store(tile)

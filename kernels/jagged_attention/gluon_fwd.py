@@ -24,10 +24,8 @@ Structure (FlashAttention-3's forward, for a pointwise activation):
   shared memory, by TMA where all are the example's and by masked 16-byte stores else. Rows
   past the tensor's end are zero-filled by the TMA unit.
 
-Measured on an H200 against the Triton forward (fast_gelu, bf16, head dim 128, fill 0.5):
-3-5% slower at 128 rows, 5-15% faster at 256, 14-19% at 512, 10-21% at 1024, 18-21% at 2048
-(``benchmarks/attention.py --lengths``; docs/kernels-log.md, "What moved GDPA this time" and "The
-Gluon forward"); tested on the GPU by ``test_gpu_gluon_forward*``.
+Faster than the Triton forward above 128 rows (``benchmarks/attention.py --lengths``; the
+figures in docs/kernels-log.md); tested on the GPU by ``test_gpu_gluon_forward*``.
 """
 
 from __future__ import annotations
