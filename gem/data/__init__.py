@@ -5,6 +5,9 @@
   :func:`build_source`, which turns the ``data`` config into a schema and loaders;
 - ``gem.data.pipeline``: the feature schema, the Batch contract, balancing and the loader.
 
+Modules import one way: pipeline.schema / batch / balance <- format.layout <- format.checks <-
+format.dataset, format.reader, format.validate <- pipeline.loader <- sources.
+
 Jagged tensor helpers live in kernels/jagged.py. Importing the package loads only its errors and
 checks the versions of torch / FBGEMM / TorchRec / Triton (gem/versions.py); the names below are
 imported on first use, so ``import gem.data`` stays cheap.

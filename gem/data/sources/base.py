@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gem.data.format.dataset import schema_from_files, split_files
-from gem.data.pipeline.loader import BatchLoader, build_loader
 from gem.data.pipeline.schema import FeatureSchema
+
+if TYPE_CHECKING:  # the loader imports torch and TorchRec: only when a loader is built
+    from gem.data.pipeline.loader import BatchLoader
 
 
 def dataset_schema(data_cfg: Any, directory: Path | None) -> FeatureSchema:
@@ -42,6 +44,8 @@ class DataSource:
         """The Parquet files of ``split``; a missing or empty split raises naming the folder."""
         return split_files(self.dir, split)
 
-    def loader(self, split: str, batch_size: int, **kwargs: Any) -> BatchLoader:
+    def loader(self, split: str, batch_size: int, **kwargs: Any) -> "BatchLoader":
         """One rank's loader over ``split`` (keyword arguments as in :func:`gem.data.pipeline.loader.build_loader`)."""
+        from gem.data.pipeline.loader import build_loader
+
         return build_loader(self.files(split), self.schema, batch_size, **kwargs)
