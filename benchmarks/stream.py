@@ -45,7 +45,8 @@ def overrides(args, name: str, work: Path) -> list[str]:
     mapping = VARIANTS[name]
     ids = [f"++sparse.ids.{t}.{k}={v}" for t in TABLES for k, v in mapping.items()]
     return ["experiment=stream", f"data.stream.days={args.days}", f"data.stream.examples_per_day={args.examples_per_day}",
-            f"data.stream.id_lifetime_days={0 if name == 'no_new_ids' else args.lifetime}", f"data.stream.drift_per_day={args.drift}",
+            f"data.stream.id_lifetime_days={0 if name == 'no_new_ids' else args.lifetime}",
+            f"data.stream.drift_per_day={args.drift}",
             f"data.cache_dir={work / 'cache'}", f"trainer.run_dir={work / name}", "checkpoint.enabled=false",
             "trainer.delta_export.every=null", "trainer.progress_bar=false", "trainer.plots=false",
             f"trainer.seed={args.seed}", f"data.seed={args.seed}", f"data.synthetic.num_clusters={args.clusters}", *ids]

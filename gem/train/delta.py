@@ -60,7 +60,6 @@ from gem.train.logging import logger
 
 FORMAT = "gem-delta/1"
 MANIFEST = "manifest.json"
-_FILES = ("sparse.pt", "id_mapping.pt", "dense.pt", "optim.pt")
 
 
 class DeltaChainError(ValueError):
