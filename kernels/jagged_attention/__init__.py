@@ -24,7 +24,7 @@ from kernels.jagged_attention.reference import (
     num_visible_pairs,
 )
 
-__all__ = ["ACTIVATIONS", "jagged_attention", "jagged_attention_reference", "num_visible_pairs"]
+__all__ = ["ACTIVATIONS", "check_offsets", "jagged_attention", "jagged_attention_reference", "num_visible_pairs"]
 
 BACKENDS = ("triton", "reference")
 
