@@ -18,11 +18,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from gem.data.pipeline.schema import FeatureSchema
 from gem.sparse.arch import SparseArch
+from gem.train.api import compose
 
 ROOT = Path(__file__).resolve().parents[1]
 # config -> (sparse.embedding_dim, history length used for the FLOP figure)
@@ -30,8 +30,7 @@ SIZES = {"gem_tiny": (32, 64), "gem_base": (128, 512), "gem_large": (256, 1024)}
 
 
 def measure(model: str, block: str, embedding_dim: int, length: int, batch_size: int = 64) -> dict:
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        cfg = compose("train", overrides=[f"model={model}", f"model.block={block}"])
+    cfg = compose([f"model={model}", f"model.block={block}"])
     schema = FeatureSchema.from_config(cfg.data.schema)
     sparse = SparseArch.from_config(schema, embedding_dim, backend="native", device="meta")
     feature_dims = {f: sparse.pooled_dim(f) for f in schema.id_feature_names}

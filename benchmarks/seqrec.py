@@ -40,7 +40,7 @@ PUBLISHED = {
 
 def run(experiment: str, name: str, seed: int, split: str, overrides: list[str], run_dir: Path) -> dict:
     cmd = [sys.executable, "-m", "gem.train", f"experiment={experiment}", f"data.name={name}", f"trainer.seed={seed}",
-           f"++data.seqrec.seed={seed}", f"trainer.run_dir={run_dir}", "trainer.progress_bar=false", *overrides]
+           f"data.seqrec.seed={seed}", f"trainer.run_dir={run_dir}", "trainer.progress_bar=false", *overrides]
     print("$", " ".join(cmd), flush=True)
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     tick = time.perf_counter()

@@ -68,7 +68,7 @@ def main() -> None:
               f"data.cache_dir={work / 'cache'}", "data.num_workers=0"]
     teacher_data = [f"data.num_examples={{train: {args.teacher_examples}, val: 2000, test: 2000}}"]
     student_data = [f"data.num_examples={{train: {args.student_examples}, val: 2000, test: {args.test_examples}}}",
-                    f"+data.synthetic.drift={args.drift}"]
+                    f"data.synthetic.drift={args.drift}"]
     teacher_model = ["model=gem_tiny", "model.dim=32", "model.num_layers=2"]
     student_model = ["model=dlrm", "model.dim=16", "model.bottom_mlp=[32]", "model.top_mlp=[32]"]
     results, timings = {}, {}

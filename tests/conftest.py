@@ -82,11 +82,9 @@ def tiny_dataset(tmp_path_factory) -> Path:
 
 def compose(overrides: list[str]):
     """Compose configs/train.yaml as `python -m gem.train` would, with ``overrides``."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from gem.train.api import compose as api_compose
 
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return hydra_compose("train", overrides=overrides)
+    return api_compose(overrides)
 
 
 @pytest.fixture

@@ -61,6 +61,8 @@ def compose(overrides: Sequence[str] = (), config_name: str = "train") -> "DictC
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    import gem.train.config  # noqa: F401  (registers the schema the config tree starts from)
+
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         return hydra_compose(config_name, overrides=list(overrides))
 

@@ -1,8 +1,11 @@
-"""The typed schema of the training config, and its validation.
+"""The typed training config: its one source of defaults, and its validation.
 
-Hydra composes ``configs/train.yaml`` and its groups; :func:`validate` merges the result into
-these dataclasses once (unknown keys and wrong types fail with the key's full name), then
-checks the values that types cannot (with a message naming the key and the fix).
+The dataclasses below hold every key and its default. They are registered with Hydra as
+``gem_schema`` (:func:`register_schema`), the first entry of ``configs/train.yaml``'s defaults,
+so composition starts from them and a group option file (``configs/<group>/<option>.yaml``) holds
+only what that option changes. :func:`validate` merges the composed config into the dataclasses
+once (unknown keys and wrong types fail with the key's full name), then checks the values that
+types cannot (with a message naming the key and the fix).
 """
 
 from __future__ import annotations
@@ -19,22 +22,34 @@ class ConfigError(ValueError):
     """A bad config value; the message names the key to change."""
 
 
+def _options(module: str, name: str):
+    """A field whose default is the dataclass ``module.name``'s defaults as a dict: the data options
+    (gem.data) keep their one source there, and every key is a plain override on the command line."""
+    def defaults() -> dict[str, Any]:
+        import dataclasses
+        import importlib
+
+        return dataclasses.asdict(getattr(importlib.import_module(module), name)())
+
+    return field(default_factory=defaults)
+
+
 @dataclass
 class DataConfig:
     kind: str = "synthetic"  # synthetic | parquet | seqrec
     name: str = "synthetic"
     dir: Optional[str] = None  # synthetic: None = <cache_dir>/<name>-<hash of schema and knobs>
-    cache_dir: str = ".cache/gem"
+    cache_dir: str = "${oc.env:GEM_CACHE_DIR,.cache/gem}"
     batch_size: int = 256
     eval_batch_size: int = 2048
     num_workers: int = 1
     shuffle: bool = True
     seed: int = 0
-    num_examples: dict[str, int] = field(default_factory=lambda: {"train": 60000, "val": 5000, "test": 20000})
-    synthetic: dict[str, Any] = field(default_factory=dict)
+    num_examples: dict[str, int] = field(default_factory=lambda: {"train": 300000, "val": 10000, "test": 50000})
+    synthetic: dict[str, Any] = _options("gem.data.sources.synthetic", "SyntheticConfig")
     schema: dict[str, Any] = field(default_factory=dict)
-    loader: dict[str, Any] = field(default_factory=dict)  # gem.data.loader.LoaderOptions
-    seqrec: dict[str, Any] = field(default_factory=dict)  # gem.data.seqrec.SeqRecOptions
+    loader: dict[str, Any] = _options("gem.data.format.reader", "LoaderOptions")
+    seqrec: dict[str, Any] = _options("gem.data.sources.seqrec", "SeqRecOptions")
     stream: dict[str, Any] = field(default_factory=dict)  # data.kind=stream: gem.data.sources.stream.StreamOptions
 
 
@@ -60,10 +75,10 @@ class SparseConfig:
     plan_file: Optional[str] = None  # a plan written by `python -m gem.plan` (its placement, shard by shard)
     sharding_group_size: Optional[int] = None  # CUDA: TorchRec DMPCollection, shard in groups, replicate across
     pipeline: Optional[bool] = None  # TorchRec's TrainPipelineSparseDist (sharded tables only); None: on CUDA
-    embedding_dim: int = 16
+    embedding_dim: int = 32
     init_scale: float = 0.05
     dims: dict[str, int] = field(default_factory=dict)
-    ids: dict[str, IdSpaceConfig] = field(default_factory=dict)  # table (t_<name>) -> raw id space and mapping
+    ids: dict[str, Any] = field(default_factory=dict)  # table (t_<name>) -> IdSpaceConfig (raw id space, mapping)
 
 
 @dataclass
@@ -130,7 +145,7 @@ class TrainerConfig:
     log_every: int = 50
     eval_every: int = 0  # 0 = only at the end
     eval_max_batches: int = -1
-    run_dir: str = "runs/default"
+    run_dir: str = "runs/${name}"  # the same explicit path on every torchrun rank
     progress_bar: bool = True
     task_weights: dict[str, float] = field(default_factory=dict)
     peak_tflops: Optional[float] = None  # per device, for MFU; None: by detected GPU (gem/train/flops.py), else no MFU
@@ -237,6 +252,21 @@ class Config:
     plan: PlanConfig = field(default_factory=PlanConfig)
 
 
+SCHEMA = "gem_schema"
+
+
+def register_schema() -> None:
+    """Store :class:`Config` in Hydra's ConfigStore as ``gem_schema`` (configs/train.yaml's first
+    default). Runs when this module is imported, which ``python -m gem.train`` and
+    :func:`gem.train.api.compose` do before composing."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=SCHEMA, node=Config)
+
+
+register_schema()
+
+
 def _one_of(key: str, value: Any, allowed: tuple) -> None:
     if value not in allowed:
         raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}; set {key}={allowed[0]}")
@@ -253,6 +283,9 @@ def validate(cfg: DictConfig | dict) -> Config:
     base = OmegaConf.structured(Config)
     # Drop Hydra's own node (present when composed with return_hydra_config).
     raw = OmegaConf.masked_copy(raw, [k for k in raw.keys() if k != "hydra"]) if "hydra" in raw else raw
+    # Untyped, so that merging checks every key against the schema (a key Hydra appended with
+    # ``+key=value`` to a typed node would otherwise ride along).
+    raw = OmegaConf.create(OmegaConf.to_container(raw, resolve=False))
     try:
         merged = OmegaConf.merge(base, raw)
         OmegaConf.resolve(merged)
@@ -278,6 +311,8 @@ def validate(cfg: DictConfig | dict) -> Config:
                 ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"))
     _positive("sparse.embedding_dim", s.embedding_dim)
     _positive("sparse.init_scale", s.init_scale)
+    # Untyped in the schema, so that `+sparse.ids.<table>.<key>=...` composes; typed here.
+    s.ids = {table: _typed(IdSpaceConfig, ids, f"sparse.ids.{table}") for table, ids in s.ids.items()}
     for table, ids in s.ids.items():
         check_id_space(f"sparse.ids.{table}", ids)
     _positive("optim.dense.lr", o.dense.lr)
@@ -342,6 +377,14 @@ def validate(cfg: DictConfig | dict) -> Config:
         raise ConfigError(f"trainer.delta_export.every={every!r} must be partition, a number of steps > 0, or null (off)")
     check_plan(config.plan)
     return config
+
+
+def _typed(cls: type, value: Any, key: str) -> Any:
+    """``value`` (a dict) merged into the dataclass ``cls``; a bad key or type names ``key``."""
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), value))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"config key '{key}.{e.full_key}': {e.msg}") from None
 
 
 def check_id_space(key: str, ids: IdSpaceConfig) -> None:

@@ -58,7 +58,7 @@ logger = logging.getLogger("gem")
 
 def error_policy(on_error: Mapping[str, str] | None) -> dict[str, str]:
     """``{case: "fail" | "skip"}`` for every case; ``on_error`` may set ``default`` and any case
-    (a case set to None, as configs/data/loader/default.yaml declares them, takes ``default``)."""
+    (a case set to None, as LoaderOptions' defaults declare them, takes ``default``)."""
     on_error = {k: v for k, v in dict(on_error or {}).items() if v is not None}
     default = on_error.pop("default", "fail")
     for key, value in [("default", default), *on_error.items()]:

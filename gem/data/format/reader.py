@@ -39,7 +39,8 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from gem.data.errors import DataError
-from gem.data.format.checks import Violation, cell, check_same_schema, error_policy, file_violations, row_violations
+from gem.data.format.checks import (CASES, Violation, cell, check_same_schema, error_policy, file_violations,
+                                     row_violations)
 from gem.data.format.layout import OPTIONAL_COLUMNS, TEACHER_PREFIX, arrow_schema, present_teachers, teacher_columns
 from gem.data.pipeline.balance import deal_by_length
 from gem.data.pipeline.batch import Batch
@@ -62,7 +63,7 @@ class LoaderOptions:
     window_batches: int = 8
     balance: bool = True
     prefetch_factor: int = 4
-    on_error: dict[str, str] = field(default_factory=dict)
+    on_error: dict[str, str | None] = field(default_factory=lambda: {"default": "fail"} | dict.fromkeys(CASES))
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any] | None) -> "LoaderOptions":
