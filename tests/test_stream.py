@@ -216,3 +216,18 @@ def test_stray_folders_are_named(own_stream, name, match):
 def test_a_stream_has_no_validation_split(cache_dir, tmp_path):
     with pytest.raises(ConfigError, match="trainer.eval_every: a stream has no validation split"):
         train(compose(_overrides(cache_dir, tmp_path / "run", "trainer.eval_every=5")))
+
+
+def test_a_resume_at_a_partition_boundary_keeps_one_score_per_partition(tmp_path):
+    """A partition is scored at the step before its first batch; resuming from a checkpoint at that
+    step scores it again, so the rows from that step on are the rolled-back history's."""
+    from gem.train.logging import MetricsWriter
+
+    rows = [{"kind": "stream", "step": s, "partition": d} for s, d in ((0, DAYS[0]), (8, DAYS[1]), (16, DAYS[2]))]
+    rows += [{"kind": "train", "step": s, "loss": 1.0} for s in range(1, 20)]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    MetricsWriter._drop_rolled_back(path, resume_step=8)
+    kept = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["partition"] for r in kept if r["kind"] == "stream"] == [DAYS[0]]
+    assert [r["step"] for r in kept if r["kind"] == "train"] == list(range(1, 9))

@@ -73,7 +73,8 @@ class MetricsWriter:
             except (ValueError, KeyError, TypeError):
                 dropped += 1  # cut short by the kill
                 continue
-            if (kind in ("train", "val") and step > resume_step) or (kind == "test" and step >= resume_step):
+            # a stream's partition is scored at the step before its first batch, so again on a resume there
+            if (kind in ("train", "val") and step > resume_step) or (kind in ("test", "stream") and step >= resume_step):
                 dropped += 1
             else:
                 kept.append(line + "\n")
