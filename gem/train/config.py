@@ -11,7 +11,7 @@ types cannot (with a message naming the key and the fix).
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -172,26 +172,23 @@ class ParallelismConfig:
     float8_min_features: int = 512  # float8: Linear layers with both widths >= this (and multiples of 16)
 
 
-@dataclass
-class KernelsConfig:
-    """``configs/kernels/``: the attention backend, and the kernels' settings (defaults as in
-    ``kernels.jagged_attention.settings.KernelSettings``; a ``GEM_KERNELS_<KEY>`` variable overrides
-    each), applied once by the trainer before the model is built (docs/kernels.md, "Settings")."""
-
-    attention_backend: Optional[str] = None  # None: Triton on CUDA, reference elsewhere
-    check: bool = False  # check offsets on the device too (a sync per call)
-    autotune: bool = True
-    tune_space: str = "default"  # default | wide
-    packed_act: bool = True  # bf16x2 silu / fast_gelu (sm_90+)
-    gluon: bool = True  # the Gluon GDPA forward (sm_90) above gluon_min_q_len
-    gluon_min_q_len: int = 128
-    gluon_bwd: bool = True  # the stored-dS dK/dV in Gluon (sm_90)
-    store_ds: bool = True  # the stored-dS backward
-    store_ds_max_mib: int = 8192  # its buffer's cap
+def _kernels_config() -> type:
+    """``KernelsConfig``, ``configs/kernels/``: ``attention_backend`` (None: Triton on CUDA, the
+    reference elsewhere) and every field of ``kernels.jagged_attention.settings.KernelSettings``
+    with its default there, their one source (a ``GEM_KERNELS_<KEY>`` variable overrides each);
+    the trainer applies them once before the model is built (docs/kernels.md, "Settings")."""
+    from kernels.jagged_attention.settings import KernelSettings
 
     def kernel_settings(self) -> dict:
         """The keys ``kernels.jagged_attention.settings.configure`` takes (all but the backend)."""
         return {k: v for k, v in asdict(self).items() if k != "attention_backend"}
+
+    settings = [(f.name, type(f.default), f.default) for f in fields(KernelSettings)]
+    return make_dataclass("KernelsConfig", [("attention_backend", Optional[str], None), *settings],
+                          namespace={"kernel_settings": kernel_settings, "__module__": __name__})
+
+
+KernelsConfig = _kernels_config()
 
 
 @dataclass
