@@ -82,3 +82,14 @@ def test_example_kernel_only():
     for line in out.splitlines()[:2]:
         diffs = [float(w.rstrip(",")) for w in line.split("diff ")[1:] for w in [w.split()[0]]]
         assert len(diffs) == 2 and max(diffs) < 1e-4, line
+
+
+@pytest.mark.parametrize("package", ["gem.data", "gem.models", "gem.sparse", "gem.train", "gem.distributed"])
+def test_each_package_exports_what_it_lists(package):
+    """Every public name of a package's ``__all__`` resolves (they are imported on first use)."""
+    import importlib
+
+    module = importlib.import_module(package)
+    assert module.__all__
+    missing = [name for name in module.__all__ if getattr(module, name, None) is None]
+    assert not missing, f"{package}.__all__ lists names it cannot give: {missing}"
