@@ -36,7 +36,7 @@ def _options(module: str, name: str):
 
 @dataclass
 class DataConfig:
-    kind: str = "synthetic"  # synthetic | parquet | seqrec
+    kind: str = "synthetic"  # a source of gem.data.sources.SOURCES: synthetic | parquet | seqrec | stream
     name: str = "synthetic"
     dir: Optional[str] = None  # synthetic: None = <cache_dir>/<name>-<hash of schema and knobs>
     cache_dir: str = "${oc.env:GEM_CACHE_DIR,.cache/gem}"
@@ -50,7 +50,7 @@ class DataConfig:
     schema: dict[str, Any] = field(default_factory=dict)
     loader: dict[str, Any] = _options("gem.data.format.reader", "LoaderOptions")
     seqrec: dict[str, Any] = _options("gem.data.sources.seqrec", "SeqRecOptions")
-    stream: dict[str, Any] = field(default_factory=dict)  # data.kind=stream: gem.data.sources.stream.StreamOptions
+    stream: dict[str, Any] = _options("gem.data.sources.stream", "StreamOptions")  # data.kind=stream
 
 
 @dataclass
@@ -291,7 +291,9 @@ def validate(cfg: DictConfig | dict) -> Config:
         key = getattr(e, "full_key", None)
         raise ConfigError(f"config key {key!r}: {e.msg if hasattr(e, 'msg') else e}") from None
     d, s, o, t, p = config.data, config.sparse, config.optim, config.trainer, config.parallelism
-    _one_of("data.kind", d.kind, ("synthetic", "parquet", "seqrec", "stream"))
+    from gem.data.sources import SOURCES
+
+    _one_of("data.kind", d.kind, tuple(SOURCES))
     _positive("data.batch_size", d.batch_size)
     _positive("data.eval_batch_size", d.eval_batch_size)
     _positive("data.num_workers", d.num_workers, allow_zero=True)
