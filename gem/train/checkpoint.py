@@ -64,7 +64,7 @@ MANIFEST = "gem_checkpoint.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-def _flat_options():
+def flat_optim_options():
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     # Keys "state.<param>.<name>" and "param_groups.<param>.<name>": independent of the order of
@@ -151,8 +151,8 @@ class Checkpointer:
     def _state(self, progress: Progress) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        dense_optim = get_optimizer_state_dict(self.model.dense_arch, self.dense_opt, options=_flat_options())
-        sparse_optim, self._fused_keys = _sparse_optim_state(self.model, self.sparse_opt)
+        dense_optim = get_optimizer_state_dict(self.model.dense_arch, self.dense_opt, options=flat_optim_options())
+        sparse_optim, self._fused_keys = sparse_optim_state(self.model, self.sparse_opt)
         return {
             "model": {"sparse": sparse_module(self.model).state_dict(), "dense": self.model.dense_arch.state_dict()},
             "optim": {"sparse": sparse_optim, "dense": dense_optim},
@@ -402,7 +402,7 @@ class Checkpointer:
         sparse_module(self.model).load_state_dict(state["model"]["sparse"])
         self.model.dense_arch.load_state_dict(state["model"]["dense"])
         _load_fused(self.model, state["optim"]["sparse"], self._fused_keys)
-        set_optimizer_state_dict(self.model.dense_arch, self.dense_opt, state["optim"]["dense"], options=_flat_options())
+        set_optimizer_state_dict(self.model.dense_arch, self.dense_opt, state["optim"]["dense"], options=flat_optim_options())
         self.scheduler.load_state_dict(state["scheduler"])
         if saved_world_size == self.world_size:  # per-rank RNG streams only mean something at the same size
             _set_rng_state((path / f"rng_rank{self.rank}.pkl").read_bytes())
@@ -495,7 +495,7 @@ class _AlreadyStaged:
         pass
 
 
-def _sparse_optim_state(model: nn.Module, sparse_opt) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def sparse_optim_state(model: nn.Module, sparse_opt) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Row-wise Adagrad momentum ``[rows]`` per table, keyed ``<table param>.momentum1`` whichever
     optimizer steps the table (so that a table may move between fused and data-parallel)."""
     out, fused_keys = {}, {}

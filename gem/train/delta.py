@@ -244,16 +244,16 @@ class DeltaExporter:
         """``optim.sparse.<key>``: the touched rows' momentum ``[N, *]``; ``optim.dense.<key>``: AdamW, whole."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        from gem.train.checkpoint import _flat_options, _sparse_optim_state  # the checkpoint's keys, exactly
+        from gem.train.checkpoint import flat_optim_options, sparse_optim_state  # the checkpoint's keys, exactly
 
         out = {}
-        momentum, _ = _sparse_optim_state(self.model, self.sparse_opt)
+        momentum, _ = sparse_optim_state(self.model, self.sparse_opt)
         for name, value in momentum.items():
             key = _table_key_of(name, rows)
             ids = rows[key]["ids"]
             table = _whole(value).view(self.tracker.num_rows[key.split(".")[-2]], -1)
             out[f"optim.sparse.{name}"] = {"ids": ids, "rows": table.index_select(0, ids.to(table.device)).cpu()}
-        dense = get_optimizer_state_dict(self.model.dense_arch, self.dense_opt, options=_flat_options())
+        dense = get_optimizer_state_dict(self.model.dense_arch, self.dense_opt, options=flat_optim_options())
         out |= {f"optim.dense.{k}": _cpu(v) for k, v in dense.items()}
         return out
 
