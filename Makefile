@@ -1,12 +1,13 @@
 # Two entry points that work on a fresh machine with Python 3.11:
 #   make train [ARGS="key=value ..."]   train the embedded default (or any Hydra overrides)
 #   make test  [PYTEST_ARGS="..."]      the CPU test tier (GPU tests skip without CUDA)
+#   make lint                           ruff check and ruff format --check (pyproject.toml; CI runs it)
 PYTHON ?= python3
 VENV := .venv
 TORCHREC := torchrec==1.8.0
 STAMP := $(VENV)/.installed
 
-.PHONY: train test install clean-cache
+.PHONY: train test lint install clean-cache
 
 install: $(STAMP)
 
@@ -23,6 +24,10 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 clean-cache:
 	rm -rf .cache/gem

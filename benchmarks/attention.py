@@ -62,8 +62,11 @@ SWEEP_ACTIVATIONS = {"block64": ("fast_gelu", "softmax"), "window256": ("softmax
 # switches that pick between kernels: the data behind GLUON_MIN_Q_LEN (at 128 and below the
 # default is the Triton forward, above it the Gluon one).
 LENGTHS = [128, 256, 384, 512, 768, 1024, 2048]
-LENGTHS_VARIANTS = ("gem triton (no gluon forward)", "gem triton (gluon forward at every length)",
-                    "gem triton (recomputing dQ backward)")
+LENGTHS_VARIANTS = (
+    "gem triton (no gluon forward)",
+    "gem triton (gluon forward at every length)",
+    "gem triton (recomputing dQ backward)",
+)
 
 
 # Seconds of idle before each implementation's measurements, so that none inherits the power
@@ -72,8 +75,7 @@ SETTLE_S = 2.0
 
 
 def bench(fn, grad_to_none=None) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none,
-                                   return_mode="median")
+    return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median")
 
 
 def measure(forward, tensors) -> dict:
@@ -84,7 +86,7 @@ def measure(forward, tensors) -> dict:
     out = forward()
     grad = torch.randn_like(out)
     result["bwd_ms"] = bench(lambda: out.backward(grad, retain_graph=True), grad_to_none=tensors)
-    del out
+    out = None  # frees the retained graph
 
     def step():
         forward().backward(grad)
@@ -146,8 +148,10 @@ def _baselines(inputs, activation, mask, compiled_reference):
     causal = mask.get("causal", False)
     out = []
     if activation == "softmax" and not mask.get("block_size"):
+
         def varlen():
             from torch.nn.attention.varlen import varlen_attn
+
             cu_q, cu_k = q_off.to(torch.int32), kv_off.to(torch.int32)
             kwargs = {"is_causal": causal} if causal else {}
             if mask.get("window") is not None:
@@ -156,12 +160,14 @@ def _baselines(inputs, activation, mask, compiled_reference):
 
         out.append(("torch varlen_attn", varlen))
     if activation == "softmax" and not mask:
+
         def nested():
             def forward():
                 nq = torch.nested.nested_tensor_from_jagged(q, q_off).transpose(1, 2)
                 nk = torch.nested.nested_tensor_from_jagged(kv_rows(k), kv_off).transpose(1, 2)
                 nv = torch.nested.nested_tensor_from_jagged(kv_rows(v), kv_off).transpose(1, 2)
                 return F.scaled_dot_product_attention(nq, nk, nv).transpose(1, 2).values()
+
             return forward
 
         def padded():
@@ -171,21 +177,26 @@ def _baselines(inputs, activation, mask, compiled_reference):
                 pq = jagged_to_padded(q, q_off, max_q).transpose(1, 2)
                 pk = jagged_to_padded(kv_rows(k), kv_off, max_kv).transpose(1, 2)
                 pv = jagged_to_padded(kv_rows(v), kv_off, max_kv).transpose(1, 2)
-                key_mask = (torch.arange(max_kv, device="cuda")[None, :]
-                            < inputs.kv_lengths.cuda()[:, None])[:, None, None, :]
+                key_mask = (torch.arange(max_kv, device="cuda")[None, :] < inputs.kv_lengths.cuda()[:, None])[
+                    :, None, None, :
+                ]
                 o = F.scaled_dot_product_attention(pq, pk, pv, attn_mask=key_mask)
                 return padded_to_jagged(o.transpose(1, 2), q_off, q.shape[0])
+
             return forward
 
         out += [("nested-tensor SDPA", nested), ("padded SDPA (key mask)", padded)]
     padded_bytes = 16 * num_batches * NUM_HEADS * max_q * max_kv  # fp32 scores, probs, grads
     if compiled_reference and padded_bytes > torch.cuda.mem_get_info()[0]:
+
         def compiled():
             raise torch.cuda.OutOfMemoryError(
-                f"skipped: needs about {padded_bytes / 2**30:.0f} GiB of padded fp32 scores")
+                f"skipped: needs about {padded_bytes / 2**30:.0f} GiB of padded fp32 scores"
+            )
 
         out.append(("padded reference, torch.compile", compiled))
     elif compiled_reference:
+
         def compiled():
             fn = torch.compile(jagged_attention_reference, dynamic=False)
             return lambda: fn(*inputs.args(), activation=activation, **mask)
@@ -206,35 +217,68 @@ KERNEL_VARIANTS = {
 _GDPA_ONLY = {"packed_act", "gluon", "gluon_min_q_len", "gluon_bwd"}  # settings that change nothing for softmax
 
 
-def run_case(shape_name, layout, num_batches, max_len, fill, activation, mask, *,
-             compiled_reference, baselines=True, variants=False, seed=0) -> list[dict]:
+def run_case(
+    shape_name,
+    layout,
+    num_batches,
+    max_len,
+    fill,
+    activation,
+    mask,
+    *,
+    compiled_reference,
+    baselines=True,
+    variants=False,
+    seed=0,
+) -> list[dict]:
     gen = torch.Generator().manual_seed(seed)
     lengths = random_lengths(num_batches, max_len, fill, gen)
-    inputs = make_inputs(lengths, num_heads=NUM_HEADS, head_dim=HEAD_DIM, layout=layout,
-                         num_dense_kv=256, dtype=DTYPE, device="cuda", generator=gen)
+    inputs = make_inputs(
+        lengths,
+        num_heads=NUM_HEADS,
+        head_dim=HEAD_DIM,
+        layout=layout,
+        num_dense_kv=256,
+        dtype=DTYPE,
+        device="cuda",
+        generator=gen,
+    )
     inputs.max_q_len = max_len  # the data pipeline's bound, not the batch's true maximum
     if inputs.max_kv_len is not None:
         inputs.max_kv_len = max_len
-    pairs = num_visible_pairs(inputs.q_lengths, inputs.kv_lengths, mask.get("causal", False),
-                              mask.get("window"), mask.get("block_size"))
+    pairs = num_visible_pairs(
+        inputs.q_lengths, inputs.kv_lengths, mask.get("causal", False), mask.get("window"), mask.get("block_size")
+    )
     flops_fwd = 4 * NUM_HEADS * HEAD_DIM * pairs
     tensors = list(inputs.tensors())
+
     def ours():
         return lambda: jagged_attention(*inputs.args(), activation=activation, backend="triton", **mask)
 
     impls = [("gem triton", ours, {})]
     names = KERNEL_VARIANTS if variants is True else (variants or ())
-    impls += [(name, ours, KERNEL_VARIANTS[name]) for name in names
-              if activation != "softmax" or not _GDPA_ONLY & set(KERNEL_VARIANTS[name])]
+    impls += [
+        (name, ours, KERNEL_VARIANTS[name])
+        for name in names
+        if activation != "softmax" or not _GDPA_ONLY & set(KERNEL_VARIANTS[name])
+    ]
     if baselines:
         impls += [(name, make, {}) for name, make in _baselines(inputs, activation, mask, compiled_reference)]
     rows = []
     for name, make_forward, flags in impls:
         with testing.override(**flags):
             row = run_impl(name, make_forward, tensors, flops_fwd)
-        row.update(shape=shape_name, layout=layout, batch=num_batches, max_len=max_len,
-                   fill=fill, activation=activation, mask=mask, num_tokens=int(lengths.sum()),
-                   flops_fwd=flops_fwd)
+        row.update(
+            shape=shape_name,
+            layout=layout,
+            batch=num_batches,
+            max_len=max_len,
+            fill=fill,
+            activation=activation,
+            mask=mask,
+            num_tokens=int(lengths.sum()),
+            flops_fwd=flops_fwd,
+        )
         rows.append(row)
         print(_format(row), flush=True)
     return rows
@@ -244,9 +288,11 @@ def _format(row) -> str:
     head = f"{row['shape']:<32} {row['activation']:<9} {str(row['mask']):<22} {row['impl']:<32}"
     if row["status"] != "ok":
         return head + " " + row["status"][:80]
-    return (head + f" fwd {row['fwd_ms']:8.3f} ms {row['fwd_tflops']:6.1f} TF/s | bwd "
-            f"{row['bwd_ms']:8.3f} ms | fwd+bwd {row['full_ms']:8.3f} ms "
-            f"{row['full_tflops']:6.1f} TF/s | peak {row['peak_mem_gib']:6.2f} GiB")
+    return (
+        head + f" fwd {row['fwd_ms']:8.3f} ms {row['fwd_tflops']:6.1f} TF/s | bwd "
+        f"{row['bwd_ms']:8.3f} ms | fwd+bwd {row['full_ms']:8.3f} ms "
+        f"{row['full_tflops']:6.1f} TF/s | peak {row['peak_mem_gib']:6.2f} GiB"
+    )
 
 
 def _versions() -> dict:
@@ -254,20 +300,31 @@ def _versions() -> dict:
     commit = os.environ.get("GIT_COMMIT")  # set it where the checkout's .git is not this tree's
     if not commit:
         try:
-            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                             stderr=subprocess.DEVNULL).strip()
+            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
         except Exception:
             commit = "unknown"
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "git_commit": commit,
         "hardware": torch.cuda.get_device_name(),
-        "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
         "python": platform.python_version(),
         # the kernels' settings (docs/kernels.md, "Settings"), under their config keys
-        **{name: getattr(config, name) for name in ("autotune", "tune_space", "packed_act", "gluon",
-                                                    "gluon_min_q_len", "store_ds", "gluon_bwd",
-                                                    "store_ds_max_mib")},
+        **{
+            name: getattr(config, name)
+            for name in (
+                "autotune",
+                "tune_space",
+                "packed_act",
+                "gluon",
+                "gluon_min_q_len",
+                "store_ds",
+                "gluon_bwd",
+                "store_ds_max_mib",
+            )
+        },
     }
 
 
@@ -285,17 +342,18 @@ def _plot(rows, path, hardware) -> None:
     for label, points in series.items():
         lengths = [p["max_len"] for p in points]
         ax_tf.plot(lengths, [p["full_tflops"] for p in points], marker="o", label=label)
-        ax_tok.plot(lengths, [p["full_ms"] * 1e6 / p["num_tokens"] for p in points], marker="o",
-                    label=label)
+        ax_tok.plot(lengths, [p["full_ms"] * 1e6 / p["num_tokens"] for p in points], marker="o", label=label)
     for ax, title in ((ax_tf, "fwd+bwd TFLOP/s"), (ax_tok, "fwd+bwd ns per token")):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("sequence length (fill 1.0, %d tokens)" % SWEEP_TOKENS)
+        ax.set_xlabel(f"sequence length (fill 1.0, {SWEEP_TOKENS} tokens)")
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
     ax_tok.set_ylim(0, 1.2 * max([ax_tok.get_ylim()[1], 1e-9]))
     ax_tf.legend(fontsize=7)
-    fig.suptitle(f"gem jagged attention (Triton), {hardware}, H={NUM_HEADS} D={HEAD_DIM} bf16, "
-                 "BlockAttention 64 / sliding window 256")
+    fig.suptitle(
+        f"gem jagged attention (Triton), {hardware}, H={NUM_HEADS} D={HEAD_DIM} bf16, "
+        "BlockAttention 64 / sliding window 256"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -305,21 +363,37 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="two shapes, no compiled baseline")
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
-    parser.add_argument("--plot-only", metavar="JSON",
-                        help="redraw the PNG and the summary from a results JSON (no GPU)")
-    parser.add_argument("--compiled-reference-rows", default="0,1,2,3,4",
-                        help="target rows (0-based) that also time the compiled padded reference")
-    parser.add_argument("--variants", action="store_true",
-                        help=f"also time the kernel switches {list(KERNEL_VARIANTS)} on the target rows")
-    parser.add_argument("--keep-sweeps", action="store_true",
-                        help="run the target rows only and keep the sweep rows of the existing "
-                             "results JSON (the sweeps time the masked paths)")
-    parser.add_argument("--lengths", action="store_true",
-                        help=f"only GDPA without a mask at lengths {LENGTHS} (fill 0.5), with "
-                             f"{list(LENGTHS_VARIANTS)}; writes attention-h200-lengths.json")
-    parser.add_argument("--only-sweeps", metavar="NAMES",
-                        help=f"run only these sweeps (comma-separated, of {list(SWEEP_MODES)}) and "
-                             "replace their rows in the existing results JSON")
+    parser.add_argument(
+        "--plot-only", metavar="JSON", help="redraw the PNG and the summary from a results JSON (no GPU)"
+    )
+    parser.add_argument(
+        "--compiled-reference-rows",
+        default="0,1,2,3,4",
+        help="target rows (0-based) that also time the compiled padded reference",
+    )
+    parser.add_argument(
+        "--variants",
+        action="store_true",
+        help=f"also time the kernel switches {list(KERNEL_VARIANTS)} on the target rows",
+    )
+    parser.add_argument(
+        "--keep-sweeps",
+        action="store_true",
+        help="run the target rows only and keep the sweep rows of the existing "
+        "results JSON (the sweeps time the masked paths)",
+    )
+    parser.add_argument(
+        "--lengths",
+        action="store_true",
+        help=f"only GDPA without a mask at lengths {LENGTHS} (fill 0.5), with "
+        f"{list(LENGTHS_VARIANTS)}; writes attention-h200-lengths.json",
+    )
+    parser.add_argument(
+        "--only-sweeps",
+        metavar="NAMES",
+        help=f"run only these sweeps (comma-separated, of {list(SWEEP_MODES)}) and "
+        "replace their rows in the existing results JSON",
+    )
     args = parser.parse_args()
     if args.plot_only:
         record = json.loads(pathlib.Path(args.plot_only).read_text())
@@ -356,27 +430,41 @@ def main() -> None:
         for row in rows:  # where each row was measured (kept rows keep theirs)
             row.setdefault("measured", {"date": versions["date"], "git_commit": versions["git_commit"]})
         all_rows = earlier["rows"] + rows
-        tuned = {kind: {**earlier["tuned_configs"].get(kind, {}), **chosen}
-                 for kind, chosen in _tuned_configs().items()}
-        record = {**versions, "num_heads": NUM_HEADS, "head_dim": HEAD_DIM,
-                  "dtype": str(DTYPE),
-                  "flops": "fwd = 4*H*D*sum(visible pairs); bwd = 2.5x fwd; fwd+bwd = 3.5x fwd",
-                  "shapes": earlier.get("shapes") or [
-                      dict(zip(("name", "layout", "batch", "max_len", "fill"), s)) for s in shapes],
-                  "tuned_configs": tuned, "rows": all_rows, "summary": summarize(all_rows)["targets"]}
+        tuned = {
+            kind: {**earlier["tuned_configs"].get(kind, {}), **chosen} for kind, chosen in _tuned_configs().items()
+        }
+        record = {
+            **versions,
+            "num_heads": NUM_HEADS,
+            "head_dim": HEAD_DIM,
+            "dtype": str(DTYPE),
+            "flops": "fwd = 4*H*D*sum(visible pairs); bwd = 2.5x fwd; fwd+bwd = 3.5x fwd",
+            "shapes": earlier.get("shapes")
+            or [dict(zip(("name", "layout", "batch", "max_len", "fill"), s)) for s in shapes],
+            "tuned_configs": tuned,
+            "rows": all_rows,
+            "summary": summarize(all_rows)["targets"],
+        }
         kept = sorted({(r["measured"]["date"], r["measured"]["git_commit"]) for r in earlier["rows"]})
         if args.only_sweeps or args.keep_sweeps:
-            record["notes"] = (f"{'sweeps ' + args.only_sweeps if args.only_sweeps else 'target rows'} "
-                               f"run on {record['date']}; the other rows kept from (date, commit) {kept}; "
-                               "each row's 'measured' says which")
+            record["notes"] = (
+                f"{'sweeps ' + args.only_sweeps if args.only_sweeps else 'target rows'} "
+                f"run on {record['date']}; the other rows kept from (date, commit) {kept}; "
+                "each row's 'measured' says which"
+            )
         (out_dir / f"{name}.json").write_text(json.dumps(record, indent=1))
 
     for shape in shapes:
         index = TARGET_SHAPES.index(shape)
         for activation in ("fast_gelu", "softmax"):
             # The compiled padded reference is the table's "padded GELU attention" column.
-            case = run_case(*shape, activation, {}, variants=args.variants, compiled_reference=(
-                not args.quick and activation != "softmax" and index in compiled_rows))
+            case = run_case(
+                *shape,
+                activation,
+                {},
+                variants=args.variants,
+                compiled_reference=(not args.quick and activation != "softmax" and index in compiled_rows),
+            )
             for row in case:
                 row["target_row"] = index
                 row["meta_gdpa_listed"] = META_GDPA[index]
@@ -388,9 +476,17 @@ def main() -> None:
         for sweep, mask in sweeps.items():
             for activation in SWEEP_ACTIVATIONS[sweep]:
                 for length in lengths:
-                    case = run_case(f"sweep {sweep} L={length}", "jagged", SWEEP_TOKENS // length,
-                                    length, 1.0, activation, mask, compiled_reference=False,
-                                    baselines=activation == "softmax" and length == lengths[-1])
+                    case = run_case(
+                        f"sweep {sweep} L={length}",
+                        "jagged",
+                        SWEEP_TOKENS // length,
+                        length,
+                        1.0,
+                        activation,
+                        mask,
+                        compiled_reference=False,
+                        baselines=activation == "softmax" and length == lengths[-1],
+                    )
                     for row in case:
                         row["sweep"] = sweep
                     rows += case
@@ -411,19 +507,43 @@ def length_sweep(out_dir: pathlib.Path) -> None:
     """--lengths: the default path and LENGTHS_VARIANTS at each of LENGTHS, one JSON."""
     versions, rows = _versions(), []
     for length in LENGTHS:
-        rows += run_case(f"lengths L={length} fill 0.5", "jagged", 2 * SWEEP_TOKENS // length,
-                         length, 0.5, "fast_gelu", {}, compiled_reference=False,
-                         baselines=False, variants=LENGTHS_VARIANTS)
+        rows += run_case(
+            f"lengths L={length} fill 0.5",
+            "jagged",
+            2 * SWEEP_TOKENS // length,
+            length,
+            0.5,
+            "fast_gelu",
+            {},
+            compiled_reference=False,
+            baselines=False,
+            variants=LENGTHS_VARIANTS,
+        )
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "attention-h200-lengths.json").write_text(json.dumps(
-            {**versions, "num_heads": NUM_HEADS, "head_dim": HEAD_DIM, "dtype": str(DTYPE),
-             "flops": "fwd = 4*H*D*sum(visible pairs); bwd = 2.5x fwd; fwd+bwd = 3.5x fwd",
-             "tuned_configs": _tuned_configs(), "rows": rows}, indent=1))
+        (out_dir / "attention-h200-lengths.json").write_text(
+            json.dumps(
+                {
+                    **versions,
+                    "num_heads": NUM_HEADS,
+                    "head_dim": HEAD_DIM,
+                    "dtype": str(DTYPE),
+                    "flops": "fwd = 4*H*D*sum(visible pairs); bwd = 2.5x fwd; fwd+bwd = 3.5x fwd",
+                    "tuned_configs": _tuned_configs(),
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
     for length in LENGTHS:
         line = [r for r in rows if r["max_len"] == length and r["status"] == "ok"]
-        print(f"L={length:5d} " + " | ".join(
-            f"{r['impl'][len('gem triton'):].strip(' ()') or 'default'}: {r['fwd_tflops']:.0f} / "
-            f"{r['full_tflops']:.0f}" for r in line))
+        print(
+            f"L={length:5d} "
+            + " | ".join(
+                f"{r['impl'][len('gem triton') :].strip(' ()') or 'default'}: {r['fwd_tflops']:.0f} / "
+                f"{r['full_tflops']:.0f}"
+                for r in line
+            )
+        )
 
 
 def _tuned_configs() -> dict:
@@ -434,41 +554,63 @@ def _tuned_configs() -> dict:
 def summarize(rows) -> dict:
     """Ratios against the targets of PERFORMANCE_TARGETS.md."""
     lines, targets = [], []
-    ours = {(r["shape"], r["activation"]): r for r in rows
-            if r["impl"] == "gem triton" and r["status"] == "ok" and "target_row" in r}
-    varlen = {r["shape"]: r for r in rows
-              if r["impl"] == "torch varlen_attn" and r["status"] == "ok" and "target_row" in r}
+    ours = {
+        (r["shape"], r["activation"]): r
+        for r in rows
+        if r["impl"] == "gem triton" and r["status"] == "ok" and "target_row" in r
+    }
+    varlen = {
+        r["shape"]: r for r in rows if r["impl"] == "torch varlen_attn" and r["status"] == "ok" and "target_row" in r
+    }
     for (shape, activation), r in ours.items():
         if activation == "fast_gelu":
             meta_fwd, meta_full = r["meta_gdpa_listed"]
-            entry = dict(shape=shape, what="GDPA fast_gelu vs Meta Triton GDPA (listed)",
-                         fwd_tflops=r["fwd_tflops"], full_tflops=r["full_tflops"],
-                         fwd_ratio=r["fwd_tflops"] / meta_fwd, full_ratio=r["full_tflops"] / meta_full,
-                         target="fwd >= 1.2x, fwd+bwd >= 1.15x")
+            entry = dict(
+                shape=shape,
+                what="GDPA fast_gelu vs Meta Triton GDPA (listed)",
+                fwd_tflops=r["fwd_tflops"],
+                full_tflops=r["full_tflops"],
+                fwd_ratio=r["fwd_tflops"] / meta_fwd,
+                full_ratio=r["full_tflops"] / meta_full,
+                target="fwd >= 1.2x, fwd+bwd >= 1.15x",
+            )
         else:
             base = varlen.get(shape)
-            entry = dict(shape=shape, what="softmax vs torch varlen_attn (same run)",
-                         fwd_tflops=r["fwd_tflops"], full_tflops=r["full_tflops"],
-                         fwd_ratio=base and r["fwd_tflops"] / base["fwd_tflops"],
-                         full_ratio=base and r["full_tflops"] / base["full_tflops"],
-                         target="fwd+bwd >= 1.1x")
+            entry = dict(
+                shape=shape,
+                what="softmax vs torch varlen_attn (same run)",
+                fwd_tflops=r["fwd_tflops"],
+                full_tflops=r["full_tflops"],
+                fwd_ratio=base and r["fwd_tflops"] / base["fwd_tflops"],
+                full_ratio=base and r["full_tflops"] / base["full_tflops"],
+                target="fwd+bwd >= 1.1x",
+            )
         targets.append(entry)
         fmt = lambda x: "n/a" if x is None else f"{x:.2f}x"  # noqa: E731
-        lines.append(f"{shape:<32} {activation:<9} fwd {entry['fwd_tflops']:6.1f} "
-                     f"({fmt(entry['fwd_ratio'])}) fwd+bwd {entry['full_tflops']:6.1f} "
-                     f"({fmt(entry['full_ratio'])})  {entry['what']}; target {entry['target']}")
+        lines.append(
+            f"{shape:<32} {activation:<9} fwd {entry['fwd_tflops']:6.1f} "
+            f"({fmt(entry['fwd_ratio'])}) fwd+bwd {entry['full_tflops']:6.1f} "
+            f"({fmt(entry['full_ratio'])})  {entry['what']}; target {entry['target']}"
+        )
     for sweep in SWEEP_MODES:
         for activation in SWEEP_ACTIVATIONS[sweep]:
-            points = {r["max_len"]: r["full_ms"] / r["num_tokens"] for r in rows
-                      if r.get("sweep") == sweep and r["activation"] == activation
-                      and r["impl"] == "gem triton" and r["status"] == "ok"}
+            points = {
+                r["max_len"]: r["full_ms"] / r["num_tokens"]
+                for r in rows
+                if r.get("sweep") == sweep
+                and r["activation"] == activation
+                and r["impl"] == "gem triton"
+                and r["status"] == "ok"
+            }
             span = [points[n] for n in points if 1024 <= n <= 16384]
             if len(span) >= 2:
                 spread = max(span) / min(span) - 1
-                targets.append(dict(what=f"{sweep} {activation} time/token spread 1k..16k",
-                                    spread=spread, target="<= 0.15"))
-                lines.append(f"{sweep} {activation}: fwd+bwd time per token spread 1k..16k "
-                             f"{100 * spread:.1f}% (target <= 15%)")
+                targets.append(
+                    dict(what=f"{sweep} {activation} time/token spread 1k..16k", spread=spread, target="<= 0.15")
+                )
+                lines.append(
+                    f"{sweep} {activation}: fwd+bwd time per token spread 1k..16k {100 * spread:.1f}% (target <= 15%)"
+                )
     return {"lines": lines, "targets": targets}
 
 

@@ -46,8 +46,11 @@ from gem.data.sources.synthetic import SyntheticConfig, generate  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {
     "quickstart": {"max_len": 64, "batch_size": 256, "synthetic": SyntheticConfig()},
-    "gem-base": {"max_len": 1024, "batch_size": 1152,
-                 "synthetic": SyntheticConfig(history_log_mean=math.log(300), history_log_std=0.8)},
+    "gem-base": {
+        "max_len": 1024,
+        "batch_size": 1152,
+        "synthetic": SyntheticConfig(history_log_mean=math.log(300), history_log_std=0.8),
+    },
 }
 # Measured GPU training step rates to compare with (examples/s); None where not measured yet.
 GPU_STEP_RATES = {
@@ -73,8 +76,9 @@ def write_data(directory: Path, schema: FeatureSchema, rows: int, cfg: Synthetic
 
 
 def epoch(files, schema, batch_size, num_workers, balance) -> dict:
-    loader = build_loader(files, schema, batch_size, shuffle=True, seed=0, num_workers=num_workers,
-                          options={"balance": balance})
+    loader = build_loader(
+        files, schema, batch_size, shuffle=True, seed=0, num_workers=num_workers, options={"balance": balance}
+    )
     examples = ids = tokens = 0
     cpu_start = _cpu_seconds()
     start = time.perf_counter()
@@ -88,9 +92,18 @@ def epoch(files, schema, batch_size, num_workers, balance) -> dict:
     seconds = time.perf_counter() - start
     del loader  # workers exit and are reaped, so their CPU time is counted
     cpu = _cpu_seconds() - cpu_start
-    return {"num_workers": num_workers, "balance": balance, "examples": examples, "seconds": seconds,
-            "first_batch_s": first, "examples_per_s": examples / seconds, "ids_per_s": ids / seconds,
-            "tokens_per_s": tokens / seconds, "cpu_seconds": cpu, "examples_per_cpu_s": examples / cpu}
+    return {
+        "num_workers": num_workers,
+        "balance": balance,
+        "examples": examples,
+        "seconds": seconds,
+        "first_batch_s": first,
+        "examples_per_s": examples / seconds,
+        "ids_per_s": ids / seconds,
+        "tokens_per_s": tokens / seconds,
+        "cpu_seconds": cpu,
+        "examples_per_cpu_s": examples / cpu,
+    }
 
 
 def _cpu_seconds() -> float:
@@ -102,8 +115,17 @@ def _cpu_seconds() -> float:
 def rank_imbalance(files, schema, batch_size, world_size, balance) -> dict:
     per_rank = []
     for rank in range(world_size):
-        loader = build_loader(files, schema, batch_size, shuffle=True, seed=0, drop_last=True, rank=rank,
-                              world_size=world_size, options={"balance": balance})
+        loader = build_loader(
+            files,
+            schema,
+            batch_size,
+            shuffle=True,
+            seed=0,
+            drop_last=True,
+            rank=rank,
+            world_size=world_size,
+            options={"balance": balance},
+        )
         per_rank.append([int(b.sequences.lengths()[: b.batch_size].sum()) for b in loader])
     steps = min(map(len, per_rank))
     return imbalance(np.array([t[:steps] for t in per_rank]).T)
@@ -114,12 +136,28 @@ def versions() -> dict:
         commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, cwd=ROOT).strip()
     except Exception:
         commit = os.environ.get("GIT_COMMIT", "unknown")
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "git_commit": commit,
-            "hardware": f"{cpu}, {os.cpu_count()} cores", "load_average": os.getloadavg(),
-            "torch": torch.__version__, "pyarrow": pa.__version__, "numpy": np.__version__,
-            "python": platform.python_version()}
+    cpu = (
+        next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            platform.processor(),
+        )
+        if Path("/proc/cpuinfo").exists()
+        else platform.processor()
+    )
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "git_commit": commit,
+        "hardware": f"{cpu}, {os.cpu_count()} cores",
+        "load_average": os.getloadavg(),
+        "torch": torch.__version__,
+        "pyarrow": pa.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def main() -> None:
@@ -142,23 +180,36 @@ def main() -> None:
             runs = [epoch(files, schema, shape["batch_size"], w, balance=True) for w in args.workers]
             runs.append(epoch(files, schema, shape["batch_size"], 0, balance=False))
             for r in runs:
-                print(f"{name:<10} workers={r['num_workers']} balance={r['balance']!s:<5} "
-                      f"{r['examples_per_s']:>10,.0f} examples/s {r['ids_per_s'] / 1e6:>8.2f} M ids/s "
-                      f"{r['tokens_per_s'] / 1e6:>8.2f} M tokens/s | {r['examples_per_cpu_s']:>10,.0f} examples per CPU-s",
-                      flush=True)
+                print(
+                    f"{name:<10} workers={r['num_workers']} balance={r['balance']!s:<5} "
+                    f"{r['examples_per_s']:>10,.0f} examples/s {r['ids_per_s'] / 1e6:>8.2f} M ids/s "
+                    f"{r['tokens_per_s'] / 1e6:>8.2f} M tokens/s | "
+                    f"{r['examples_per_cpu_s']:>10,.0f} examples per CPU-s",
+                    flush=True,
+                )
             batch = max(16, shape["batch_size"] // args.world_size)
             before = rank_imbalance(files, schema, batch, args.world_size, balance=False)
             after = rank_imbalance(files, schema, batch, args.world_size, balance=True)
-            print(f"{name:<10} tokens per rank-step max/mean over {args.world_size} ranks, batch {batch}: "
-                  f"{before['max_over_mean_mean']:.3f} unbalanced -> {after['max_over_mean_mean']:.3f} balanced "
-                  f"(worst step {before['max_over_mean_worst']:.3f} -> {after['max_over_mean_worst']:.3f})")
+            print(
+                f"{name:<10} tokens per rank-step max/mean over {args.world_size} ranks, batch {batch}: "
+                f"{before['max_over_mean_mean']:.3f} unbalanced -> {after['max_over_mean_mean']:.3f} balanced "
+                f"(worst step {before['max_over_mean_worst']:.3f} -> {after['max_over_mean_worst']:.3f})"
+            )
             best = max(r["examples_per_s"] for r in runs)
             gpu = GPU_STEP_RATES[name]
             result["shapes"][name] = {
-                "max_len": shape["max_len"], "batch_size": shape["batch_size"],
-                "mean_history": float(np.mean([pa.compute.list_value_length(t.column("hist_item")).to_numpy().mean()
-                                               for t in map(_read, files)])),
-                "runs": runs, "imbalance": {"per_rank_batch": batch, "unbalanced": before, "balanced": after},
+                "max_len": shape["max_len"],
+                "batch_size": shape["batch_size"],
+                "mean_history": float(
+                    np.mean(
+                        [
+                            pa.compute.list_value_length(t.column("hist_item")).to_numpy().mean()
+                            for t in map(_read, files)
+                        ]
+                    )
+                ),
+                "runs": runs,
+                "imbalance": {"per_rank_batch": batch, "unbalanced": before, "balanced": after},
                 "gpu_step_rate": gpu,
                 "loader_over_gpu": best / gpu["examples_per_s"] if gpu["examples_per_s"] else None,
             }

@@ -54,21 +54,49 @@ _jagged_attention = sequence.jagged_attention
 _valid_rows: dict[str, torch.Tensor] = {}  # the padded batch's true rows per example [B] (one event stream)
 
 
-def padded_attention(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, *, activation="softmax", scale=None,
-                     post_scale=None, causal=False, window=None, block_size=None, backend=None):
+def padded_attention(
+    q,
+    k,
+    v,
+    q_offsets,
+    kv_offsets,
+    max_q_len,
+    max_kv_len,
+    *,
+    activation="softmax",
+    scale=None,
+    post_scale=None,
+    causal=False,
+    window=None,
+    block_size=None,
+    backend=None,
+):
     """``kernels.jagged_attention``'s arguments on padded rows (every example ``max_len`` rows),
     computed as a padded model does: SDPA with a key-padding mask, or GDPA as two matmuls."""
     if backend != "padded":
-        return _jagged_attention(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, activation=activation,
-                                 scale=scale, post_scale=post_scale, causal=causal, window=window,
-                                 block_size=block_size, backend=backend)
+        return _jagged_attention(
+            q,
+            k,
+            v,
+            q_offsets,
+            kv_offsets,
+            max_q_len,
+            max_kv_len,
+            activation=activation,
+            scale=scale,
+            post_scale=post_scale,
+            causal=causal,
+            window=window,
+            block_size=block_size,
+            backend=backend,
+        )
     if causal or window is not None or block_size is not None:
         raise NotImplementedError("the padded baseline covers gem_base's attention: no causal, window or block mask")
     valid = _valid_rows["rows"]
     num_batches, (num_heads, head_dim) = valid.numel(), q.shape[-2:]
     if kv_offsets is None:  # GDPA-PFFN: padded queries [B*L, H, D] against dense K/V [B, N, H, D]
         qp = q.view(num_batches, -1, num_heads, head_dim)
-        s = torch.einsum("blhd,bnhd->bhln", qp, k) * (scale or head_dim ** -0.5)
+        s = torch.einsum("blhd,bnhd->bhln", qp, k) * (scale or head_dim**-0.5)
         o = torch.einsum("bhln,bnhd->blhd", pointwise_activation(s, activation) * post_scale, v)
         return o.reshape(q.shape)
     length = max_kv_len
@@ -94,7 +122,7 @@ class PaddedGEMDenseArch(GEMDenseArch):
         sequence.jagged_attention = padded_attention  # the blocks' attention calls, in this process
 
     def forward(self, sparse: SparseOutput, dense: torch.Tensor, domain: torch.Tensor) -> torch.Tensor:
-        (name, s), = sparse.sequences.items()
+        ((name, s),) = sparse.sequences.items()
         num_batches, length = s.offsets.numel() - 1, s.max_len
         padded = jagged_to_padded(s.values, s.offsets, length)  # [B, L, D]
         extra = self.num_summary if self.block == "interformer" else 0  # CLS rows, prepended
@@ -121,9 +149,20 @@ def launch(name: str, overrides: list[str], run_dir: Path, steps: int, warmup: i
     block = name.split("-")[-1]
     profile = [] if _startup_only(name) else [f"trainer.profile.start={warmup + 1}", "trainer.profile.steps=6"]
     variant = next((v for k, v in VARIANTS.items() if name.startswith(k + "-")), [])
-    cmd = [sys.executable, "-m", "gem.train", "experiment=gem_base_h200", f"model.block={block}", *variant,
-           f"trainer.max_steps={steps}", "trainer.log_every=10", "trainer.progress_bar=false",
-           f"trainer.run_dir={run_dir}", *profile, *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gem.train",
+        "experiment=gem_base_h200",
+        f"model.block={block}",
+        *variant,
+        f"trainer.max_steps={steps}",
+        "trainer.log_every=10",
+        "trainer.progress_bar=false",
+        f"trainer.run_dir={run_dir}",
+        *profile,
+        *overrides,
+    ]
     print("$", " ".join(cmd), flush=True)
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     tick = time.perf_counter()
@@ -142,11 +181,14 @@ def collect(name: str, run_dir: Path, warmup: int) -> dict:
     metrics = run_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     train = [r for r in rows if r["kind"] == "train"]
-    profiled = (run_dir / "profile" / "breakdown_rank0.json")
+    profiled = run_dir / "profile" / "breakdown_rank0.json"
     lo, hi = json.loads(profiled.read_text())["recorded_steps"] if profiled.exists() else (0, -1)
     # windows after the warm-up that do not hold a profiled step (or the profiler's warm-up step)
-    windows = [r for prev, r in zip([{"step": 0}] + train, train)
-               if r["step"] > warmup and not (prev["step"] < hi and r["step"] >= lo - 1)]
+    windows = [
+        r
+        for prev, r in zip([{"step": 0}] + train, train)
+        if r["step"] > warmup and not (prev["step"] < hi and r["step"] >= lo - 1)
+    ]
     if windows:
         median = lambda key: statistics.median(r[key] for r in windows) if windows[0].get(key) is not None else None  # noqa: E731
         result |= {key: median(key) for key in ("examples_per_s", "step_ms", "tflops", "mfu", "data_wait_frac")}
@@ -165,44 +207,72 @@ def collect(name: str, run_dir: Path, warmup: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", nargs="+", default=["interformer", "kunlun", "padded-interformer", "padded-kunlun",
-                                                      "warm-interformer"])  # cold-<block> first on a fresh machine
+    parser.add_argument(
+        "--runs",
+        nargs="+",
+        default=["interformer", "kunlun", "padded-interformer", "padded-kunlun", "warm-interformer"],
+    )  # cold-<block> first on a fresh machine
     parser.add_argument("--steps", type=int, default=160)
     parser.add_argument("--warmup", type=int, default=40, help="steps left out of the figures")
     parser.add_argument("--warm-steps", type=int, default=10, help="steps of a cold-* or warm-* run")
     parser.add_argument("--out-dir", default=str(ROOT / "runs" / "e2e"))
     parser.add_argument("--tag", default=None, help="file name suffix (default: the hardware, slugged)")
-    parser.add_argument("--collect", action="store_true",
-                        help="only read the runs already in --out-dir (e.g. after a time limit cut the benchmark)")
+    parser.add_argument(
+        "--collect",
+        action="store_true",
+        help="only read the runs already in --out-dir (e.g. after a time limit cut the benchmark)",
+    )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = parser.parse_args()
     env = environment()
     results = []
     for name in args.runs:
         run_dir = Path(args.out_dir) / name
-        launched = {} if args.collect else launch(name, args.overrides, run_dir,
-                                                   args.warm_steps if _startup_only(name) else args.steps,
-                                                   args.warmup)
+        launched = (
+            {}
+            if args.collect
+            else launch(
+                name, args.overrides, run_dir, args.warm_steps if _startup_only(name) else args.steps, args.warmup
+            )
+        )
         results.append(collect(name, run_dir, args.warmup) | launched)
     by_name = {r["name"]: r for r in results}
     for r in results:
         base = by_name.get(f"padded-{r['name']}")
         if base and r.get("examples_per_s") and base.get("examples_per_s"):
             r["vs_padded"] = r["examples_per_s"] / base["examples_per_s"]
-    print(f"\n{'run':<20} {'rc':>3} {'examples/s':>11} {'step ms':>8} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7} "
-          f"{'first step s':>12} {'vs padded':>9}")
+    print(
+        f"\n{'run':<20} {'rc':>3} {'examples/s':>11} {'step ms':>8} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7} "
+        f"{'first step s':>12} {'vs padded':>9}"
+    )
     for r in results:
-        cell = lambda key, fmt: format(r[key], fmt) if r.get(key) is not None else "-"  # noqa: E731
+        cell = lambda key, fmt, r=r: format(r[key], fmt) if r.get(key) is not None else "-"  # noqa: E731
         first = r.get("startup", {}).get("total")
-        print(f"{r['name']:<20} {r.get('returncode', '-'):>3} {cell('examples_per_s', '11.0f')} {cell('step_ms', '8.1f')} "
-              f"{cell('tflops', '8.1f')} {cell('mfu', '6.1%')} {cell('peak_mem_gb', '7.1f')} "
-              f"{format(first, '12.1f') if first else '-':>12} {cell('vs_padded', '9.2f')}")
+        print(
+            f"{r['name']:<20} {r.get('returncode', '-'):>3} {cell('examples_per_s', '11.0f')} "
+            f"{cell('step_ms', '8.1f')} "
+            f"{cell('tflops', '8.1f')} {cell('mfu', '6.1%')} {cell('peak_mem_gb', '7.1f')} "
+            f"{format(first, '12.1f') if first else '-':>12} {cell('vs_padded', '9.2f')}"
+        )
     tag = args.tag or "".join(c if c.isalnum() else "-" for c in env["hardware"].lower()).strip("-")
     out = ROOT / "benchmarks" / "results" / f"e2e-{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"benchmark": "e2e", "date": datetime.datetime.now(datetime.UTC).isoformat(), **env,
-                               "experiment": "gem_base_h200", "steps": args.steps, "warmup": args.warmup,
-                               "overrides": args.overrides, "results": results}, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "benchmark": "e2e",
+                "date": datetime.datetime.now(datetime.UTC).isoformat(),
+                **env,
+                "experiment": "gem_base_h200",
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "overrides": args.overrides,
+                "results": results,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {out}")
 
 

@@ -39,10 +39,15 @@ def measure(model: str, block: str, embedding_dim: int, length: int, batch_size:
         dense = instantiate(cfg.model, _partial_=True, _convert_="all")(schema=schema, feature_dims=feature_dims)
     lengths = {g.name: torch.full((batch_size,), length) for g in schema.sequence_groups}
     flops = dense.flops(batch_size, lengths)
-    return {"model": model, "block": block, "sparse.embedding_dim": embedding_dim, "history_length": length,
-            "dense_params": sum(p.numel() for p in dense.parameters()),
-            "forward_flops_per_example": flops["forward"] / batch_size,
-            "train_flops_per_example": (flops["forward"] + flops["backward"]) / batch_size}
+    return {
+        "model": model,
+        "block": block,
+        "sparse.embedding_dim": embedding_dim,
+        "history_length": length,
+        "dense_params": sum(p.numel() for p in dense.parameters()),
+        "forward_flops_per_example": flops["forward"] / batch_size,
+        "train_flops_per_example": (flops["forward"] + flops["backward"]) / batch_size,
+    }
 
 
 def main() -> None:
@@ -52,12 +57,24 @@ def main() -> None:
     rows = [measure(m, b, *SIZES[m]) for m in SIZES for b in ("interformer", "kunlun")]
     print(f"{'model':10} {'block':12} {'emb':>4} {'L':>5} {'dense params':>13} {'fwd+bwd FLOP/example':>21}")
     for r in rows:
-        print(f"{r['model']:10} {r['block']:12} {r['sparse.embedding_dim']:4d} {r['history_length']:5d} "
-              f"{r['dense_params'] / 1e6:12.2f}M {r['train_flops_per_example'] / 1e9:20.3f}G")
+        print(
+            f"{r['model']:10} {r['block']:12} {r['sparse.embedding_dim']:4d} {r['history_length']:5d} "
+            f"{r['dense_params'] / 1e6:12.2f}M {r['train_flops_per_example'] / 1e9:20.3f}G"
+        )
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    Path(args.out).write_text(json.dumps({
-        "date": datetime.now(timezone.utc).isoformat(), "git_commit": commit, "hardware": "none (analytic, meta device)",
-        "torch": torch.__version__, "python": platform.python_version(), "rows": rows}, indent=2))
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "date": datetime.now(timezone.utc).isoformat(),
+                "git_commit": commit,
+                "hardware": "none (analytic, meta device)",
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

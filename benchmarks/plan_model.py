@@ -31,11 +31,24 @@ def main() -> None:
     held_out = [abs(c.error) for c in checks if not c.fitted]
     print(f"held-out runs: mean |error| {sum(held_out) / len(held_out):.1%}, max {max(held_out):.1%}")
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    out = {"benchmark": "plan_model", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-           "commit": commit, "hardware": "calibrated on 1x and 2x NVIDIA H200 runs (read, not run)",
-           "fitted": fitted,
-           "checks": [{"run": c.run, "source": c.source, "measured_ms": c.measured_ms, "predicted_ms": c.predicted_ms,
-                       "error": c.error, "fitted": c.fitted} for c in checks]}
+    out = {
+        "benchmark": "plan_model",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "commit": commit,
+        "hardware": "calibrated on 1x and 2x NVIDIA H200 runs (read, not run)",
+        "fitted": fitted,
+        "checks": [
+            {
+                "run": c.run,
+                "source": c.source,
+                "measured_ms": c.measured_ms,
+                "predicted_ms": c.predicted_ms,
+                "error": c.error,
+                "fitted": c.fitted,
+            }
+            for c in checks
+        ],
+    }
     path = ROOT / "benchmarks" / "results" / "plan_model-h200.json"
     path.write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {path}")

@@ -35,23 +35,38 @@ def _free_port() -> int:
 
 def run(nproc: int, overrides: list[str], run_dir: Path, skip: int) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "-m", "gem.train", *overrides,
-           f"trainer.run_dir={run_dir}", "trainer.progress_bar=false", "trainer.eval_max_batches=1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+        "-m",
+        "gem.train",
+        *overrides,
+        f"trainer.run_dir={run_dir}",
+        "trainer.progress_bar=false",
+        "trainer.eval_max_batches=1",
+    ]
     print("$", " ".join(cmd), flush=True)
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)  # keep the caller's too
     subprocess.run(cmd, cwd=ROOT, check=True, env=os.environ | {"PYTHONPATH": path})
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     windows = [r for r in rows if r["kind"] == "train"][skip:]
     if not windows:
-        raise SystemExit(f"{run_dir}: no training window after skipping {skip}; raise trainer.max_steps "
-                         f"or lower trainer.log_every")
-    return {"nproc": nproc, "examples_per_s": statistics.median(r["examples_per_s"] for r in windows),
-            "step_ms": statistics.median(r["step_ms"] for r in windows),
-            "data_wait_frac": statistics.median(r["data_wait_frac"] for r in windows),
-            "mfu": statistics.median(r["mfu"] for r in windows) if all(r.get("mfu") is not None for r in windows)
-            else None,
-            "windows": len(windows), "final_loss": windows[-1]["loss"]}
+        raise SystemExit(
+            f"{run_dir}: no training window after skipping {skip}; raise trainer.max_steps or lower trainer.log_every"
+        )
+    return {
+        "nproc": nproc,
+        "examples_per_s": statistics.median(r["examples_per_s"] for r in windows),
+        "step_ms": statistics.median(r["step_ms"] for r in windows),
+        "data_wait_frac": statistics.median(r["data_wait_frac"] for r in windows),
+        "mfu": statistics.median(r["mfu"] for r in windows) if all(r.get("mfu") is not None for r in windows) else None,
+        "windows": len(windows),
+        "final_loss": windows[-1]["loss"],
+    }
 
 
 def environment() -> dict:
@@ -70,8 +85,9 @@ def environment() -> dict:
     info["commit"] = os.environ.get("GIT_COMMIT")  # set it where the checkout's .git is not this tree's
     if not info["commit"]:
         try:
-            info["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                            check=True).stdout.strip()
+            info["commit"] = subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+            ).stdout.strip()
         except (OSError, subprocess.CalledProcessError):
             info["commit"] = None
     return info
@@ -92,18 +108,33 @@ def main() -> None:
     for r in results:
         r["speedup"] = r["examples_per_s"] / base["examples_per_s"]
         r["efficiency"] = r["speedup"] * base["nproc"] / r["nproc"]
-    print(f"\n{'nproc':>5}  {'examples/s':>12}  {'step ms':>8}  {'data wait':>9}  {'MFU':>6}  {'speedup':>7}  "
-          f"{'efficiency':>10}")
+    print(
+        f"\n{'nproc':>5}  {'examples/s':>12}  {'step ms':>8}  {'data wait':>9}  {'MFU':>6}  {'speedup':>7}  "
+        f"{'efficiency':>10}"
+    )
     for r in results:
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
-        print(f"{r['nproc']:>5}  {r['examples_per_s']:>12.0f}  {r['step_ms']:>8.2f}  {r['data_wait_frac']:>9.3f}  "
-              f"{mfu:>6}  {r['speedup']:>7.2f}  {r['efficiency']:>10.1%}")
+        print(
+            f"{r['nproc']:>5}  {r['examples_per_s']:>12.0f}  {r['step_ms']:>8.2f}  {r['data_wait_frac']:>9.3f}  "
+            f"{mfu:>6}  {r['speedup']:>7.2f}  {r['efficiency']:>10.1%}"
+        )
     tag = args.tag or "".join(c if c.isalnum() else "-" for c in env["hardware"].lower()).strip("-")
     out = ROOT / "benchmarks" / "results" / f"scaling-{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"benchmark": "scaling", "date": datetime.datetime.now(datetime.UTC).isoformat(),
-                               **env, "per_device_batch": "same for every run (data.batch_size)",
-                               "overrides": args.overrides, "results": results}, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "benchmark": "scaling",
+                "date": datetime.datetime.now(datetime.UTC).isoformat(),
+                **env,
+                "per_device_batch": "same for every run (data.batch_size)",
+                "overrides": args.overrides,
+                "results": results,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {out}")
 
 

@@ -39,24 +39,45 @@ PUBLISHED = {
 
 
 def run(experiment: str, name: str, seed: int, split: str, overrides: list[str], run_dir: Path) -> dict:
-    cmd = [sys.executable, "-m", "gem.train", f"experiment={experiment}", f"data.name={name}", f"trainer.seed={seed}",
-           f"data.seqrec.seed={seed}", f"trainer.run_dir={run_dir}", "trainer.progress_bar=false", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gem.train",
+        f"experiment={experiment}",
+        f"data.name={name}",
+        f"trainer.seed={seed}",
+        f"data.seqrec.seed={seed}",
+        f"trainer.run_dir={run_dir}",
+        "trainer.progress_bar=false",
+        *overrides,
+    ]
     print("$", " ".join(cmd), flush=True)
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     tick = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, check=True, env=os.environ | {"PYTHONPATH": path}, stdout=subprocess.DEVNULL)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     final = [r for r in rows if r["kind"] == split][-1]
-    return {"set": name, "seed": seed, "split": split, "step": final["step"], "seconds": round(time.perf_counter() - tick, 1),
-            **{m: final[f"next_item/{m}"] for m in METRICS}}
+    return {
+        "set": name,
+        "seed": seed,
+        "split": split,
+        "step": final["step"],
+        "seconds": round(time.perf_counter() - tick, 1),
+        **{m: final[f"next_item/{m}"] for m in METRICS},
+    }
 
 
 def summarize(results: list[dict]) -> dict:
     out = {}
     for name in dict.fromkeys(r["set"] for r in results):
         runs = [r for r in results if r["set"] == name]
-        out[name] = {m: {"mean": statistics.mean(r[m] for r in runs),
-                         "std": statistics.stdev(r[m] for r in runs) if len(runs) > 1 else 0.0} for m in METRICS}
+        out[name] = {
+            m: {
+                "mean": statistics.mean(r[m] for r in runs),
+                "std": statistics.stdev(r[m] for r in runs) if len(runs) > 1 else 0.0,
+            }
+            for m in METRICS
+        }
         out[name]["seconds"] = statistics.mean(r["seconds"] for r in runs)
     return out
 
@@ -72,21 +93,42 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = parser.parse_args()
     env = environment()
-    results = [run(args.experiment, name, seed, args.split, args.overrides, Path(args.out_dir) / f"{name}-{seed}")
-               for name in args.sets for seed in args.seeds]
+    results = [
+        run(args.experiment, name, seed, args.split, args.overrides, Path(args.out_dir) / f"{name}-{seed}")
+        for name in args.sets
+        for seed in args.seeds
+    ]
     summary = summarize(results)
-    print(f"\n{'set':<22} {'HR@10':>15} {'NDCG@10':>15} {'HR@1':>15} {'MRR':>15} {'s/run':>6}  published HR@10 / NDCG@10")
+    print(
+        f"\n{'set':<22} {'HR@10':>15} {'NDCG@10':>15} {'HR@1':>15} {'MRR':>15} {'s/run':>6}  published HR@10 / NDCG@10"
+    )
     for name, s in summary.items():
-        cell = lambda m: f"{s[m]['mean']:.4f}+-{s[m]['std']:.4f}"  # noqa: E731
+        cell = lambda m, s=s: f"{s[m]['mean']:.4f}+-{s[m]['std']:.4f}"  # noqa: E731
         refs = "; ".join(f"{k} {h:.4f}/{n:.4f}" for k, (h, n) in PUBLISHED.get(name, {}).items())
-        print(f"{name:<22} {cell('hr@10'):>15} {cell('ndcg@10'):>15} {cell('hr@1'):>15} {cell('mrr'):>15} "
-              f"{s['seconds']:>6.0f}  {refs}")
+        print(
+            f"{name:<22} {cell('hr@10'):>15} {cell('ndcg@10'):>15} {cell('hr@1'):>15} {cell('mrr'):>15} "
+            f"{s['seconds']:>6.0f}  {refs}"
+        )
     tag = args.tag or "".join(c if c.isalnum() else "-" for c in env["hardware"].lower()).strip("-")
     out = ROOT / "benchmarks" / "results" / f"seqrec-{args.experiment}-{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"benchmark": "seqrec", "date": datetime.datetime.now(datetime.UTC).isoformat(), **env,
-                               "experiment": args.experiment, "split": args.split, "overrides": args.overrides,
-                               "summary": summary, "published": PUBLISHED, "runs": results}, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "benchmark": "seqrec",
+                "date": datetime.datetime.now(datetime.UTC).isoformat(),
+                **env,
+                "experiment": args.experiment,
+                "split": args.split,
+                "overrides": args.overrides,
+                "summary": summary,
+                "published": PUBLISHED,
+                "runs": results,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {out}")
 
 

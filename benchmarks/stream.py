@@ -44,12 +44,23 @@ VARIANTS = {
 def overrides(args, name: str, work: Path) -> list[str]:
     mapping = VARIANTS[name]
     ids = [f"++sparse.ids.{t}.{k}={v}" for t in TABLES for k, v in mapping.items()]
-    return ["experiment=stream", f"data.stream.days={args.days}", f"data.stream.examples_per_day={args.examples_per_day}",
-            f"data.stream.id_lifetime_days={0 if name == 'no_new_ids' else args.lifetime}",
-            f"data.stream.drift_per_day={args.drift}",
-            f"data.cache_dir={work / 'cache'}", f"trainer.run_dir={work / name}", "checkpoint.enabled=false",
-            "trainer.delta_export.every=null", "trainer.progress_bar=false", "trainer.plots=false",
-            f"trainer.seed={args.seed}", f"data.seed={args.seed}", f"data.synthetic.num_clusters={args.clusters}", *ids]
+    return [
+        "experiment=stream",
+        f"data.stream.days={args.days}",
+        f"data.stream.examples_per_day={args.examples_per_day}",
+        f"data.stream.id_lifetime_days={0 if name == 'no_new_ids' else args.lifetime}",
+        f"data.stream.drift_per_day={args.drift}",
+        f"data.cache_dir={work / 'cache'}",
+        f"trainer.run_dir={work / name}",
+        "checkpoint.enabled=false",
+        "trainer.delta_export.every=null",
+        "trainer.progress_bar=false",
+        "trainer.plots=false",
+        f"trainer.seed={args.seed}",
+        f"data.seed={args.seed}",
+        f"data.synthetic.num_clusters={args.clusters}",
+        *ids,
+    ]
 
 
 def configure(args, name: str, work: Path):
@@ -79,8 +90,12 @@ def main() -> None:
     parser.add_argument("--drift", type=float, default=0.1, help="interest drift per day")
     parser.add_argument("--users", type=int, default=500, help="rows of the user table (and users in the world)")
     parser.add_argument("--items", type=int, default=1000, help="rows of the ad and history item tables")
-    parser.add_argument("--clusters", type=int, default=2,
-                        help="interest clusters: few, so that the click signal is in each item's own latent (its id)")
+    parser.add_argument(
+        "--clusters",
+        type=int,
+        default=2,
+        help="interest clusters: few, so that the click signal is in each item's own latent (its id)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "bench-stream")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "stream-cpu.json")
@@ -94,7 +109,9 @@ def main() -> None:
         train(configure(args, name, args.work))
         seconds[name] = time.perf_counter() - tick
         per_day = json.loads((args.work / name / "stream_metrics.json").read_text())["partitions"]
-        results[name] = {day: {k: v[k] for k in ("click/auc", "click/ne", "conversion/auc")} for day, v in per_day.items()}
+        results[name] = {
+            day: {k: v[k] for k in ("click/auc", "click/ne", "conversion/auc")} for day, v in per_day.items()
+        }
         log = [json.loads(line) for line in (args.work / name / "metrics.jsonl").read_text().splitlines()]
         last = [r for r in log if r["kind"] == "train"][-1]
         results[name]["_ids"] = {k: v for k, v in last.items() if k.startswith("ids/")}
@@ -102,13 +119,16 @@ def main() -> None:
     days = sorted(d for d in results["mch_lru"] if not d.startswith("_"))
     mean_after_first = {n: sum(results[n][d]["click/auc"] for d in days[1:]) / max(1, len(days) - 1) for n in VARIANTS}
     out = {
-        "benchmark": "stream", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "benchmark": "stream",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "git_commit": git_commit(),
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "metric": "progressive click AUC: each day scored before training on it",
-        "per_day": results, "mean_click_auc_days_2_on": mean_after_first, "seconds": seconds,
+        "per_day": results,
+        "mean_click_auc_days_2_on": mean_after_first,
+        "seconds": seconds,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))

@@ -34,14 +34,27 @@ def main() -> None:
     results = {}
     for recipe, overrides in RECIPES.items():
         with tempfile.TemporaryDirectory() as cache:
-            losses = {backend: gem_base_trajectory(backend, args.block, cache, overrides=overrides)
-                      for backend in ("triton", "reference")}
+            losses = {
+                backend: gem_base_trajectory(backend, args.block, cache, overrides=overrides)
+                for backend in ("triton", "reference")
+            }
         diff = [abs(a - b) / abs(b) for a, b in zip(losses["triton"], losses["reference"])]
         results[recipe] = losses | {"rel_diff": diff, "overrides": list(overrides)}
         print(f"{recipe}: relative difference per step", " ".join(f"{x:.1e}" for x in diff), flush=True)
-    Path(args.out).write_text(json.dumps({"benchmark": "trajectories", "block": args.block, "dtype": "float32",
-                                          "date": datetime.datetime.now(datetime.UTC).isoformat(), **environment(),
-                                          "results": results}, indent=2) + "\n")
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "benchmark": "trajectories",
+                "block": args.block,
+                "dtype": "float32",
+                "date": datetime.datetime.now(datetime.UTC).isoformat(),
+                **environment(),
+                "results": results,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

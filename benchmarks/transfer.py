@@ -60,15 +60,24 @@ def main() -> None:
     from gem.train.config import validate
     from gem.train.metrics import TaskEvaluator
     from gem.train.trainer import DistEnv, load_data, train
-    from gem.transfer.export import ExportConfig, run as export
+    from gem.transfer.export import ExportConfig
+    from gem.transfer.export import run as export
     from gem.transfer.teacher import load_teacher
 
     work = Path(args.work)
-    common = ["trainer.device=cpu", "trainer.progress_bar=false", "trainer.plots=false", "trainer.log_every=100",
-              f"data.cache_dir={work / 'cache'}", "data.num_workers=0"]
+    common = [
+        "trainer.device=cpu",
+        "trainer.progress_bar=false",
+        "trainer.plots=false",
+        "trainer.log_every=100",
+        f"data.cache_dir={work / 'cache'}",
+        "data.num_workers=0",
+    ]
     teacher_data = [f"data.num_examples={{train: {args.teacher_examples}, val: 2000, test: 2000}}"]
-    student_data = [f"data.num_examples={{train: {args.student_examples}, val: 2000, test: {args.test_examples}}}",
-                    f"data.synthetic.drift={args.drift}"]
+    student_data = [
+        f"data.num_examples={{train: {args.student_examples}, val: 2000, test: {args.test_examples}}}",
+        f"data.synthetic.drift={args.drift}",
+    ]
     teacher_model = ["model=gem_tiny", "model.dim=32", "model.num_layers=2"]
     student_model = ["model=dlrm", "model.dim=16", "model.bottom_mlp=[32]", "model.top_mlp=[32]"]
     results, timings = {}, {}
@@ -76,8 +85,18 @@ def main() -> None:
     tick = time.perf_counter()
     teacher_dir = work / "teacher"
     if not list_checkpoints(teacher_dir / "checkpoints"):
-        train(compose([*common, *teacher_data, *teacher_model, f"trainer.run_dir={teacher_dir}",
-                       "checkpoint.enabled=true", "trainer.epochs=1"]))
+        train(
+            compose(
+                [
+                    *common,
+                    *teacher_data,
+                    *teacher_model,
+                    f"trainer.run_dir={teacher_dir}",
+                    "checkpoint.enabled=true",
+                    "trainer.epochs=1",
+                ]
+            )
+        )
     ckpt = list_checkpoints(teacher_dir / "checkpoints")[-1]
     timings["teacher_train_s"] = time.perf_counter() - tick
 
@@ -101,20 +120,31 @@ def main() -> None:
 
     variants = {
         "student alone": [],
-        "student + distillation": [f"data=parquet", f"data.dir={exported}", f"trainer.distill.weight={args.distill_weight}",
-                                   f"trainer.distill.temperature={args.temperature}"],
+        "student + distillation": [
+            "data=parquet",
+            f"data.dir={exported}",
+            f"trainer.distill.weight={args.distill_weight}",
+            f"trainer.distill.temperature={args.temperature}",
+        ],
         "student + shared tables": [f"checkpoint.init_from={ckpt}", "checkpoint.init_modules=[sparse_arch]"],
         "student + distillation + shared tables": [
-            "data=parquet", f"data.dir={exported}", f"trainer.distill.weight={args.distill_weight}",
-            f"trainer.distill.temperature={args.temperature}", f"checkpoint.init_from={ckpt}",
-            "checkpoint.init_modules=[sparse_arch]"],
+            "data=parquet",
+            f"data.dir={exported}",
+            f"trainer.distill.weight={args.distill_weight}",
+            f"trainer.distill.temperature={args.temperature}",
+            f"checkpoint.init_from={ckpt}",
+            "checkpoint.init_modules=[sparse_arch]",
+        ],
     }
     for name, extra in variants.items():
         tick = time.perf_counter()
         data = student_data if "data=parquet" not in extra else ["data.num_examples={}"]
         run_dir = work / name.replace(" ", "_").replace("+", "p")
-        results[name] = train(compose([*common, *data, *student_model, f"trainer.run_dir={run_dir}",
-                                       f"trainer.epochs={args.epochs}", *extra]))
+        results[name] = train(
+            compose(
+                [*common, *data, *student_model, f"trainer.run_dir={run_dir}", f"trainer.epochs={args.epochs}", *extra]
+            )
+        )
         timings[f"{name}_s"] = time.perf_counter() - tick
 
     import gem
@@ -131,22 +161,34 @@ def main() -> None:
         rows[name]["click_auc_gap_closed"] = gap
     best = max(v["click_auc_gap_closed"] for k, v in rows.items() if k.startswith("student +"))
     out = {
-        "benchmark": "transfer", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
-        "args": vars(args), "results": rows, "forward_flops_per_example": flops,
+        "benchmark": "transfer",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}",
+        "args": vars(args),
+        "results": rows,
+        "forward_flops_per_example": flops,
         "flops_ratio_teacher_over_student": flops["teacher"] / flops["student"],
-        "target": {"gap_closed_at_least": 0.5, "flops_ratio_at_least": 10,
-                   "met": bool(best >= 0.5 and flops["teacher"] / flops["student"] >= 10), "best_gap_closed": best},
+        "target": {
+            "gap_closed_at_least": 0.5,
+            "flops_ratio_at_least": 10,
+            "met": bool(best >= 0.5 and flops["teacher"] / flops["student"] >= 10),
+            "best_gap_closed": best,
+        },
         "seconds": timings,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"{'':42s} {'click AUC':>9s} {'click NE':>9s} {'conv AUC':>9s} {'gap closed':>10s}")
     for name, r in rows.items():
-        print(f"{name:42s} {r['click/auc']:9.4f} {r['click/ne']:9.4f} {r.get('conversion/auc', float('nan')):9.4f} "
-              f"{r['click_auc_gap_closed']:10.2f}")
-    print(f"forward FLOPs per example: teacher {flops['teacher']:,.0f}, student {flops['student']:,.0f} "
-          f"({flops['teacher'] / flops['student']:.1f}x)")
+        print(
+            f"{name:42s} {r['click/auc']:9.4f} {r['click/ne']:9.4f} {r.get('conversion/auc', float('nan')):9.4f} "
+            f"{r['click_auc_gap_closed']:10.2f}"
+        )
+    print(
+        f"forward FLOPs per example: teacher {flops['teacher']:,.0f}, student {flops['student']:,.0f} "
+        f"({flops['teacher'] / flops['student']:.1f}x)"
+    )
     print(f"target (>= half the gap closed, >= 10x cheaper) met: {out['target']['met']}")
 
 

@@ -41,8 +41,10 @@ def main(argv: list[str]) -> dict[str, float]:
             if step == steps:
                 break
     metrics = gem.evaluate(model, data, "val")
-    print(f"{steps} steps in {time.perf_counter() - tick:.1f}s; val "
-          + " ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k.endswith(("/auc", "/ne"))))
+    print(
+        f"{steps} steps in {time.perf_counter() - tick:.1f}s; val "
+        + " ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k.endswith(("/auc", "/ne")))
+    )
     return metrics
 
 

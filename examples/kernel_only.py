@@ -25,15 +25,27 @@ def main() -> dict[str, float]:
     lengths = [5, 0, 3]  # jagged: no padding, an empty sequence is legal
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device)  # [B+1] = [0, 5, 5, 8]
     heads, head_dim = 2, 32
-    q, k, v = (torch.randn(offsets[-1].item(), heads, head_dim, device=device, dtype=dtype, requires_grad=True)
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(offsets[-1].item(), heads, head_dim, device=device, dtype=dtype, requires_grad=True)
+        for _ in range(3)
+    )
     backends = ["reference"] + (["triton"] if cuda or os.environ.get("TRITON_INTERPRET") == "1" else [])
     errors: dict[str, float] = {}
     for activation, causal in (("softmax", True), ("silu", False)):
         results = {}
         for backend in backends:
-            out = jagged_attention(q, k, v, offsets, offsets, max(lengths), max(lengths), activation=activation,
-                                   causal=causal, backend=backend)  # [T, H, D], rows of every sequence
+            out = jagged_attention(
+                q,
+                k,
+                v,
+                offsets,
+                offsets,
+                max(lengths),
+                max(lengths),
+                activation=activation,
+                causal=causal,
+                backend=backend,
+            )  # [T, H, D], rows of every sequence
             (grad_q,) = torch.autograd.grad(out.float().square().sum(), q)
             results[backend] = (out.float(), grad_q.float())
         ref_out, ref_grad = results["reference"]

@@ -48,24 +48,36 @@ class Combination:
     cuda_where: str
 
     def matches(self, v: dict[str, tuple[int, int] | None]) -> bool:
-        return (v["torch"], v["fbgemm"], v["torchrec"], v["triton"]) == (self.torch, self.fbgemm, self.torchrec,
-                                                                          self.triton)
+        return (v["torch"], v["fbgemm"], v["torchrec"], v["triton"]) == (
+            self.torch,
+            self.fbgemm,
+            self.torchrec,
+            self.triton,
+        )
 
 
 KNOWN_GOOD = (
-    Combination((2, 13), (1, 8), (1, 8), (3, 7),
-                cpu="pip install torch==2.13.0 fbgemm-gpu-cpu==1.8.0 triton==3.7.1 && "
-                    "pip install --no-deps torchrec==1.8.0",
-                cuda="pip install torch==2.13.0 fbgemm-gpu==1.8.0 torchrec==1.8.0 triton==3.7.1",
-                cpu_where="the CPU pins of requirements-cpu.txt, which CI runs",
-                cuda_where="the CUDA builds of the CPU pins; not yet run on a GPU by gem"),
-    Combination((2, 11), (1, 6), (1, 6), (3, 6),
-                cpu="pip install torch==2.11.0 fbgemm-gpu-cpu==1.6.0 triton==3.6.0 && "
-                    "pip install --no-deps torchrec==1.6.1",
-                cuda="pip install torch==2.11.0 --index-url https://download.pytorch.org/whl/cu130 && "
-                     "pip install fbgemm-gpu==1.6.0 torchrec==1.6.1 triton==3.6.0",
-                cpu_where="the CPU build of fbgemm-gpu on an H200 machine",
-                cuda_where="one H200 with CUDA 13.0, docs/distributed.md"),
+    Combination(
+        (2, 13),
+        (1, 8),
+        (1, 8),
+        (3, 7),
+        cpu="pip install torch==2.13.0 fbgemm-gpu-cpu==1.8.0 triton==3.7.1 && pip install --no-deps torchrec==1.8.0",
+        cuda="pip install torch==2.13.0 fbgemm-gpu==1.8.0 torchrec==1.8.0 triton==3.7.1",
+        cpu_where="the CPU pins of requirements-cpu.txt, which CI runs",
+        cuda_where="the CUDA builds of the CPU pins; not yet run on a GPU by gem",
+    ),
+    Combination(
+        (2, 11),
+        (1, 6),
+        (1, 6),
+        (3, 6),
+        cpu="pip install torch==2.11.0 fbgemm-gpu-cpu==1.6.0 triton==3.6.0 && pip install --no-deps torchrec==1.6.1",
+        cuda="pip install torch==2.11.0 --index-url https://download.pytorch.org/whl/cu130 && "
+        "pip install fbgemm-gpu==1.6.0 torchrec==1.6.1 triton==3.6.0",
+        cpu_where="the CPU build of fbgemm-gpu on an H200 machine",
+        cuda_where="one H200 with CUDA 13.0, docs/distributed.md",
+    ),
 )
 
 
@@ -123,8 +135,12 @@ def check_versions(found: dict[str, str | None] | None = None) -> str | None:
     for a known-good one."""
     found = installed() if found is None else found
     build, fbgemm_version = _fbgemm(found)
-    v = {"torch": release(found.get("torch")), "fbgemm": release(fbgemm_version),
-         "torchrec": release(found.get("torchrec")), "triton": release(found.get("triton"))}
+    v = {
+        "torch": release(found.get("torch")),
+        "fbgemm": release(fbgemm_version),
+        "torchrec": release(found.get("torchrec")),
+        "triton": release(found.get("triton")),
+    }
     if any(c.matches(v) for c in KNOWN_GOOD):
         return None
     problems = []
@@ -133,23 +149,36 @@ def check_versions(found: dict[str, str | None] | None = None) -> str | None:
             problems.append(f"{name} is not installed")
     if v["torch"] and v["fbgemm"] and v["fbgemm"][1] + TORCH_MINUS_FBGEMM != v["torch"][1]:
         wanted = f"{v['fbgemm'][0]}.{v['torch'][1] - TORCH_MINUS_FBGEMM}"
-        problems.append(f"{build} {fbgemm_version} is built for torch 2.{v['fbgemm'][1] + TORCH_MINUS_FBGEMM}, not "
-                        f"{found['torch']} (FBGEMM 1.X pairs with torch 2.(X+5): {build} {wanted} for this torch)")
+        problems.append(
+            f"{build} {fbgemm_version} is built for torch 2.{v['fbgemm'][1] + TORCH_MINUS_FBGEMM}, not "
+            f"{found['torch']} (FBGEMM 1.X pairs with torch 2.(X+5): {build} {wanted} for this torch)"
+        )
     if v["fbgemm"] and v["torchrec"] and v["torchrec"] != v["fbgemm"]:
-        problems.append(f"torchrec {found['torchrec']} pairs with FBGEMM {v['torchrec'][0]}.{v['torchrec'][1]}, "
-                        f"not {build} {fbgemm_version}")
+        problems.append(
+            f"torchrec {found['torchrec']} pairs with FBGEMM {v['torchrec'][0]}.{v['torchrec'][1]}, "
+            f"not {build} {fbgemm_version}"
+        )
     tested = next((c for c in KNOWN_GOOD if c.torch == v["torch"]), None)
     if tested and v["triton"] and v["triton"] != tested.triton:
-        problems.append(f"torch {found['torch']} was tested with triton {tested.triton[0]}.{tested.triton[1]}, "
-                        f"not {found['triton']}")
+        problems.append(
+            f"torch {found['torch']} was tested with triton {tested.triton[0]}.{tested.triton[1]}, "
+            f"not {found['triton']}"
+        )
     if problems:
-        raise VersionError(f"these versions do not work together: {'; '.join(problems)} (installed: "
-                           f"{_describe(found)}). Install a combination known to work: {_suggestion(found)}; or set "
-                           f"{SKIP_ENV}=1 to skip this check")
-    known = "; ".join(f"torch {c.torch[0]}.{c.torch[1]} + FBGEMM {c.fbgemm[0]}.{c.fbgemm[1]} + torchrec "
-                      f"{c.torchrec[0]}.{c.torchrec[1]} + triton {c.triton[0]}.{c.triton[1]}" for c in KNOWN_GOOD)
-    return (f"gem has not been tested with {_describe(found)} (the pairing rules hold; known to work: {known}); "
-            f"set {SKIP_ENV}=1 to silence this warning")
+        raise VersionError(
+            f"these versions do not work together: {'; '.join(problems)} (installed: "
+            f"{_describe(found)}). Install a combination known to work: {_suggestion(found)}; or set "
+            f"{SKIP_ENV}=1 to skip this check"
+        )
+    known = "; ".join(
+        f"torch {c.torch[0]}.{c.torch[1]} + FBGEMM {c.fbgemm[0]}.{c.fbgemm[1]} + torchrec "
+        f"{c.torchrec[0]}.{c.torchrec[1]} + triton {c.triton[0]}.{c.triton[1]}"
+        for c in KNOWN_GOOD
+    )
+    return (
+        f"gem has not been tested with {_describe(found)} (the pairing rules hold; known to work: {known}); "
+        f"set {SKIP_ENV}=1 to silence this warning"
+    )
 
 
 @functools.cache

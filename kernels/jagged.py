@@ -82,7 +82,9 @@ def jagged_last(values: torch.Tensor, offsets: torch.Tensor, k: int) -> tuple[to
     return rows, mask
 
 
-def jagged_prepend(prefix: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def jagged_prepend(
+    prefix: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Prepend ``prefix [B, N, D]`` to every sequence of ``values [T, D]``: ``([T + B*N, D], offsets [B+1])``.
 
     A gather, no padding; empty sequences come out holding just their N prefix rows::
@@ -136,6 +138,8 @@ def check_offsets(offsets: torch.Tensor, total: int, name: str) -> None:
     if offsets.dim() != 1 or offsets.numel() < 1:
         raise ValueError(f"{name}: offsets must be a 1-D tensor of B+1 entries, got shape {tuple(offsets.shape)}")
     if int(offsets[0]) != 0 or int(offsets[-1]) != total:
-        raise ValueError(f"{name}: offsets must start at 0 and end at T={total}, got {int(offsets[0])} .. {int(offsets[-1])}")
+        raise ValueError(
+            f"{name}: offsets must start at 0 and end at T={total}, got {int(offsets[0])} .. {int(offsets[-1])}"
+        )
     if bool((offsets[1:] < offsets[:-1]).any()):
         raise ValueError(f"{name}: offsets must be nondecreasing")

@@ -75,8 +75,14 @@ def tiny_dataset(tmp_path_factory) -> Path:
     from gem.data.sources.synthetic import SyntheticConfig, write_dataset
 
     directory = tmp_path_factory.mktemp("data") / "tiny"
-    write_dataset(directory, FeatureSchema.from_config(TINY_SCHEMA), {"train": 700, "val": 150, "test": 300}, seed=3,
-                  cfg=SyntheticConfig(num_clusters=5), rows_per_file=300)
+    write_dataset(
+        directory,
+        FeatureSchema.from_config(TINY_SCHEMA),
+        {"train": 700, "val": 150, "test": 300},
+        seed=3,
+        cfg=SyntheticConfig(num_clusters=5),
+        rows_per_file=300,
+    )
     return directory
 
 
@@ -95,3 +101,19 @@ def one_rank_group():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+def _drop_process_group_created_during():
+    """train() leaves its process group up (``python -m gem.train`` tears it down); a test or a
+    module's fixture that trains in-process with sharded tables would hand it on, and the next
+    group then fails to start. A group that existed before is left alone."""
+    import torch.distributed as dist
+
+    before = dist.is_initialized()
+    yield
+    if not before and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+drop_after_each_test = pytest.fixture(autouse=True)(_drop_process_group_created_during)
+drop_after_each_module = pytest.fixture(autouse=True, scope="module")(_drop_process_group_created_during)

@@ -65,10 +65,15 @@ def run_case(case: dict, data_dir: Path, batch_size: int, world_size: int, devic
         plan = case["plan"]
         if isinstance(plan, dict):  # {"pooled": ..., "sequence": ...}: one sharding per kind of table
             plan = {t.name: plan["pooled" if t.pooled else "sequence"] for t in reference.tables}
-        sparse = shard_sparse_arch(SparseArch.from_config(schema, EMBEDDING_DIM, backend="torchrec", device="meta"),
-                                   device, optim.sparse.lr, optim.sparse.eps, optimizer=optim.sparse.name,
-                                   sharding_type=plan if isinstance(plan, str) else None,
-                                   plan=plan if isinstance(plan, dict) else None)
+        sparse = shard_sparse_arch(
+            SparseArch.from_config(schema, EMBEDDING_DIM, backend="torchrec", device="meta"),
+            device,
+            optim.sparse.lr,
+            optim.sparse.eps,
+            optimizer=optim.sparse.name,
+            sharding_type=plan if isinstance(plan, str) else None,
+            plan=plan if isinstance(plan, dict) else None,
+        )
         copy_full_tables(sparse.state_dict(), reference.state_dict())  # the same starting tables
     feature_dims = {f: reference.pooled_dim(f) for f in schema.id_feature_names}
     feature_dims |= {g.name: reference.sequence_dim(g.name) for g in schema.sequence_groups}
@@ -86,9 +91,13 @@ def run_case(case: dict, data_dir: Path, batch_size: int, world_size: int, devic
             mesh = init_device_mesh(device.type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
         group = dist.group.WORLD
     # fp32 compute: parity is exact up to the order of sums.
-    parallelize_gem(model, mesh, param_dtype=torch.float32,
-                    activation_checkpointing=case.get("activation_checkpointing", False),
-                    reshard_after_forward=case.get("reshard_after_forward", True))
+    parallelize_gem(
+        model,
+        mesh,
+        param_dtype=torch.float32,
+        activation_checkpointing=case.get("activation_checkpointing", False),
+        reshard_after_forward=case.get("reshard_after_forward", True),
+    )
     dense_opt, sparse_opt, _ = build_optimizers(model, optim, NUM_STEPS)
     rank = dist.get_rank() if world_size > 1 else 0
     # Global batch k * world_size + rank of the files in order: the batches one process reads, split.
@@ -129,7 +138,7 @@ def copy_full_tables(sharded: dict, full: dict) -> None:
         if isinstance(local, ShardedTensor):
             for shard in local.local_shards():
                 (r, c), (h, w) = shard.metadata.shard_offsets, shard.tensor.shape
-                shard.tensor.copy_(source[r:r + h, c:c + w])
+                shard.tensor.copy_(source[r : r + h, c : c + w])
         elif isinstance(local, DTensor):
             raise NotImplementedError(f"{name}: DTensor tables are not expected with TorchRec's default state dict")
         else:  # data-parallel: a full copy

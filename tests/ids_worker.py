@@ -36,9 +36,11 @@ from tests.distributed_worker import copy_full_tables  # noqa: E402
 
 NUM_STEPS = 8
 EMBEDDING_DIM = 8
-IDS = {"t_user_id": {"policy": "mch", "eviction": "lru", "raw_space": 2**62},
-       "t_ad_id": {"policy": "mch", "eviction": "lfu", "eviction_interval": 2, "raw_space": 2**62},
-       "t_hist_item": {"policy": "hash", "raw_space": 2**62}}
+IDS = {
+    "t_user_id": {"policy": "mch", "eviction": "lru", "raw_space": 2**62},
+    "t_ad_id": {"policy": "mch", "eviction": "lfu", "eviction_interval": 2, "raw_space": 2**62},
+    "t_hist_item": {"policy": "hash", "raw_space": 2**62},
+}
 SPREAD = 2**40 + 15  # raw id = id * SPREAD + 7: distinct, far above every table size
 
 
@@ -47,11 +49,14 @@ def smaller_tables(schema):
     from dataclasses import replace
 
     rows = {"user_id": 16, "ad_id": 24, "hist_item": 32}
-    return replace(schema, id_features=tuple(replace(f, cardinality=rows.get(f.name, f.cardinality))
-                                             for f in schema.id_features),
-                   sequence_groups=tuple(replace(g, features=tuple(replace(f, cardinality=rows.get(f.name, f.cardinality))
-                                                                   for f in g.features))
-                                         for g in schema.sequence_groups))
+    return replace(
+        schema,
+        id_features=tuple(replace(f, cardinality=rows.get(f.name, f.cardinality)) for f in schema.id_features),
+        sequence_groups=tuple(
+            replace(g, features=tuple(replace(f, cardinality=rows.get(f.name, f.cardinality)) for f in g.features))
+            for g in schema.sequence_groups
+        ),
+    )
 
 
 def to_raw(kjt, features):
@@ -79,11 +84,16 @@ def run_ids_case(data_dir: Path, batch_size: int, world_size: int, plan: str | N
     reference.init_weights()
     sparse, group, mesh = reference, None, None
     if world_size > 1:
-        sparse = shard_sparse_arch(SparseArch.from_config(schema, EMBEDDING_DIM, backend="torchrec", device="meta",
-                                                          ids=IDS), device, optim.sparse.lr, optim.sparse.eps,
-                                   sharding_type=plan)
-        copy_full_tables({k: v for k, v in sparse.state_dict().items() if ".ids." not in f".{k}"},
-                         reference.state_dict())
+        sparse = shard_sparse_arch(
+            SparseArch.from_config(schema, EMBEDDING_DIM, backend="torchrec", device="meta", ids=IDS),
+            device,
+            optim.sparse.lr,
+            optim.sparse.eps,
+            sharding_type=plan,
+        )
+        copy_full_tables(
+            {k: v for k, v in sparse.state_dict().items() if ".ids." not in f".{k}"}, reference.state_dict()
+        )
         group, mesh = dist.group.WORLD, ParallelDims(1, world_size, world_size).build_mesh(device.type)
     arch = sparse.module if hasattr(sparse, "module") else sparse
     feature_dims = {f: reference.pooled_dim(f) for f in schema.id_feature_names}

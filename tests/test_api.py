@@ -21,7 +21,10 @@ def cache_dir(tmp_path_factory):
 
 
 def test_import_gem_loads_neither_torch_nor_hydra():
-    code = "import sys, gem, gem.train; gem.compose; gem.train.build_data; print('torch' in sys.modules, 'hydra' in sys.modules)"
+    code = (
+        "import sys, gem, gem.train; gem.compose; gem.train.build_data; "
+        "print('torch' in sys.modules, 'hydra' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.split() == ["False", "False"]
 
@@ -30,8 +33,15 @@ def test_a_loop_on_the_api_trains_like_train(cache_dir, tmp_path):
     """compose -> build_data -> build_model -> build_optimizers, then plain forward / loss / backward /
     step: the same per-step losses as train() on the same config (TorchRec-sharded tables with the
     fused optimizer, a warm-up and a cosine schedule), and evaluate() gives the val metrics."""
-    overrides = ["debug=tiny", f"data.cache_dir={cache_dir}", f"trainer.run_dir={tmp_path}", "trainer.max_steps=6",
-                 "trainer.log_every=1", "optim.warmup_steps=2", "optim.schedule=cosine"]
+    overrides = [
+        "debug=tiny",
+        f"data.cache_dir={cache_dir}",
+        f"trainer.run_dir={tmp_path}",
+        "trainer.max_steps=6",
+        "trainer.log_every=1",
+        "optim.warmup_steps=2",
+        "optim.schedule=cosine",
+    ]
     gem.train.train(gem.compose(overrides))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     expected = [r["loss"] for r in rows if r["kind"] == "train"]
@@ -65,8 +75,13 @@ def test_compose_works_from_any_directory(tmp_path, monkeypatch):
 
 
 def _run(script, *args, env=None):
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, **(env or {})})
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc.stdout
 

@@ -30,8 +30,14 @@ from gem.train.trainer import build_model, init_distributed, load_data, train
 from tests.conftest import ROOT, compose
 from tests.faults import example_ids
 
-RUN = ["debug=tiny", "trainer.deterministic=true", "trainer.log_every=1", "checkpoint.enabled=true",
-       "checkpoint.every_steps=5", "checkpoint.keep_last=3"]
+RUN = [
+    "debug=tiny",
+    "trainer.deterministic=true",
+    "trainer.log_every=1",
+    "checkpoint.enabled=true",
+    "checkpoint.every_steps=5",
+    "checkpoint.keep_last=3",
+]
 TIMEOUT_S = 240  # a whole torchrun job; torchrun stops every worker as soon as one fails
 
 
@@ -53,9 +59,17 @@ def _losses(run_dir: Path) -> dict[int, float]:
 def _torchrun(cache_dir, run_dir, *extra, faults=(), max_restarts=0):
     """``python -m gem.train`` on two ranks; with ``faults`` (tests/faults.py flags), tests/faults.py instead."""
     entry = [str(ROOT / "tests" / "faults.py"), *faults, "--"] if faults else ["-m", "gem.train"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           f"--max-restarts={max_restarts}", *entry, *_overrides(cache_dir, run_dir, *extra),
-           "trainer.progress_bar=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        f"--max-restarts={max_restarts}",
+        *entry,
+        *_overrides(cache_dir, run_dir, *extra),
+        "trainer.progress_bar=false",
+    ]
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -74,7 +88,9 @@ def _interrupt(src: Path, dst: Path, keep_through_step: int) -> None:
 def single_run(cache_dir, tmp_path_factory):
     """One uninterrupted process: 20 steps, cosine schedule with warm-up, a DataLoader worker."""
     run_dir = tmp_path_factory.mktemp("single")
-    train(compose(_overrides(cache_dir, run_dir, "optim.schedule=cosine", "optim.warmup_steps=3", "data.num_workers=1")))
+    train(
+        compose(_overrides(cache_dir, run_dir, "optim.schedule=cosine", "optim.warmup_steps=3", "data.num_workers=1"))
+    )
     return run_dir
 
 
@@ -108,8 +124,14 @@ def test_resume_one_process_is_bit_identical(cache_dir, single_run, tmp_path, as
     """Crash after step 10's checkpoint, restart the same command: steps 11-20 give the same losses,
     bit for bit, as the uninterrupted run. The resumed run writes checkpoints 15 and 20 (sync or in
     the background); crash it after 15 and restart once more: steps 16-20 again match."""
-    overrides = _overrides(cache_dir, tmp_path / "run", "optim.schedule=cosine", "optim.warmup_steps=3",
-                           "data.num_workers=1", f"checkpoint.async_save={async_save}")
+    overrides = _overrides(
+        cache_dir,
+        tmp_path / "run",
+        "optim.schedule=cosine",
+        "optim.warmup_steps=3",
+        "data.num_workers=1",
+        f"checkpoint.async_save={async_save}",
+    )
     _interrupt(single_run, tmp_path / "run", keep_through_step=10)
     train(compose(overrides))
     expected, resumed = _losses(single_run), _losses(tmp_path / "run")
@@ -135,10 +157,12 @@ def test_sigkilled_rank_restarts_and_resumes_with_no_example_lost_or_repeated(ca
     surviving history (per rank and step, the last attempt) holds each example once per epoch."""
     log_dir = tmp_path / "examples"
     log_dir.mkdir()
-    proc = _torchrun(cache_dir, tmp_path / "run", faults=["--kill-at", "12:1", "--example-log", str(log_dir)],
-                     max_restarts=1)
-    records = {rank: [json.loads(line) for line in (log_dir / f"rank{rank}.jsonl").read_text().splitlines()]
-               for rank in (0, 1)}
+    proc = _torchrun(
+        cache_dir, tmp_path / "run", faults=["--kill-at", "12:1", "--example-log", str(log_dir)], max_restarts=1
+    )
+    records = {
+        rank: [json.loads(line) for line in (log_dir / f"rank{rank}.jsonl").read_text().splitlines()] for rank in (0, 1)
+    }
     by_attempt = {a: [r for rank in (0, 1) for r in records[rank] if r["attempt"] == a] for a in (0, 1)}
     assert max(r["step"] for r in by_attempt[0]) >= 12, "the first attempt must run past its last checkpoint"
     assert min(r["step"] for r in by_attempt[1]) == 11, "the restart must resume from the checkpoint at step 10"
@@ -180,8 +204,15 @@ def _components(cache_dir, run_dir, *extra):
     schema, _ = load_data(config, env)
     model = build_model(config, schema, env)
     dense_opt, sparse_opt, scheduler = build_optimizers(model, config.optim, total_steps=20)
-    ckpt = Checkpointer(config.checkpoint, Path(run_dir) / "checkpoints", model, dense_opt, sparse_opt, scheduler,
-                        OmegaConf.to_yaml(OmegaConf.structured(config)))
+    ckpt = Checkpointer(
+        config.checkpoint,
+        Path(run_dir) / "checkpoints",
+        model,
+        dense_opt,
+        sparse_opt,
+        scheduler,
+        OmegaConf.to_yaml(OmegaConf.structured(config)),
+    )
     return model, ckpt
 
 
@@ -239,7 +270,9 @@ def _restore(cache_dir, run_dir, *extra):
 def test_truncated_checkpoint_fails_clearly_or_falls_back(cache_dir, damaged):
     data = damaged / "checkpoints" / "step_000000020" / "__0_0.distcp"
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
-    with pytest.raises(CheckpointError, match=r"step_000000020: file __0_0.distcp is truncated.*checkpoint.fallback=true"):
+    with pytest.raises(
+        CheckpointError, match=r"step_000000020: file __0_0.distcp is truncated.*checkpoint.fallback=true"
+    ):
         _restore(cache_dir, damaged, "checkpoint.fallback=false")
     # A save that crashed half-way leaves only a .tmp- folder: ignored (and removed).
     (damaged / "checkpoints" / ".tmp-step_000000025").mkdir()
@@ -259,7 +292,9 @@ def test_corrupted_checkpoint_fails_clearly_or_falls_back(cache_dir, damaged):
 
 
 def test_incompatible_model_config_names_the_keys(cache_dir, damaged):
-    with pytest.raises(CheckpointError, match=r"(?s)different model.*\[2000, 32\].*\[2000, 8\].*sparse.embedding_dim: 32 -> 8"):
+    with pytest.raises(
+        CheckpointError, match=r"(?s)different model.*\[2000, 32\].*\[2000, 8\].*sparse.embedding_dim: 32 -> 8"
+    ):
         _restore(cache_dir, damaged, "sparse.embedding_dim=8")
 
 
@@ -298,26 +333,36 @@ def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(cache_dir, damage
         with pytest.raises(CheckpointError) as e:
             ckpt.save(Progress(step=25))
         message = str(e.value)
-        assert re.search(r"step_000000025: no space left on device \(before writing\): the save needs about "
-                         r"[\d,]+ bytes \(\d+\.\d MiB\), .* has 4,096 bytes \(4\.0 KiB\) free\. Free space .*checkpoint.keep_last=3"
-                         r".*checkpoint.dir.*the previous checkpoint .*step_000000020 is intact", message), message
+        assert re.search(
+            r"step_000000025: no space left on device \(before writing\): the save needs about "
+            r"[\d,]+ bytes \(\d+\.\d MiB\), .* has 4,096 bytes \(4\.0 KiB\) free\. Free space .*checkpoint.keep_last=3"
+            r".*checkpoint.dir.*the previous checkpoint .*step_000000020 is intact",
+            message,
+        ), message
         needed = int(re.search(r"needs about ([\d,]+) bytes", message).group(1).replace(",", ""))
         assert needed > 4 * sum(p.numel() for p in ckpt.model.dense_arch.parameters())  # at least the fp32 weights
         assert _intact(ckpt, checkpoints) == before and not list(checkpoints.glob(".tmp-*"))
 
         monkeypatch.setattr(shutil, "disk_usage", real_usage)  # enough space, but the write fails half-way
-        for failure in (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"),
-                        OSError(errno.ENOSPC, "No space left on device")):
-            def full_disk(state, checkpoint_id, **kwargs):
+        for failure in (
+            RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"),
+            OSError(errno.ENOSPC, "No space left on device"),
+        ):
+
+            def full_disk(state, checkpoint_id, failure=failure, **kwargs):
                 (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"partial")
                 raise failure
 
             monkeypatch.setattr(dcp, "save", full_disk)
-            with pytest.raises(CheckpointError, match=r"step_000000025: no space left on device \(while writing "
-                                                      r"\((RuntimeError|OSError).*\): the save needs about .* free") as e:
+            with pytest.raises(
+                CheckpointError,
+                match=r"step_000000025: no space left on device \(while writing "
+                r"\((RuntimeError|OSError).*\): the save needs about .* free",
+            ) as e:
                 ckpt.save(Progress(step=25))
             assert "Traceback" not in str(e.value) and e.value.__cause__ is None and e.value.__suppress_context__
             assert _intact(ckpt, checkpoints) == before and not list(checkpoints.glob(".tmp-*"))
+
         def full_disk_in_the_background(state, checkpoint_id, **kwargs):
             future = Future()
             future.set_exception(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"))
@@ -363,8 +408,13 @@ def test_resume_two_gpus_nccl_is_bit_identical(cache_dir, tmp_path):
     assert [resumed[s] for s in range(11, 21)] == [expected[s] for s in range(11, 21)]
 
 
-@pytest.mark.parametrize("override, match", [("checkpoint.verify=md5", "checkpoint.verify='md5' is not one of"),
-                                             ("checkpoint.every_steps=-1", "checkpoint.every_steps=-1 must be >= 0")])
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("checkpoint.verify=md5", "checkpoint.verify='md5' is not one of"),
+        ("checkpoint.every_steps=-1", "checkpoint.every_steps=-1 must be >= 0"),
+    ],
+)
 def test_checkpoint_config_is_validated(override, match):
     with pytest.raises(ConfigError, match=re.escape(match)):
         validate(compose([override]))

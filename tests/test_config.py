@@ -10,11 +10,23 @@ GROUPS = sorted(p.name for p in Path(CONFIG_DIR).iterdir() if p.is_dir())
 
 
 def test_every_group_is_documented_in_design():
-    assert GROUPS == ["data", "debug", "experiment", "kernels", "model", "optim", "parallelism", "plan", "sparse",
-                      "trainer"]
+    assert GROUPS == [
+        "data",
+        "debug",
+        "experiment",
+        "kernels",
+        "model",
+        "optim",
+        "parallelism",
+        "plan",
+        "sparse",
+        "trainer",
+    ]
 
 
-@pytest.mark.parametrize("group, option", [(g, p.stem) for g in GROUPS for p in sorted((Path(CONFIG_DIR) / g).glob("*.yaml"))])
+@pytest.mark.parametrize(
+    "group, option", [(g, p.stem) for g in GROUPS for p in sorted((Path(CONFIG_DIR) / g).glob("*.yaml"))]
+)
 def test_every_option_composes_and_validates(group, option):
     overrides = [f"{group}={option}"]
     if option == "parquet":
@@ -80,8 +92,9 @@ def test_the_fix_a_data_error_prints_works_as_printed(tmp_path, tiny_schema, dat
     assert policy["domain_out_of_range"] == "skip" and policy["id_out_of_range"] == "fail"
     loader = build_loader([tmp_path / "bad.parquet"], tiny_schema, 3, options=config.data.loader)
     assert sum(b.batch_size for b in loader) == 5 and loader.stats["skipped/domain_out_of_range"] == 1
-    everything = validate(compose([f"data={data}", "data.loader.on_error.default=skip", "data.loader.window_batches=2",
-                                   *extra]))
+    everything = validate(
+        compose([f"data={data}", "data.loader.on_error.default=skip", "data.loader.window_batches=2", *extra])
+    )
     assert set(error_policy(LoaderOptions.from_config(everything.data.loader).on_error).values()) == {"skip"}
 
 
@@ -97,7 +110,11 @@ def test_the_fix_a_data_error_prints_works_as_printed(tmp_path, tiny_schema, dat
         ("gem_tiny", "model.window=-2", "model.window must be a non-negative integer or null, got -2"),
         ("gem_tiny", "model.top_mlp=[64,0]", r"model.top_mlp\[1\] must be a positive integer \(a layer width\), got 0"),
         ("gem_tiny", "model.wukong.num_experts=0", "model.wukong.num_experts must be a positive integer, got 0"),
-        ("gem_tiny", "+model.streams.hist={num_heads:0}", "model.streams.hist.num_heads must be a positive integer, got 0"),
+        (
+            "gem_tiny",
+            "+model.streams.hist={num_heads:0}",
+            "model.streams.hist.num_heads must be a positive integer, got 0",
+        ),
         ("gem_tiny", "model.num_heads=two", "model.num_heads must be a positive integer, got 'two'"),
         ("dlrm", "model.dim=0", "model.dim must be a positive integer, got 0"),
         ("dlrm", "model.bottom_mlp=[-64]", r"model.bottom_mlp\[0\] must be a positive integer"),
@@ -116,8 +133,18 @@ def test_valid_model_arguments_pass_and_the_arch_builds(tiny_schema):
     """Zero is a legal count where the archs build with it (no layers, no summary tokens, window 0)."""
     from hydra.utils import instantiate
 
-    config = validate(compose(["model=gem_tiny", "model.num_layers=0", "model.num_summary=0", "model.window=0",
-                               "model.wukong.num_lcb=0", "+model.streams.hist={num_heads:1,head_dim:32}"]))
+    config = validate(
+        compose(
+            [
+                "model=gem_tiny",
+                "model.num_layers=0",
+                "model.num_summary=0",
+                "model.window=0",
+                "model.wukong.num_lcb=0",
+                "+model.streams.hist={num_heads:1,head_dim:32}",
+            ]
+        )
+    )
     dims = {f: 8 for f in tiny_schema.id_feature_names} | {g.name: 8 for g in tiny_schema.sequence_groups}
     arch = instantiate(config.model, _partial_=True, _convert_="all")(schema=tiny_schema, feature_dims=dims)
     assert len(arch.layers) == 0
@@ -150,4 +177,6 @@ def test_group_options_hold_only_what_they_change(group):
     for option in sorted((Path(CONFIG_DIR) / group).glob("*.yaml")):
         node = OmegaConf.to_container(OmegaConf.load(option))
         found = list(restated(node, defaults, group))
-        assert not found, f"{option.relative_to(CONFIG_DIR)} restates the schema's defaults of {found}; delete those lines"
+        assert not found, (
+            f"{option.relative_to(CONFIG_DIR)} restates the schema's defaults of {found}; delete those lines"
+        )

@@ -19,8 +19,15 @@ from gem.train.delta import DeltaChainError, apply_chain, load_checkpoint_state,
 from gem.train.trainer import train
 from tests.conftest import compose
 
-RUN = ["debug=tiny", "trainer.deterministic=true", "checkpoint.enabled=true", "checkpoint.every_steps=5",
-       "checkpoint.keep_last=0", "trainer.delta_export.every=5", "trainer.plots=false"]
+RUN = [
+    "debug=tiny",
+    "trainer.deterministic=true",
+    "checkpoint.enabled=true",
+    "checkpoint.every_steps=5",
+    "checkpoint.keep_last=0",
+    "trainer.delta_export.every=5",
+    "trainer.plots=false",
+]
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +83,9 @@ def test_base_plus_chain_is_the_final_checkpoint(sharded_run, tmp_path):
         out.mkdir()
         applied = _apply_cli(sharded_run, base_step, out / "state")
         _assert_same(applied, final, ("model.", "optim."))
-        assert json.loads((out / "state" / "applied.json").read_text())["deltas"] == ([0, 1, 2, 3] if base_step == 0
-                                                                                      else [2, 3])
+        assert json.loads((out / "state" / "applied.json").read_text())["deltas"] == (
+            [0, 1, 2, 3] if base_step == 0 else [2, 3]
+        )
 
 
 def test_base_alone_differs_from_the_final_checkpoint(sharded_run, tmp_path):
@@ -88,10 +96,19 @@ def test_base_alone_differs_from_the_final_checkpoint(sharded_run, tmp_path):
     assert not torch.equal(base[key], final[key])
 
 
-@pytest.mark.parametrize("extra", [["sparse=native"],
-                                   ["+sparse.ids.t_user_id.policy=mch", "+sparse.ids.t_hist_item.policy=mch",
-                                    "+sparse.ids.t_hist_item.eviction=lfu", "+sparse.ids.t_user_id.raw_space=1000000"]],
-                         ids=["native", "mch"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["sparse=native"],
+        [
+            "+sparse.ids.t_user_id.policy=mch",
+            "+sparse.ids.t_hist_item.policy=mch",
+            "+sparse.ids.t_hist_item.eviction=lfu",
+            "+sparse.ids.t_user_id.raw_space=1000000",
+        ],
+    ],
+    ids=["native", "mch"],
+)
 def test_other_backends_and_mapped_ids(cache_dir, tmp_path, extra):
     """Native tables (plain RowWiseAdagrad) and managed-collision ids (the mapping state travels whole)."""
     run = _train(cache_dir, tmp_path / "run", *extra)
@@ -125,7 +142,11 @@ def test_restart_keeps_the_chain_exact(cache_dir, sharded_run, tmp_path, deltas_
     if deltas_through == 15:
         assert [(m["step"], m["full"]) for m in chain] == [(5, False), (10, False), (15, False), (20, False)]
     else:  # delta 1: steps 6..15, every row
-        assert [(m["base_step"], m["step"], m["full"]) for m in chain] == [(0, 5, False), (5, 15, True), (15, 20, False)]
+        assert [(m["base_step"], m["step"], m["full"]) for m in chain] == [
+            (0, 5, False),
+            (5, 15, True),
+            (15, 20, False),
+        ]
     final = _state(sharded_run / "checkpoints" / "step_000000020", tmp_path)  # the uninterrupted run's
     applied = _apply_cli(run, 0, tmp_path / "applied")
     _assert_same(applied, final, ("model.", "optim."))
@@ -148,8 +169,11 @@ def test_gap_in_the_chain_names_the_missing_seq(sharded_run, tmp_path):
 def test_base_older_than_the_chain_names_the_missing_steps(sharded_run, tmp_path):
     deltas = _copy_deltas(sharded_run, tmp_path / "d", [2, 3])
     base, step = load_checkpoint_state(sharded_run / "checkpoints" / "step_000000005")
-    with pytest.raises(DeltaChainError, match=r"delta 000002 patches the state of step 10, later than the base's step "
-                                              r"5: the deltas of steps 6..10 are missing"):
+    with pytest.raises(
+        DeltaChainError,
+        match=r"delta 000002 patches the state of step 10, later than the base's step "
+        r"5: the deltas of steps 6..10 are missing",
+    ):
         apply_chain(base, step, deltas)
 
 
@@ -167,24 +191,42 @@ def test_deltas_out_of_order_or_damaged(sharded_run, tmp_path, capsys):
         f.write(b"\x00\x01\x02")
     with pytest.raises(DeltaChainError, match="000001: file dense.pt is missing, truncated or corrupted"):
         apply_chain(base, step, deltas)
-    assert main(["apply", "--base", str(sharded_run / "checkpoints" / "step_000000000"), "--deltas", str(deltas),
-                 "--out", str(tmp_path / "out")]) == 1
+    assert (
+        main(
+            [
+                "apply",
+                "--base",
+                str(sharded_run / "checkpoints" / "step_000000000"),
+                "--deltas",
+                str(deltas),
+                "--out",
+                str(tmp_path / "out"),
+            ]
+        )
+        == 1
+    )
     assert "Error in the delta chain" in capsys.readouterr().err and not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("override, match", [
-    (["trainer.delta_export.every=0"], "trainer.delta_export.every='0' must be partition, a number of steps > 0"),
-    (["trainer.delta_export.every=often"], "trainer.delta_export.every='often'"),
-])
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        (["trainer.delta_export.every=0"], "trainer.delta_export.every='0' must be partition, a number of steps > 0"),
+        (["trainer.delta_export.every=often"], "trainer.delta_export.every='often'"),
+    ],
+)
 def test_delta_export_config_is_validated(override, match):
     with pytest.raises(ConfigError, match=match):
         validate(compose(["debug=tiny", *override]))
 
 
-@pytest.mark.parametrize("override, match", [
-    (["checkpoint.enabled=false"], "trainer.delta_export needs checkpoint.enabled=true"),
-    (["trainer.delta_export.every=partition"], "every=partition needs a streamed data source"),
-])
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        (["checkpoint.enabled=false"], "trainer.delta_export needs checkpoint.enabled=true"),
+        (["trainer.delta_export.every=partition"], "every=partition needs a streamed data source"),
+    ],
+)
 def test_delta_export_needs_a_checkpoint_and_partitions(cache_dir, tmp_path, override, match):
     with pytest.raises(ConfigError, match=match):
         _train(cache_dir, tmp_path / "run", *override)

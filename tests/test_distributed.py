@@ -15,7 +15,7 @@ import os
 import socket
 import subprocess
 import sys
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -38,8 +38,15 @@ def _free_port() -> int:
 def torchrun(args: list[str], nproc: int, timeout: int = TIMEOUT_S) -> subprocess.CompletedProcess:
     """``torchrun --standalone``-like launch on a free port; torchrun stops every rank when one fails."""
     env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint=127.0.0.1:{_free_port()}", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+        *args,
+    ]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -49,7 +56,7 @@ def _errors(stderr: str) -> str:
     return "\n".join(lines[:40]) + "\n...\n" + stderr[-3000:]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _reference(data_dir: str, optimizer: str, global_batch: int) -> dict:
     return run_case({"optimizer": optimizer}, Path(data_dir), global_batch, 1, torch.device("cpu"))
 
@@ -63,9 +70,22 @@ class TestShardedParity:
 
     def _check(self, cases: list[dict], data_dir: Path, tmp_path: Path, nproc: int = 2) -> None:
         out = tmp_path / "losses.json"
-        proc = torchrun(["tests/distributed_worker.py", "--data", str(data_dir), "--out", str(out),
-                         "--backend", self.backend, "--batch", str(PER_RANK_BATCH), "--cases", json.dumps(cases)],
-                        nproc)
+        proc = torchrun(
+            [
+                "tests/distributed_worker.py",
+                "--data",
+                str(data_dir),
+                "--out",
+                str(out),
+                "--backend",
+                self.backend,
+                "--batch",
+                str(PER_RANK_BATCH),
+                "--cases",
+                json.dumps(cases),
+            ],
+            nproc,
+        )
         assert proc.returncode == 0, _errors(proc.stderr)
         got = json.loads(out.read_text())
         for case in cases:
@@ -76,25 +96,41 @@ class TestShardedParity:
 
     def test_each_sharding_type_with_fsdp_matches_one_process(self, tiny_dataset, tmp_path):
         """Every table sharded one way, the dense arch FSDP2-sharded over both ranks (1-D mesh)."""
-        self._check([
-            {"name": "table_wise", "plan": "table_wise", "mesh": [1, 2]},
-            {"name": "row_wise", "plan": "row_wise", "mesh": [1, 2]},
-            {"name": "row_wise_gathered", "plan": "row_wise", "mesh": [1, 2], "reshard_after_forward": False},
-            # Row-wise Adagrad keeps one accumulator per row *per column shard* in TorchRec / FBGEMM,
-            # so column-wise sharding changes that optimizer; element-wise Adagrad is exact.
-            {"name": "column_wise", "plan": "column_wise", "mesh": [1, 2], "optimizer": "adagrad"},
-            # TorchRec shards sequence tables (EmbeddingCollection) neither table-row-wise nor (on
-            # CPU) data-parallel: those cases shard the pooled tables that way, the sequence ones otherwise.
-            {"name": "table_row_wise", "plan": {"pooled": "table_row_wise", "sequence": "row_wise"}, "mesh": [1, 2]},
-            {"name": "data_parallel", "plan": {"pooled": "data_parallel", "sequence": "table_wise"}, "mesh": [1, 2]},
-        ], tiny_dataset, tmp_path)
+        self._check(
+            [
+                {"name": "table_wise", "plan": "table_wise", "mesh": [1, 2]},
+                {"name": "row_wise", "plan": "row_wise", "mesh": [1, 2]},
+                {"name": "row_wise_gathered", "plan": "row_wise", "mesh": [1, 2], "reshard_after_forward": False},
+                # Row-wise Adagrad keeps one accumulator per row *per column shard* in TorchRec / FBGEMM,
+                # so column-wise sharding changes that optimizer; element-wise Adagrad is exact.
+                {"name": "column_wise", "plan": "column_wise", "mesh": [1, 2], "optimizer": "adagrad"},
+                # TorchRec shards sequence tables (EmbeddingCollection) neither table-row-wise nor (on
+                # CPU) data-parallel: those cases shard the pooled tables that way, the sequence ones otherwise.
+                {
+                    "name": "table_row_wise",
+                    "plan": {"pooled": "table_row_wise", "sequence": "row_wise"},
+                    "mesh": [1, 2],
+                },
+                {
+                    "name": "data_parallel",
+                    "plan": {"pooled": "data_parallel", "sequence": "table_wise"},
+                    "mesh": [1, 2],
+                },
+            ],
+            tiny_dataset,
+            tmp_path,
+        )
 
     def test_hsdp_meshes_match_one_process(self, tiny_dataset, tmp_path):
         """HSDP on 2-D meshes (dp_replicate, dp_shard) = (2, 1) and (1, 2)."""
-        self._check([
-            {"name": "hsdp_2x1", "plan": self.mesh_plan, "mesh": [2, 1]},
-            {"name": "hsdp_1x2", "plan": self.mesh_plan, "mesh": [1, 2], "force_2d": True},
-        ], tiny_dataset, tmp_path)
+        self._check(
+            [
+                {"name": "hsdp_2x1", "plan": self.mesh_plan, "mesh": [2, 1]},
+                {"name": "hsdp_1x2", "plan": self.mesh_plan, "mesh": [1, 2], "force_2d": True},
+            ],
+            tiny_dataset,
+            tmp_path,
+        )
 
     def test_hsdp_2x2_on_four_ranks_matches_one_process(self, tiny_dataset, tmp_path):
         if torch.cuda.is_available() and torch.cuda.device_count() < 4:
@@ -119,12 +155,15 @@ class TestShardedParityNccl(TestShardedParity):
         super().test_each_sharding_type_with_fsdp_matches_one_process(tiny_dataset, tmp_path)
 
 
-@pytest.mark.parametrize("replicate, shard, world, message", [
-    (3, -1, 2, r"parallelism.dp_replicate=3 does not divide the world size 2"),
-    (2, 2, 2, r"dp_replicate x parallelism.dp_shard = 2 x 2 = 4, but the world size is 2"),
-    (0, 1, 2, r"parallelism.dp_replicate=0: must be >= 1"),
-    (-1, -1, 6, r"world_size 6 is not a whole number of nodes of 4 ranks"),
-])
+@pytest.mark.parametrize(
+    "replicate, shard, world, message",
+    [
+        (3, -1, 2, r"parallelism.dp_replicate=3 does not divide the world size 2"),
+        (2, 2, 2, r"dp_replicate x parallelism.dp_shard = 2 x 2 = 4, but the world size is 2"),
+        (0, 1, 2, r"parallelism.dp_replicate=0: must be >= 1"),
+        (-1, -1, 6, r"world_size 6 is not a whole number of nodes of 4 ranks"),
+    ],
+)
 def test_impossible_layouts_fail_clearly(replicate, shard, world, message):
     with pytest.raises(ParallelLayoutError, match=message):
         ParallelDims(replicate, shard, world, local_world_size=4)
@@ -167,8 +206,7 @@ def test_reshard_after_forward_decides_whether_blocks_stay_gathered_until_backwa
 
     model = nn.Module()
     model.dense_arch = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
-    parallelize_gem(model, init_device_mesh("cpu", (1,)), param_dtype=torch.float32,
-                    reshard_after_forward=reshard)
+    parallelize_gem(model, init_device_mesh("cpu", (1,)), param_dtype=torch.float32, reshard_after_forward=reshard)
     block = model.dense_arch[0]
     assert isinstance(block.weight, DTensor)
     loss = model.dense_arch(torch.randn(3, 4)).sum()
@@ -178,8 +216,20 @@ def test_reshard_after_forward_decides_whether_blocks_stay_gathered_until_backwa
 
 
 def test_trainer_with_an_impossible_mesh_fails_on_every_rank_without_hanging(tiny_dataset, tmp_path):
-    proc = torchrun(["-m", "gem.train", "debug=tiny", f"trainer.run_dir={tmp_path}", f"data.cache_dir={tmp_path}",
-                     "trainer.device=cpu", "parallelism.dp_replicate=2", "parallelism.dp_shard=2"], nproc=2, timeout=120)
+    proc = torchrun(
+        [
+            "-m",
+            "gem.train",
+            "debug=tiny",
+            f"trainer.run_dir={tmp_path}",
+            f"data.cache_dir={tmp_path}",
+            "trainer.device=cpu",
+            "parallelism.dp_replicate=2",
+            "parallelism.dp_shard=2",
+        ],
+        nproc=2,
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert "dp_replicate x parallelism.dp_shard = 2 x 2 = 4, but the world size is 2" in proc.stderr
 
@@ -188,19 +238,42 @@ def test_trainer_under_torchrun_with_a_per_table_plan_and_the_sparse_dist_pipeli
     """The trainer end to end on two ranks: an explicit per-table plan (printed), FSDP2, and TorchRec's
     TrainPipelineSparseDist (forced on CPU) giving the same losses as the plain loop, across an epoch
     boundary (15 steps per epoch) and a mid-training evaluation (the pipeline detaches for it)."""
-    plan = ["+sparse.plan.t_user_id=row_wise", "+sparse.plan.t_ad_id=table_wise:1", "+sparse.plan.t_hist_item=column_wise"]
+    plan = [
+        "+sparse.plan.t_user_id=row_wise",
+        "+sparse.plan.t_ad_id=table_wise:1",
+        "+sparse.plan.t_hist_item=column_wise",
+    ]
     losses = {}
     for pipeline in (True, False):
         run_dir = tmp_path / f"pipeline_{pipeline}"
-        proc = torchrun(["-m", "gem.train", "debug=tiny", f"trainer.run_dir={run_dir}", f"data.cache_dir={tmp_path}",
-                         "trainer.device=cpu", "sparse.sharding_type=table_wise", *plan, f"sparse.pipeline={pipeline}", "trainer.log_every=2",
-                         "trainer.eval_every=10", "trainer.eval_max_batches=1"], nproc=2)
+        proc = torchrun(
+            [
+                "-m",
+                "gem.train",
+                "debug=tiny",
+                f"trainer.run_dir={run_dir}",
+                f"data.cache_dir={tmp_path}",
+                "trainer.device=cpu",
+                "sparse.sharding_type=table_wise",
+                *plan,
+                f"sparse.pipeline={pipeline}",
+                "trainer.log_every=2",
+                "trainer.eval_every=10",
+                "trainer.eval_max_batches=1",
+            ],
+            nproc=2,
+        )
         assert proc.returncode == 0, _errors(proc.stderr)
         log = (run_dir / "train.log").read_text()
-        assert f"training pipeline (input all-to-all of batch i+1 overlaps dense compute of batch i): " \
-               f"{'active' if pipeline else 'off'}" in log
-        losses[pipeline] = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-                            if json.loads(line)["kind"] == "train"]
+        assert (
+            f"training pipeline (input all-to-all of batch i+1 overlaps dense compute of batch i): "
+            f"{'active' if pipeline else 'off'}" in log
+        )
+        losses[pipeline] = [
+            json.loads(line)["loss"]
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line)["kind"] == "train"
+        ]
     assert "sparse sharding plan (explicit)" in log and "FSDP over 2 ranks" in log
     rows = {line.split()[0]: line.split() for line in log.splitlines() if line.startswith("t_")}
     assert rows["t_user_id"][3] == "row_wise" and rows["t_ad_id"][3:5] == ["table_wise", "1"], log
@@ -212,13 +285,28 @@ def test_trainer_under_torchrun_with_a_per_table_plan_and_the_sparse_dist_pipeli
 @pytest.mark.multigpu
 def test_trainer_on_two_gpus_with_native_tables_and_bf16_fsdp(tmp_path):
     """What runs on GPUs without the CUDA fbgemm-gpu build: native tables (DDP), FSDP2 bf16 dense."""
-    proc = torchrun(["-m", "gem.train", "debug=tiny", f"trainer.run_dir={tmp_path}", f"data.cache_dir={tmp_path}",
-                     "trainer.device=cuda", "sparse=native", "parallelism=fsdp", "trainer.log_every=2"], nproc=2)
+    proc = torchrun(
+        [
+            "-m",
+            "gem.train",
+            "debug=tiny",
+            f"trainer.run_dir={tmp_path}",
+            f"data.cache_dir={tmp_path}",
+            "trainer.device=cuda",
+            "sparse=native",
+            "parallelism=fsdp",
+            "trainer.log_every=2",
+        ],
+        nproc=2,
+    )
     assert proc.returncode == 0, proc.stderr[-6000:]
     log = (tmp_path / "train.log").read_text()
     assert "FSDP over 2 ranks" in log and "compute bfloat16" in log
-    losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
-              if json.loads(line)["kind"] == "train"]
+    losses = [
+        json.loads(line)["loss"]
+        for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+        if json.loads(line)["kind"] == "train"
+    ]
     assert sum(losses[-3:]) < sum(losses[:3]), losses
 
 
@@ -239,11 +327,15 @@ def test_explicit_plans_check_their_tables_and_print_bytes_per_rank(tiny_schema)
     with pytest.raises(ValueError, match=r"sparse.plan.t_user_id='diagonal': the sharding must be one of"):
         explicit_plan(arch, dict.fromkeys(names, "row_wise") | {"t_user_id": "diagonal"}, 2, 2, "cpu")
     small = min(arch.tables, key=lambda t: t.num_embeddings)  # fewer rows than 4 ranks: empty shards
-    with pytest.raises(ValueError, match=rf"sparse.plan.{small.name}=row_wise: {small.num_embeddings} rows over 4 "
-                                         r"ranks leaves ranks without rows; name table_wise"):
+    with pytest.raises(
+        ValueError,
+        match=rf"sparse.plan.{small.name}=row_wise: {small.num_embeddings} rows over 4 "
+        r"ranks leaves ranks without rows; name table_wise",
+    ):
         explicit_plan(arch, dict.fromkeys(names, "table_wise") | {small.name: "row_wise"}, 4, 4, "cpu")
-    plan = explicit_plan(arch, dict.fromkeys(names, "table_wise") | {"t_ad_id": "row_wise", "t_user_id": "table_wise:1"},
-                         2, 2, "cpu")
+    plan = explicit_plan(
+        arch, dict.fromkeys(names, "table_wise") | {"t_ad_id": "row_wise", "t_user_id": "table_wise:1"}, 2, 2, "cpu"
+    )
     lines = {line.split()[0]: line.split() for line in format_plan(plan, arch, 2).splitlines()[2:]}
     assert lines["t_ad_id"][1:] == ["80", "8", "row_wise", "0,1", "1.2", "KiB", "1.2", "KiB"]  # 40 rows x 8 x 4 B each
     assert lines["t_user_id"][3:] == ["table_wise", "1", "0", "B", "1.6", "KiB"]  # 50 x 8 x 4 B on rank 1

@@ -25,7 +25,7 @@ import os
 import re
 import shlex
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -57,8 +57,7 @@ ALLOWED = {
     ".": "sources a shell file (the venv's activate)",
     "nvidia-smi": "the driver's tool",
 }
-RUNNERS = ("python", "python3", ".venv/bin/python", "make", "torchrun", "bash", "pip", "tensorboard", ".",
-           "nvidia-smi")
+RUNNERS = ("python", "python3", ".venv/bin/python", "make", "torchrun", "bash", "pip", "tensorboard", ".", "nvidia-smi")
 HYDRA_MODULES = ("gem.train", "gem.plan", "gem.transfer.export")
 
 
@@ -163,10 +162,16 @@ def test_readme_config_table_lists_every_option_under_configs():
     for group in sorted(tree.keys() | table.keys()):
         missing = tree.get(group, set()) - table.get(group, set())
         extra = table.get(group, set()) - tree.get(group, set())
-        problems += [f"`{group}` option `{o}` (configs/{group}{o}.yaml) is missing from README.md's config table; "
-                     f"add it to the `{group}` row" for o in sorted(missing)]
-        problems += [f"README.md's config table lists `{group}` option `{o}`, but configs/{group}{o}.yaml does "
-                     f"not exist; remove it from the row" for o in sorted(extra)]
+        problems += [
+            f"`{group}` option `{o}` (configs/{group}{o}.yaml) is missing from README.md's config table; "
+            f"add it to the `{group}` row"
+            for o in sorted(missing)
+        ]
+        problems += [
+            f"README.md's config table lists `{group}` option `{o}`, but configs/{group}{o}.yaml does "
+            f"not exist; remove it from the row"
+            for o in sorted(extra)
+        ]
     assert not problems, "\n".join(problems)
 
 
@@ -175,8 +180,10 @@ def test_readme_config_table_lists_every_option_under_configs():
 
 def test_readme_is_a_map_not_a_notebook():
     size = len(README.read_text())
-    assert size <= README_LIMIT, (f"README.md has {size:,} characters, over the limit of {README_LIMIT:,} "
-                                  "(the issue asks for about 10k); move details and results into docs/ and link them")
+    assert size <= README_LIMIT, (
+        f"README.md has {size:,} characters, over the limit of {README_LIMIT:,} "
+        "(the issue asks for about 10k); move details and results into docs/ and link them"
+    )
 
 
 # --- (c) links and paths -----------------------------------------------------------------------------
@@ -187,7 +194,7 @@ def _expand(path: str) -> list[str]:
     m = re.search(r"\{([^{}]*)\}", path)
     if not m:
         return [path]
-    return [p for alt in m.group(1).split(",") for p in _expand(path[:m.start()] + alt + path[m.end():])]
+    return [p for alt in m.group(1).split(",") for p in _expand(path[: m.start()] + alt + path[m.end() :])]
 
 
 def exists(path: str, base: Path = ROOT) -> bool:
@@ -223,7 +230,9 @@ def mentioned_paths(path: Path):
             if found and (len(words) == 1 and not span.fenced or re.search(r"(\.\w+|/)$", found)):
                 yield span.line, found
     for number, line in prose_lines(path):
-        for m in re.finditer(r"(?<![\w/.\-\[(])((?:%s)/[\w.\-/<>{},]*)" % "|".join(map(re.escape, REPO_ROOTS)), line):
+        for m in re.finditer(
+            r"(?<![\w/.\-\[(])((?:" + "|".join(map(re.escape, REPO_ROOTS)) + r")/[\w.\-/<>{},]*)", line
+        ):
             found = _path_like(m.group(1))
             if found and re.search(r"(\.\w+|/)$", found):  # a file or a folder, not a unit (examples/s)
                 yield number, found
@@ -263,8 +272,10 @@ def _defines(source: str, name: str, more: bool) -> bool:
     n = re.escape(name)
     if more:
         return re.search(rf"^class {n}\b", source, re.M) is not None
-    return re.search(rf"^\s*(def|class) {n}\b|^{n}\s*[:=]|^(from|import) .*\b{n}\b|[\"']{n}[\"']\s*[:,\])]",
-                     source, re.M) is not None
+    return (
+        re.search(rf"^\s*(def|class) {n}\b|^{n}\s*[:=]|^(from|import) .*\b{n}\b|[\"']{n}[\"']\s*[:,\])]", source, re.M)
+        is not None
+    )
 
 
 def _now_at(path: str) -> str:
@@ -276,13 +287,23 @@ def _now_at(path: str) -> str:
 
 @pytest.mark.parametrize("doc", DOCS, ids=_rel)
 def test_every_link_and_repository_path_exists(doc):
-    problems = [f"{_rel(doc)}:{n}: link ({t}) points to {os.path.relpath(doc.parent / t, ROOT)}, which does not "
-                "exist; fix the link" for n, t in links(doc) if not exists(t, doc.parent)]
-    problems += [f"{_rel(doc)}:{n}: `{p}` does not exist in the repository{_now_at(p)}; write the path it has "
-                 "now (or mark a placeholder as <name>)"
-                 for n, p in sorted(set(mentioned_paths(doc))) if not exists(p)]
-    problems += [f"{_rel(doc)}:{n}: `{name}` is no module of this repository nor a name in one; write its "
-                 "current dotted path" for n, name in dotted_names(doc) if not resolves(name)]
+    problems = [
+        f"{_rel(doc)}:{n}: link ({t}) points to {os.path.relpath(doc.parent / t, ROOT)}, which does not "
+        "exist; fix the link"
+        for n, t in links(doc)
+        if not exists(t, doc.parent)
+    ]
+    problems += [
+        f"{_rel(doc)}:{n}: `{p}` does not exist in the repository{_now_at(p)}; write the path it has "
+        "now (or mark a placeholder as <name>)"
+        for n, p in sorted(set(mentioned_paths(doc)))
+        if not exists(p)
+    ]
+    problems += [
+        f"{_rel(doc)}:{n}: `{name}` is no module of this repository nor a name in one; write its current dotted path"
+        for n, name in dotted_names(doc)
+        if not resolves(name)
+    ]
     assert not problems, "\n".join(problems)
 
 
@@ -324,7 +345,7 @@ def all_commands() -> list[tuple[Span, list[str]]]:
     return [(s, words) for doc in DOCS for s in spans(doc) for words in _commands(s)]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _compose_error(overrides: tuple[str, ...]) -> str | None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -360,7 +381,7 @@ def check_transfer_export(args: list[str]) -> str | None:
     return check_overrides(overrides)
 
 
-@lru_cache(maxsize=None)
+@cache
 def script_arguments(path: str) -> tuple[frozenset[str], bool]:
     """(the option strings of every ``add_argument`` call in ``path``, whether it takes ``overrides``).
     A script without argparse that reads ``sys.argv`` itself: the ``--flag`` string constants it compares."""
@@ -371,8 +392,11 @@ def script_arguments(path: str) -> tuple[frozenset[str], bool]:
             flags |= {n for n in names if n.startswith("-")}
             overrides |= "overrides" in names
         elif isinstance(node, ast.Compare):
-            constants |= {c.value for c in [node.left, *node.comparators]
-                          if isinstance(c, ast.Constant) and isinstance(c.value, str) and c.value.startswith("--")}
+            constants |= {
+                c.value
+                for c in [node.left, *node.comparators]
+                if isinstance(c, ast.Constant) and isinstance(c.value, str) and c.value.startswith("--")
+            }
     return frozenset(flags or constants), overrides
 
 
@@ -382,8 +406,8 @@ def check_script(path: str, args: list[str]) -> str | None:
     if not (ROOT / path).is_file():
         return f"{path} does not exist; write the script's current path"
     flags, takes_overrides = script_arguments(path)
-    rest = args[args.index("--") + 1:] if "--" in args else []
-    used = {a.split("=")[0] for a in (args[:args.index("--")] if "--" in args else args) if a.startswith("-")}
+    rest = args[args.index("--") + 1 :] if "--" in args else []
+    used = {a.split("=")[0] for a in (args[: args.index("--")] if "--" in args else args) if a.startswith("-")}
     unknown = sorted(used - flags)
     if unknown:
         return f"{path} has no flag {unknown[0]} (its flags: {', '.join(sorted(flags)) or 'none'}); fix the command"
@@ -424,7 +448,7 @@ def check_torchrun(args: list[str]) -> str | None:
     """torchrun's flags through torchrun's own parser; the script's overrides compose."""
     from torch.distributed.run import get_args_parser
 
-    flags, target = (args[:args.index("-m")], args[args.index("-m"):]) if "-m" in args else (args, [])
+    flags, target = (args[: args.index("-m")], args[args.index("-m") :]) if "-m" in args else (args, [])
     flags = [re.sub(r"\$\w+|<placeholder>", "0", f) for f in flags]  # a variable or placeholder: a number
     err = io.StringIO()
     try:
@@ -484,14 +508,17 @@ def test_every_command_in_the_docs_composes_or_parses(span, words):
     assert problem is None, f"{span.where()}\n  {problem}"
 
 
-@pytest.mark.parametrize("words,fragment", [
-    (["python", "-m", "gem.train", "model=no_such_model"], "do not compose"),
-    (["python", "-m", "gem.train", "trainer.epochs=0"], "trainer.epochs"),
-    (["python", "benchmarks/scaling.py", "--no-such-flag"], "no flag --no-such-flag"),
-    (["torchrun", "--no-such-flag=1", "-m", "gem.train"], "torchrun rejects"),
-    (["make", "train", "ARGS=sparse=nowhere"], "do not compose"),
-    (["python", "-m", "gem.no_such_module"], "not in this repository"),
-])
+@pytest.mark.parametrize(
+    "words,fragment",
+    [
+        (["python", "-m", "gem.train", "model=no_such_model"], "do not compose"),
+        (["python", "-m", "gem.train", "trainer.epochs=0"], "trainer.epochs"),
+        (["python", "benchmarks/scaling.py", "--no-such-flag"], "no flag --no-such-flag"),
+        (["torchrun", "--no-such-flag=1", "-m", "gem.train"], "torchrun rejects"),
+        (["make", "train", "ARGS=sparse=nowhere"], "do not compose"),
+        (["python", "-m", "gem.no_such_module"], "not in this repository"),
+    ],
+)
 def test_the_command_checker_catches_mistakes(words, fragment):
     """The checks above can fail: each kind of mistake is caught and named."""
     assert fragment in (check_command(words) or "")
@@ -513,7 +540,10 @@ def test_the_path_checker_catches_missing_paths():
 def test_checkpoint_folders_are_named_as_the_trainer_names_them(doc):
     """gem.train.checkpoint writes ``step_{step:09d}``; a doc that shows ``step_20`` sends users to a folder
     that is never there."""
-    bad = [f"{_rel(doc)}:{n}: {m.group(0)}: checkpoint folders are step_ + nine digits; write "
-           f"step_{int(m.group(1)):09d}" for n, line in enumerate(doc.read_text().splitlines(), 1)
-           for m in re.finditer(r"\bstep_(\d+)\b", line) if len(m.group(1)) != 9]
+    bad = [
+        f"{_rel(doc)}:{n}: {m.group(0)}: checkpoint folders are step_ + nine digits; write step_{int(m.group(1)):09d}"
+        for n, line in enumerate(doc.read_text().splitlines(), 1)
+        for m in re.finditer(r"\bstep_(\d+)\b", line)
+        if len(m.group(1)) != 9
+    ]
     assert not bad, "\n".join(bad)

@@ -33,8 +33,14 @@ def test_only_wide_projections_outside_the_heads_convert(tiny):
     dense = copy.deepcopy(model.dense_arch)
     linears = {n: m for n, m in dense.named_modules() if isinstance(m, torch.nn.Linear)}
     chosen = float8_projections(dense, min_features=32)
-    expected = [n for n, m in linears.items() if not n.startswith("heads")
-                and min(m.in_features, m.out_features) >= 32 and m.in_features % 16 == 0 and m.out_features % 16 == 0]
+    expected = [
+        n
+        for n, m in linears.items()
+        if not n.startswith("heads")
+        and min(m.in_features, m.out_features) >= 32
+        and m.in_features % 16 == 0
+        and m.out_features % 16 == 0
+    ]
     assert chosen == expected and chosen, "the tiny model must have wide projections to convert"
     converted = {n for n, m in dense.named_modules() if isinstance(m, Float8Linear)}
     assert converted == set(chosen)
@@ -71,21 +77,44 @@ def test_float8_needs_torchao(monkeypatch):
 
 
 def test_the_trainer_trains_with_float8_projections(tmp_path):
-    metrics = gem.train.train(gem.compose([*TINY, "parallelism.float8=true", "parallelism.float8_min_features=32",
-                                           f"data.cache_dir={tmp_path / 'cache'}", f"trainer.run_dir={tmp_path / 'run'}",
-                                           "trainer.max_steps=10", "trainer.plots=false"]))
+    metrics = gem.train.train(
+        gem.compose(
+            [
+                *TINY,
+                "parallelism.float8=true",
+                "parallelism.float8_min_features=32",
+                f"data.cache_dir={tmp_path / 'cache'}",
+                f"trainer.run_dir={tmp_path / 'run'}",
+                "trainer.max_steps=10",
+                "trainer.plots=false",
+            ]
+        )
+    )
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
     assert "float8 projections of width >= 32" in (tmp_path / "run" / "train.log").read_text()
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-                    reason="float8 GEMMs need an SM89+ GPU")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="float8 GEMMs need an SM89+ GPU",
+)
 def test_float8_trains_on_the_gpu_with_token_counts_off_the_alignment(tmp_path):
     """The scaled matmul wants every GEMM dimension a multiple of 16; the jagged token count, the
     weight gradient's inner dimension, almost never is (the first H200 run failed on T = 192,812)."""
-    metrics = gem.train.train(gem.compose([*TINY, "trainer.device=cuda", "trainer.autocast=bfloat16",
-                                           "parallelism.float8=true", "parallelism.float8_min_features=32",
-                                           f"data.cache_dir={tmp_path / 'cache'}", f"trainer.run_dir={tmp_path / 'run'}",
-                                           "trainer.max_steps=10", "trainer.plots=false"]))
+    metrics = gem.train.train(
+        gem.compose(
+            [
+                *TINY,
+                "trainer.device=cuda",
+                "trainer.autocast=bfloat16",
+                "parallelism.float8=true",
+                "parallelism.float8_min_features=32",
+                f"data.cache_dir={tmp_path / 'cache'}",
+                f"trainer.run_dir={tmp_path / 'run'}",
+                "trainer.max_steps=10",
+                "trainer.plots=false",
+            ]
+        )
+    )
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())

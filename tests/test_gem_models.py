@@ -33,8 +33,12 @@ from tests.conftest import ROOT, TINY_SCHEMA, compose
 BLOCKS = ["interformer", "kunlun"]
 VARIANTS = {  # every block with the non-default options switched on somewhere
     "interformer": dict(block="interformer", interaction=["dot", "dcnv2"], domain_mode="towers", window=5),
-    "kunlun": dict(block="kunlun", num_layers=3, wukong={"num_experts": 2, "rank": 4, "hidden": 32},
-                   streams={"hist": {"num_heads": 1, "head_dim": 32, "window": 4}}),
+    "kunlun": dict(
+        block="kunlun",
+        num_layers=3,
+        wukong={"num_experts": 2, "rank": 4, "hidden": 32},
+        streams={"hist": {"num_heads": 1, "head_dim": 32, "window": 4}},
+    ),
 }
 
 
@@ -45,7 +49,9 @@ def build(schema: FeatureSchema, backend: str | None = "reference", seed: int = 
     dims = {f: sparse.pooled_dim(f) for f in schema.id_feature_names}
     dims |= {g.name: sparse.sequence_dim(g.name) for g in schema.sequence_groups}
     with torch.device("meta"):
-        dense = GEMDenseArch(schema, dims, attention_backend=backend, **({"dim": 16, "num_heads": 2, "head_dim": 16} | kwargs))
+        dense = GEMDenseArch(
+            schema, dims, attention_backend=backend, **({"dim": 16, "num_heads": 2, "head_dim": 16} | kwargs)
+        )
     dense.to_empty(device="cpu")
     dense.init_weights()
     return GEMModel(sparse, dense)
@@ -120,13 +126,22 @@ def _select(batch: Batch, rows: list[int]) -> Batch:
         lengths = [parts[key].lengths()[rows] for key in k.keys()]
         values = [torch.cat([parts[key].to_dense()[r] for r in rows]) for key in k.keys()]
         return KeyedJaggedTensor.from_lengths_sync(k.keys(), torch.cat(values), torch.cat(lengths))
-    return Batch(kjt(batch.sparse), kjt(batch.sequences), batch.max_seq_len, batch.dense[rows], batch.labels[rows],
-                 batch.label_mask[rows], batch.domain[rows])
+
+    return Batch(
+        kjt(batch.sparse),
+        kjt(batch.sequences),
+        batch.max_seq_len,
+        batch.dense[rows],
+        batch.labels[rows],
+        batch.label_mask[rows],
+        batch.domain[rows],
+    )
 
 
 @pytest.mark.parametrize("block", BLOCKS)
-def test_fsdp_gathers_a_layer_for_a_backward_through_its_sequence_outputs_alone(tiny_schema, tiny_dataset, block,
-                                                                               one_rank_group):
+def test_fsdp_gathers_a_layer_for_a_backward_through_its_sequence_outputs_alone(
+    tiny_schema, tiny_dataset, block, one_rank_group
+):
     """FSDP2 hooks its pre-backward all-gather on the tensors of a block's output. A layer returns
     its sequences as JaggedEmbeddings, registered as a pytree node so that the hooks find them too
     (torch 2.11's FSDP2 looked only through pytree nodes: on an H200 a backward through a layer's
@@ -168,10 +183,15 @@ def test_bf16_autocast_runs_close_to_fp32(tiny_schema, tiny_dataset, block):
 @pytest.mark.parametrize("block", BLOCKS)
 def test_two_event_streams_with_their_own_width_heads_and_window(block):
     """Per-event-type settings: a long, narrow stream with a window next to a short, wide one."""
-    schema = FeatureSchema.from_config({**TINY_SCHEMA, "sequence_groups": [
-        {"name": "views", "max_len": 20, "features": [{"name": "view_item", "cardinality": 9}]},
-        {"name": "buys", "max_len": 5, "features": [{"name": "buy_item", "cardinality": 9}]},
-    ]})
+    schema = FeatureSchema.from_config(
+        {
+            **TINY_SCHEMA,
+            "sequence_groups": [
+                {"name": "views", "max_len": 20, "features": [{"name": "view_item", "cardinality": 9}]},
+                {"name": "buys", "max_len": 5, "features": [{"name": "buy_item", "cardinality": 9}]},
+            ],
+        }
+    )
     dims = {f: 8 for f in schema.id_feature_names} | {"views": 8, "buys": 8}
     streams = {"views": {"num_heads": 1, "head_dim": 16, "window": 2}, "buys": {"num_heads": 2, "head_dim": 32}}
     torch.manual_seed(0)
@@ -239,8 +259,20 @@ SMALL = ["data.schema.sequence_groups.0.max_len=24", "data.num_examples.test=256
 
 
 def _train_losses(cache_dir, run_dir, *overrides) -> tuple[list[float], list[dict]]:
-    train(compose(["debug=tiny", "model=gem_tiny", "sparse=native", f"data.cache_dir={cache_dir}",
-                   f"trainer.run_dir={run_dir}", "trainer.log_every=1", *SMALL, *overrides]))
+    train(
+        compose(
+            [
+                "debug=tiny",
+                "model=gem_tiny",
+                "sparse=native",
+                f"data.cache_dir={cache_dir}",
+                f"trainer.run_dir={run_dir}",
+                "trainer.log_every=1",
+                *SMALL,
+                *overrides,
+            ]
+        )
+    )
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in rows if r["kind"] == "train"], rows
 
@@ -250,13 +282,21 @@ def test_gem_tiny_trains_end_to_end_reproducibly_and_logs_mfu(tmp_path_factory, 
     """The quickstart path with each block: the loss falls, the step's TFLOP/s is logged, MFU is null on CPU
     unless a peak is configured, and deterministic mode repeats the losses exactly."""
     cache = tmp_path_factory.getbasetemp() / "gem-cache"
-    first, rows = _train_losses(cache, tmp_path_factory.mktemp("a"), f"model.block={block}", "trainer.deterministic=true")
+    first, rows = _train_losses(
+        cache, tmp_path_factory.mktemp("a"), f"model.block={block}", "trainer.deterministic=true"
+    )
     assert len(first) == 20 and sum(first[-5:]) / 5 < sum(first[:5]) / 5 - 0.02, first
     train_rows = [r for r in rows if r["kind"] == "train"]
     assert all(r["tflops"] > 0 and r["mfu"] is None for r in train_rows)
     assert rows[-1]["kind"] == "test" and 0.5 < rows[-1]["click/auc"] <= 1
-    again, rows = _train_losses(cache, tmp_path_factory.mktemp("b"), f"model.block={block}", "trainer.deterministic=true",
-                                "trainer.peak_tflops=0.001", "trainer.max_steps=6")
+    again, rows = _train_losses(
+        cache,
+        tmp_path_factory.mktemp("b"),
+        f"model.block={block}",
+        "trainer.deterministic=true",
+        "trainer.peak_tflops=0.001",
+        "trainer.max_steps=6",
+    )
     assert again == first[:6]
     assert all(0 < r["mfu"] for r in rows if r["kind"] == "train")
 
@@ -269,14 +309,18 @@ def trajectory(backend: str, steps: int = 20, batch_size: int = 6, device: str =
     schema = FeatureSchema.from_config(TINY_SCHEMA)
     table = generate(schema, batch_size * 4, seed=1, cfg=SyntheticConfig(num_clusters=5))
     batches = [table_to_batch(table.slice(batch_size * i, batch_size), schema)[0].to(device) for i in range(4)]
-    models = [build(schema, backend, block=b, num_heads=1, head_dim=32, **({"window": 3} if b == "kunlun" else {})).to(device)
-              for b in BLOCKS]
+    models = [
+        build(schema, backend, block=b, num_heads=1, head_dim=32, **({"window": 3} if b == "kunlun" else {})).to(device)
+        for b in BLOCKS
+    ]
     params = [p for m in models for p in m.parameters()]
     opt = torch.optim.AdamW(params, lr=3e-3)
     losses = []
     for step in range(steps):
         batch = batches[step % len(batches)]
-        loss = sum(multitask_bce(m(batch), batch.labels, batch.label_mask, torch.ones(2, device=device))[0] for m in models)
+        loss = sum(
+            multitask_bce(m(batch), batch.labels, batch.label_mask, torch.ones(2, device=device))[0] for m in models
+        )
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -313,9 +357,20 @@ def test_gem_tiny_on_cuda_triton_and_reference_give_the_same_loss_trajectory():
 @pytest.mark.parametrize("autocast", ["null", "bfloat16"])
 @pytest.mark.parametrize("block", BLOCKS)
 def test_gem_tiny_trains_on_cuda(tmp_path, block, autocast):
-    result = train(compose(["debug=tiny", "model=gem_tiny", f"model.block={block}", "sparse=native",
-                            "trainer.device=cuda", f"trainer.autocast={autocast}", f"trainer.run_dir={tmp_path}",
-                            f"data.cache_dir={tmp_path}"]))
+    result = train(
+        compose(
+            [
+                "debug=tiny",
+                "model=gem_tiny",
+                f"model.block={block}",
+                "sparse=native",
+                "trainer.device=cuda",
+                f"trainer.autocast={autocast}",
+                f"trainer.run_dir={tmp_path}",
+                f"data.cache_dir={tmp_path}",
+            ]
+        )
+    )
     assert result["steps"] == 20 and result["click/auc"] > 0.5
 
 
@@ -326,14 +381,27 @@ def test_gem_tiny_compiled_trains_and_evaluates_on_cuda(tmp_path, block):
     evaluation, whose batches (256, and a last one of 88) are not the training batch (64): Dynamo
     recompiles the blocks with a dynamic batch size there (gem_base's evaluation once failed in
     Inductor at that point, tests/kernels/compile_mutations.py)."""
-    result = train(compose(["debug=tiny", "model=gem_tiny", f"model.block={block}", "sparse=native",
-                            "trainer.device=cuda", "trainer.autocast=bfloat16", "parallelism.compile=true",
-                            f"trainer.run_dir={tmp_path}", f"data.cache_dir={tmp_path}"]))
+    result = train(
+        compose(
+            [
+                "debug=tiny",
+                "model=gem_tiny",
+                f"model.block={block}",
+                "sparse=native",
+                "trainer.device=cuda",
+                "trainer.autocast=bfloat16",
+                "parallelism.compile=true",
+                f"trainer.run_dir={tmp_path}",
+                f"data.cache_dir={tmp_path}",
+            ]
+        )
+    )
     assert result["steps"] == 20 and result["click/count"] == 600 and 0.5 < result["click/auc"] <= 1
 
 
-def gem_base_trajectory(backend: str, block: str, cache_dir, steps: int = 30, batch_size: int = 256,
-                        overrides: tuple[str, ...] = ()) -> list[float]:
+def gem_base_trajectory(
+    backend: str, block: str, cache_dir, steps: int = 30, batch_size: int = 256, overrides: tuple[str, ...] = ()
+) -> list[float]:
     """Per-step losses of gem_base (experiment=gem_base_h200's shapes and recipe, with ``overrides``) in
     float32, eager, with one attention backend, from weights seeded the same way and over the same batches."""
     from gem.data.pipeline.loader import build_loader
@@ -341,11 +409,21 @@ def gem_base_trajectory(backend: str, block: str, cache_dir, steps: int = 30, ba
     from gem.train.optim import build_optimizers
     from gem.train.trainer import build_model, init_distributed, load_data
 
-    config = validate(compose(["experiment=gem_base_h200", f"model.block={block}", f"kernels={backend}",
-                               "trainer.autocast=null", "parallelism.compile=false", f"data.cache_dir={cache_dir}",
-                               f"data.batch_size={batch_size}",
-                               f"data.num_examples={{train:{steps * batch_size},val:{batch_size},test:{batch_size}}}",
-                               *overrides]))
+    config = validate(
+        compose(
+            [
+                "experiment=gem_base_h200",
+                f"model.block={block}",
+                f"kernels={backend}",
+                "trainer.autocast=null",
+                "parallelism.compile=false",
+                f"data.cache_dir={cache_dir}",
+                f"data.batch_size={batch_size}",
+                f"data.num_examples={{train:{steps * batch_size},val:{batch_size},test:{batch_size}}}",
+                *overrides,
+            ]
+        )
+    )
     env = init_distributed("cuda", need_process_group=False)
     schema, data_dir = load_data(config, env)
     torch.manual_seed(0)

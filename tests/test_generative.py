@@ -8,7 +8,6 @@ import dataclasses
 import json
 import math
 
-import numpy as np
 import pytest
 import torch
 
@@ -22,8 +21,9 @@ from gem.train.trainer import train
 from tests.conftest import compose, needs_fbgemm_cuda
 from tests.test_seqrec import NUM_ITEMS, _rows, _write_s3rec
 
-OPTIONS = SeqRecOptions(objective="generative", max_len=6, num_negatives=3, num_eval_negatives=9, event_attrs=2,
-                        users_per_file=7)
+OPTIONS = SeqRecOptions(
+    objective="generative", max_len=6, num_negatives=3, num_eval_negatives=9, event_attrs=2, users_per_file=7
+)
 
 
 @pytest.fixture
@@ -37,13 +37,19 @@ def generative_data(tmp_path):
 def test_generative_rows_hold_each_users_training_events_and_unseen_negatives(generative_data):
     sequences, out = generative_data
     schema = schema_from_files(split_files(out, "train"))
-    assert schema.group("neg").max_len == 3 and schema.group("hist").feature_names == ["hist_item", "hist_attr0", "hist_attr1"]
+    assert schema.group("neg").max_len == 3 and schema.group("hist").feature_names == [
+        "hist_item",
+        "hist_attr0",
+        "hist_attr1",
+    ]
     rows = _rows(out, "train")
     assert len(rows) == 30
     for r in rows:
         seq = sequences[r["user_id"][0] - 1]
         assert r["hist_item"] == seq[:-2][-6:].tolist(), "the training part: all but the validation and test targets"
-        assert r["hist_attr0"] == [1 + i % 5 for i in r["hist_item"]] and r["hist_attr1"] == [6 + i % 3 for i in r["hist_item"]]
+        assert r["hist_attr0"] == [1 + i % 5 for i in r["hist_item"]] and r["hist_attr1"] == [
+            6 + i % 3 for i in r["hist_item"]
+        ]
         assert len(r["neg_item"]) == 3 and not set(r["neg_item"]) & set(seq.tolist())
     for split in ("val", "test"):
         assert all(r["neg_item"] == [] for r in _rows(out, split))
@@ -56,8 +62,17 @@ def _model(schema, block="interformer", **kwargs):
     dims = {f: sparse.pooled_dim(f) for f in schema.id_feature_names}
     dims |= {g.name: sparse.sequence_dim(g.name) for g in schema.sequence_groups}
     with torch.device("meta"):
-        dense = GenerativeSeqArch(schema, dims, block=block, dim=8, num_heads=2, head_dim=8, pffn_kv=4,
-                                  attention_backend="reference", **kwargs)
+        dense = GenerativeSeqArch(
+            schema,
+            dims,
+            block=block,
+            dim=8,
+            num_heads=2,
+            head_dim=8,
+            pffn_kv=4,
+            attention_backend="reference",
+            **kwargs,
+        )
     dense.to_empty(device="cpu")
     dense.init_weights()
     return GEMModel(sparse, dense)
@@ -80,8 +95,8 @@ def test_sampled_softmax_equals_a_loop_over_positions(generative_data, in_batch,
 
     sparse = model.sparse_arch(batch.sparse, batch.sequences, batch.max_seq_len)
     h = arch.encode(sparse).detach().double()
-    values = sparse.sequences["hist"].values.detach().double()[:, :arch.item_dim]
-    negs = sparse.sequences["neg"].values.detach().double()[:, :arch.item_dim]
+    values = sparse.sequences["hist"].values.detach().double()[:, : arch.item_dim]
+    negs = sparse.sequences["neg"].values.detach().double()[:, : arch.item_dim]
     ids = batch.sequences.to_dict()
     items, neg_ids = ids["hist_item"].values(), ids["neg_item"].values()
     offsets = sparse.sequences["hist"].offsets.tolist()
@@ -94,12 +109,17 @@ def test_sampled_softmax_equals_a_loop_over_positions(generative_data, in_batch,
     count = {}
     for _, t in rows:
         count[int(items[t])] = count.get(int(items[t]), 0) + 1
-    cands = [(values[p + 1] if p + 1 < total else values[total - 1], int(items[min(p + 1, total - 1)]))
-             for p in pool if p in has_next]
+    cands = [
+        (values[p + 1] if p + 1 < total else values[total - 1], int(items[min(p + 1, total - 1)]))
+        for p in pool
+        if p in has_next
+    ]
     cands += [(negs[j], int(neg_ids[j])) for j in range(negs.shape[0])]
     num_items = schema.cardinality("hist_item")
-    log_q = lambda item: (math.log(count.get(item, 0) * len(pool) / total + negs.shape[0] / (num_items - 1))  # noqa: E731
-                          if logq else 0.0)
+
+    def log_q(item):
+        return math.log(count.get(item, 0) * len(pool) / total + negs.shape[0] / (num_items - 1)) if logq else 0.0
+
     cos = lambda a, b: float(a @ b / (a.norm() * b.norm())) / 0.05  # noqa: E731
     expected = []
     for r, t in rows:
@@ -144,7 +164,6 @@ def test_item_attributes_score_an_item_alike_in_training_and_ranking(tmp_path):
     assert arch.attr_proj.weight.grad.abs().sum() > 0
 
 
-
 def test_ranking_encodes_each_users_history_once_with_the_same_scores(generative_data):
     """A user's 1 + 9 evaluation rows share one encoding of the history; the scores equal those of
     encoding every row."""
@@ -167,8 +186,11 @@ def test_ranking_encodes_each_users_history_once_with_the_same_scores(generative
 
 def test_item_attributes_need_the_bag_to_hold_what_an_event_carries(generative_data):
     _, out = generative_data  # max_attrs 8, event_attrs 2
-    with pytest.raises(ValueError, match="holds up to 8 attributes but the events carry \\[2, 2\\]; set "
-                                         "data.seqrec.max_attrs equal to data.seqrec.event_attrs"):
+    with pytest.raises(
+        ValueError,
+        match="holds up to 8 attributes but the events carry \\[2, 2\\]; set "
+        "data.seqrec.max_attrs equal to data.seqrec.event_attrs",
+    ):
         _model(schema_from_files(split_files(out, "train")), item_attributes=True)
 
 
@@ -187,22 +209,44 @@ def test_each_position_sees_only_its_past(generative_data, block, pffn):
     s.values[last] += 1.0  # change the first example's last event only
     h2 = model.dense_arch.encode(sparse)
     assert torch.equal(h[:last], h2[:last]) and not torch.allclose(h[last], h2[last])
-    assert torch.equal(h[last + 1:], h2[last + 1:])
+    assert torch.equal(h[last + 1 :], h2[last + 1 :])
 
 
-@pytest.mark.parametrize("overrides", [
-    ["model.block=interformer"], ["model.block=kunlun", "model.window=3"], ["sparse=torchrec", "model.negatives=null"],
-    pytest.param(["trainer.device=cuda"], marks=pytest.mark.gpu, id="cuda-native"),
-    # the item table shared by the candidate, the history and the negatives, sharded on one GPU (FBGEMM's kernels)
-    pytest.param(["trainer.device=cuda", "sparse=torchrec"], marks=[pytest.mark.gpu, needs_fbgemm_cuda], id="cuda-fbgemm"),
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model.block=interformer"],
+        ["model.block=kunlun", "model.window=3"],
+        ["sparse=torchrec", "model.negatives=null"],
+        pytest.param(["trainer.device=cuda"], marks=pytest.mark.gpu, id="cuda-native"),
+        # the item table shared by the candidate, the history and the negatives, sharded on one GPU (FBGEMM's kernels)
+        pytest.param(
+            ["trainer.device=cuda", "sparse=torchrec"], marks=[pytest.mark.gpu, needs_fbgemm_cuda], id="cuda-fbgemm"
+        ),
+    ],
+)
 def test_seqrec_gen_experiment_learns_and_reports_ranking_metrics(tmp_path, overrides):
     _write_s3rec(tmp_path, num_users=80)
-    result = train(compose(["experiment=seqrec_gen", f"data.dir={tmp_path}", "data.name=Tiny",
-                            f"data.cache_dir={tmp_path / 'cache'}", f"trainer.run_dir={tmp_path / 'run'}",
-                            "data.batch_size=16", "data.num_workers=0", "data.eval_batch_size=800",
-                            "trainer.epochs=6", "trainer.log_every=5", "trainer.progress_bar=false",
-                            "data.seqrec.num_eval_negatives=20", "model.dropout=0.0", *overrides]))
+    result = train(
+        compose(
+            [
+                "experiment=seqrec_gen",
+                f"data.dir={tmp_path}",
+                "data.name=Tiny",
+                f"data.cache_dir={tmp_path / 'cache'}",
+                f"trainer.run_dir={tmp_path / 'run'}",
+                "data.batch_size=16",
+                "data.num_workers=0",
+                "data.eval_batch_size=800",
+                "trainer.epochs=6",
+                "trainer.log_every=5",
+                "trainer.progress_bar=false",
+                "data.seqrec.num_eval_negatives=20",
+                "model.dropout=0.0",
+                *overrides,
+            ]
+        )
+    )
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if r["kind"] == "train"]
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.2, losses
@@ -217,21 +261,51 @@ def test_a_pretrained_next_event_model_fine_tunes_on_ranking_rows(tmp_path):
     blocks started from a next-event run's checkpoint: with learning rates of 1e-12 it scores the test
     users exactly as the pretrained model did; with the recipe's rates its BCE loss falls."""
     _write_s3rec(tmp_path, num_users=80)
-    common = ["experiment=seqrec_gen", f"data.dir={tmp_path}", "data.name=Tiny", "data.batch_size=16",
-              "data.num_workers=0", "data.eval_batch_size=800", "trainer.log_every=1", "trainer.progress_bar=false",
-              "data.seqrec.num_eval_negatives=20", "model.dropout=0.0"]
-    pretrained = train(compose([*common, f"data.cache_dir={tmp_path / 'c1'}", f"trainer.run_dir={tmp_path / 'pre'}",
-                                "trainer.epochs=3", "checkpoint.enabled=true"]))
+    common = [
+        "experiment=seqrec_gen",
+        f"data.dir={tmp_path}",
+        "data.name=Tiny",
+        "data.batch_size=16",
+        "data.num_workers=0",
+        "data.eval_batch_size=800",
+        "trainer.log_every=1",
+        "trainer.progress_bar=false",
+        "data.seqrec.num_eval_negatives=20",
+        "model.dropout=0.0",
+    ]
+    pretrained = train(
+        compose(
+            [
+                *common,
+                f"data.cache_dir={tmp_path / 'c1'}",
+                f"trainer.run_dir={tmp_path / 'pre'}",
+                "trainer.epochs=3",
+                "checkpoint.enabled=true",
+            ]
+        )
+    )
     step = next((tmp_path / "pre" / "checkpoints").glob("step_*"))
-    fine_tune = [*common, f"data.cache_dir={tmp_path / 'c2'}", "data.seqrec.objective=pointwise",
-                 "model.objective=ranking", "model.negatives=null", f"checkpoint.init_from={step}",
-                 "checkpoint.init_modules=[sparse_arch,dense_arch]", "trainer.max_steps=4"]
-    frozen = train(compose([*fine_tune, f"trainer.run_dir={tmp_path / 'lr0'}", "optim.dense.lr=1e-12", "optim.sparse.lr=1e-12"]))
+    fine_tune = [
+        *common,
+        f"data.cache_dir={tmp_path / 'c2'}",
+        "data.seqrec.objective=pointwise",
+        "model.objective=ranking",
+        "model.negatives=null",
+        f"checkpoint.init_from={step}",
+        "checkpoint.init_modules=[sparse_arch,dense_arch]",
+        "trainer.max_steps=4",
+    ]
+    frozen = train(
+        compose([*fine_tune, f"trainer.run_dir={tmp_path / 'lr0'}", "optim.dense.lr=1e-12", "optim.sparse.lr=1e-12"])
+    )
     for metric in ("next_item/hr@1", "next_item/hr@10", "next_item/ndcg@10", "next_item/mrr"):
         assert frozen[metric] == pytest.approx(pretrained[metric], abs=1e-6), metric
     train(compose([*fine_tune, f"trainer.run_dir={tmp_path / 'ft'}", "trainer.max_steps=12"]))
-    losses = [json.loads(line)["loss"] for line in (tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()
-              if json.loads(line)["kind"] == "train"]
+    losses = [
+        json.loads(line)["loss"]
+        for line in (tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()
+        if json.loads(line)["kind"] == "train"
+    ]
     assert sum(losses[-3:]) < sum(losses[:3]), losses
 
 

@@ -35,8 +35,9 @@ def _kjt(features: dict[str, list[list[int]]]) -> KeyedJaggedTensor:
     keys = list(features)
     values = [i for k in keys for row in features[k] for i in row]
     lengths = [len(row) for k in keys for row in features[k]]
-    return KeyedJaggedTensor(keys=keys, values=torch.tensor(values, dtype=torch.int64),
-                             lengths=torch.tensor(lengths, dtype=torch.int32))
+    return KeyedJaggedTensor(
+        keys=keys, values=torch.tensor(values, dtype=torch.int64), lengths=torch.tensor(lengths, dtype=torch.int32)
+    )
 
 
 def _mapper(policy: str, rows: int = 5, features=("user_id",), **kw) -> IdMapper:
@@ -63,8 +64,10 @@ def test_hash_ids_is_splitmix64_modulo_the_rows(num_rows):
 
 
 def test_hash_and_modulo_map_every_feature_of_the_table_in_both_kjts_and_keep_lengths():
-    spaces = [IdSpace("t_item", 10, ("ad_id", "hist_item"), policy="hash"),
-              IdSpace("t_user_id", 4, ("user_id",), policy="modulo")]
+    spaces = [
+        IdSpace("t_item", 10, ("ad_id", "hist_item"), policy="hash"),
+        IdSpace("t_user_id", 4, ("user_id",), policy="modulo"),
+    ]
     mapper = IdMapper(spaces)
     sparse = _kjt({"user_id": [[9], [2**40 + 1]], "ad_id": [[2**50], [3]], "ad_cluster": [[1], [2]]})
     seq = _kjt({"hist_item": [[2**50, 5], []], "hist_action": [[1, 2], []]})
@@ -141,8 +144,10 @@ def test_mch_admits_ids_of_batches_larger_than_the_first():
 
 @pytest.mark.parametrize("bad", [-1, 1000])
 def test_an_id_outside_the_raw_space_names_feature_id_and_space_and_changes_no_state(bad):
-    spaces = [IdSpace("t_user_id", 8, ("user_id",), raw_space=1000, policy="mch"),
-              IdSpace("t_ad_id", 8, ("ad_id",), raw_space=1000, policy="mch")]
+    spaces = [
+        IdSpace("t_user_id", 8, ("user_id",), raw_space=1000, policy="mch"),
+        IdSpace("t_ad_id", 8, ("ad_id",), raw_space=1000, policy="mch"),
+    ]
     mapper = IdMapper(spaces)
     mapper(_kjt({"user_id": [[1]], "ad_id": [[2]]}), _EMPTY)
     before = {k: v.clone() for k, v in mapper.state_dict().items()}
@@ -154,11 +159,13 @@ def test_an_id_outside_the_raw_space_names_feature_id_and_space_and_changes_no_s
 
 def test_config_checks_the_ids_keys(tiny_schema):
     base = ["debug=tiny"]
-    for override, match in [("+sparse.ids.t_user_id.policy=lsh", "sparse.ids.t_user_id.policy"),
-                            ("+sparse.ids.t_user_id.eviction=fifo", "sparse.ids.t_user_id.eviction"),
-                            ("+sparse.ids.t_user_id.raw_space=0", "sparse.ids.t_user_id.raw_space"),
-                            ("+sparse.ids.t_user_id.eviction_interval=0", "sparse.ids.t_user_id.eviction_interval"),
-                            ("+sparse.ids.t_user_id.size=3", "sparse.ids.t_user_id.size")]:
+    for override, match in [
+        ("+sparse.ids.t_user_id.policy=lsh", "sparse.ids.t_user_id.policy"),
+        ("+sparse.ids.t_user_id.eviction=fifo", "sparse.ids.t_user_id.eviction"),
+        ("+sparse.ids.t_user_id.raw_space=0", "sparse.ids.t_user_id.raw_space"),
+        ("+sparse.ids.t_user_id.eviction_interval=0", "sparse.ids.t_user_id.eviction_interval"),
+        ("+sparse.ids.t_user_id.size=3", "sparse.ids.t_user_id.size"),
+    ]:
         with pytest.raises(ConfigError, match=match):
             validate(compose([*base, override]))
     tables = build_tables(tiny_schema, 8, 0.05)
@@ -176,16 +183,28 @@ def test_mapping_state_is_in_the_state_dict_and_loads_exactly(tiny_schema):
     a = SparseArch.from_config(tiny_schema, 8, backend="native", ids=ids)
     a.init_weights()
     g = torch.Generator().manual_seed(0)
-    batches = [_kjt({"user_id": [[int(i)] for i in torch.randint(0, 2**60, (6,), generator=g)],
-                     "ad_id": [[int(i)] for i in torch.randint(0, 200, (6,), generator=g)],
-                     "ad_cluster": [[0]] * 6, "user_interests": [[1]] * 6}) for _ in range(30)]
+    batches = [
+        _kjt(
+            {
+                "user_id": [[int(i)] for i in torch.randint(0, 2**60, (6,), generator=g)],
+                "ad_id": [[int(i)] for i in torch.randint(0, 200, (6,), generator=g)],
+                "ad_cluster": [[0]] * 6,
+                "user_interests": [[1]] * 6,
+            }
+        )
+        for _ in range(30)
+    ]
     seq = _kjt({f: [[]] * 6 for f in tiny_schema.sequence_feature_names})
     for b in batches[:20]:
         a(b, seq, {"hist": 0})
     keys = [k for k in a.state_dict() if k.startswith("ids.")]
-    assert {"ids.mch.t_user_id._mch_sorted_raw_ids", "ids.mch.t_user_id._mch_remapped_ids_mapping",
-            "ids.mch.t_user_id._mch_last_access_iter", "ids.mch.t_ad_id._mch_counts",
-            "ids.mch.t_ad_id._current_iter_tensor"} <= set(keys)
+    assert {
+        "ids.mch.t_user_id._mch_sorted_raw_ids",
+        "ids.mch.t_user_id._mch_remapped_ids_mapping",
+        "ids.mch.t_user_id._mch_last_access_iter",
+        "ids.mch.t_ad_id._mch_counts",
+        "ids.mch.t_ad_id._current_iter_tensor",
+    } <= set(keys)
     b = SparseArch.from_config(tiny_schema, 8, backend="native", ids=ids)
     b.load_state_dict(a.state_dict())
     for batch in batches[20:]:  # both go on from the same state: the same rows, the same evictions
@@ -200,8 +219,11 @@ def test_two_sharded_ranks_match_one_process_with_mapped_ids(tiny_dataset, tmp_p
     """TorchRec-sharded tables on 2 gloo ranks, FSDP2 dense, mch (LRU and LFU with evictions) and hash
     tables: the same losses as one process on the global batches, the same mapping state."""
     out = tmp_path / "ids.json"
-    proc = torchrun(["tests/ids_worker.py", "--data", str(tiny_dataset), "--out", str(out), "--plan", plan,
-                     "--batch", "16"], 2, timeout=180)
+    proc = torchrun(
+        ["tests/ids_worker.py", "--data", str(tiny_dataset), "--out", str(out), "--plan", plan, "--batch", "16"],
+        2,
+        timeout=180,
+    )
     assert proc.returncode == 0, _errors(proc.stderr)
     got = json.loads(out.read_text())
     expected = run_ids_case(Path(tiny_dataset), 32, 1, None)
@@ -215,11 +237,20 @@ def test_two_sharded_ranks_match_one_process_with_mapped_ids(tiny_dataset, tmp_p
 
 # ------------------------------------------------------------------------------------ checkpoints
 
-IDS_RUN = ["debug=tiny", "trainer.deterministic=true", "trainer.log_every=1", "trainer.progress_bar=false",
-           "checkpoint.enabled=true", "checkpoint.every_steps=5", "checkpoint.keep_last=0",
-           "+sparse.ids.t_user_id.policy=mch", "+sparse.ids.t_hist_item.policy=mch",
-           "+sparse.ids.t_hist_item.eviction=lfu", "+sparse.ids.t_hist_item.eviction_interval=5",
-           "+sparse.ids.t_ad_id.policy=hash"]
+IDS_RUN = [
+    "debug=tiny",
+    "trainer.deterministic=true",
+    "trainer.log_every=1",
+    "trainer.progress_bar=false",
+    "checkpoint.enabled=true",
+    "checkpoint.every_steps=5",
+    "checkpoint.keep_last=0",
+    "+sparse.ids.t_user_id.policy=mch",
+    "+sparse.ids.t_hist_item.policy=mch",
+    "+sparse.ids.t_hist_item.eviction=lfu",
+    "+sparse.ids.t_hist_item.eviction_interval=5",
+    "+sparse.ids.t_ad_id.policy=hash",
+]
 
 
 def _run(cache_dir, run_dir, *extra) -> list[str]:
@@ -305,8 +336,15 @@ def test_the_mapping_survives_resharding_two_ranks_into_one(cache_dir, tmp_path)
         schema, _ = load_data(config, env)
         model = build_model(config, schema, env)
         dense_opt, sparse_opt, scheduler = build_optimizers(model, config.optim, total_steps=20)
-        ckpt = Checkpointer(config.checkpoint, tmp_path / "one" / "checkpoints", model, dense_opt, sparse_opt,
-                            scheduler, OmegaConf.to_yaml(OmegaConf.structured(config)))
+        ckpt = Checkpointer(
+            config.checkpoint,
+            tmp_path / "one" / "checkpoints",
+            model,
+            dense_opt,
+            sparse_opt,
+            scheduler,
+            OmegaConf.to_yaml(OmegaConf.structured(config)),
+        )
         assert ckpt.restore().step == 10
         loaded = {f"model.sparse.ids.{k}": v for k, v in sparse_module(model).ids.state_dict().items()}
         assert loaded.keys() == saved.keys()
@@ -317,8 +355,11 @@ def test_the_mapping_survives_resharding_two_ranks_into_one(cache_dir, tmp_path)
     train(compose(_run(cache_dir, tmp_path / "run", f"checkpoint.load_from={source}", "data.batch_size=128")))
     rows = _train_rows(tmp_path / "run")
     assert sorted(rows) == list(range(11, 21))
-    assert rows[20]["ids/t_user_id/occupied"] >= int((saved["model.sparse.ids.mch.t_user_id._mch_sorted_raw_ids"]
-                                                      != torch.iinfo(torch.int64).max).sum()) > 0
+    assert (
+        rows[20]["ids/t_user_id/occupied"]
+        >= int((saved["model.sparse.ids.mch.t_user_id._mch_sorted_raw_ids"] != torch.iinfo(torch.int64).max).sum())
+        > 0
+    )
 
 
 def test_training_on_an_id_above_the_raw_space_stops_naming_it_and_keeps_the_checkpoints(cache_dir, ids_run, tmp_path):
@@ -331,7 +372,9 @@ def test_training_on_an_id_above_the_raw_space_stops_naming_it_and_keeps_the_che
 
     shutil.copytree(ids_run / "checkpoints", tmp_path / "run" / "checkpoints")
     before = {p.name: sorted(f.name for f in p.iterdir()) for p in list_checkpoints(tmp_path / "run" / "checkpoints")}
-    with pytest.raises(IdOutOfRangeError, match=r"feature 'user_id': id \d+ is outside its declared raw space \[0, 3\)"):
+    with pytest.raises(
+        IdOutOfRangeError, match=r"feature 'user_id': id \d+ is outside its declared raw space \[0, 3\)"
+    ):
         train(compose(_run(cache_dir, tmp_path / "run", "trainer.max_steps=25", "+sparse.ids.t_user_id.raw_space=3")))
     after = {p.name: sorted(f.name for f in p.iterdir()) for p in list_checkpoints(tmp_path / "run" / "checkpoints")}
     assert after == before

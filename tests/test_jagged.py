@@ -1,8 +1,19 @@
 import pytest
 import torch
 
-from kernels.jagged import (check_offsets, jagged_first, jagged_last, jagged_mean, jagged_positions, jagged_prepend,
-                            jagged_to_padded, lengths_to_offsets, offsets_to_lengths, padded_to_jagged, segment_ids)
+from kernels.jagged import (
+    check_offsets,
+    jagged_first,
+    jagged_last,
+    jagged_mean,
+    jagged_positions,
+    jagged_prepend,
+    jagged_to_padded,
+    lengths_to_offsets,
+    offsets_to_lengths,
+    padded_to_jagged,
+    segment_ids,
+)
 
 LENGTHS = [[3, 0, 1, 5], [0], [0, 0], [2], [1, 4, 0, 0, 7]]
 
@@ -24,7 +35,7 @@ def test_mean_and_padding_match_a_loop(lengths):
     mean = jagged_mean(values, offsets)
     padded = jagged_to_padded(values, offsets, max_len=8)
     for i, n in enumerate(lengths):
-        seq = values[offsets[i]: offsets[i + 1]]
+        seq = values[offsets[i] : offsets[i + 1]]
         expected = seq.mean(0) if n else torch.zeros(3)
         torch.testing.assert_close(mean[i], expected)
         torch.testing.assert_close(padded[i, :n], seq)

@@ -27,8 +27,20 @@ def _all_rows(tiny_dataset, tiny_schema):
 def test_ranks_and_workers_partition_every_row_once(tiny_dataset, tiny_schema, num_workers):
     files = split_files(tiny_dataset, "train")  # 700 rows in files of 300
     world = 3
-    loaders = [build_loader(files, tiny_schema, 32, shuffle=True, seed=5, rank=r, world_size=world,
-                            num_workers=num_workers, options={"window_batches": 2}) for r in range(world)]
+    loaders = [
+        build_loader(
+            files,
+            tiny_schema,
+            32,
+            shuffle=True,
+            seed=5,
+            rank=r,
+            world_size=world,
+            num_workers=num_workers,
+            options={"window_batches": 2},
+        )
+        for r in range(world)
+    ]
     per_rank = [list(loader) for loader in loaders]
     keys = [k for batches in per_rank for k in _keys(batches)]
     assert sorted(keys) == _all_rows(tiny_dataset, tiny_schema), "no overlap, no loss"
@@ -55,8 +67,12 @@ def test_shuffle_is_seeded_per_epoch_and_permutes(tiny_dataset, tiny_schema):
 @pytest.mark.parametrize("num_workers, stop", [(0, 5), (2, 3), (2, 8)])
 def test_resume_continues_exactly_where_it_stopped(tiny_dataset, tiny_schema, num_workers, stop):
     files = split_files(tiny_dataset, "train")
-    make = lambda: build_loader(files, tiny_schema, 40, shuffle=True, seed=3, num_workers=num_workers,  # noqa: E731
-                                options={"window_batches": 3})
+
+    def make():
+        return build_loader(
+            files, tiny_schema, 40, shuffle=True, seed=3, num_workers=num_workers, options={"window_batches": 3}
+        )
+
     full = make()
     full.set_epoch(2)
     expected = _keys(full)
@@ -98,8 +114,17 @@ def test_deal_by_length_balances_and_keeps_every_row():
 def _rank_step_tokens(files, schema, balance, world=4, batch_size=64):
     per_rank = []
     for r in range(world):
-        loader = build_loader(files, schema, batch_size, shuffle=True, seed=0, drop_last=True, rank=r,
-                              world_size=world, options={"balance": balance, "window_batches": 8})
+        loader = build_loader(
+            files,
+            schema,
+            batch_size,
+            shuffle=True,
+            seed=0,
+            drop_last=True,
+            rank=r,
+            world_size=world,
+            options={"balance": balance, "window_batches": 8},
+        )
         per_rank.append([int(b.sequences["hist_item"].lengths().sum()) for b in loader])
     steps = min(map(len, per_rank))
     return np.array([t[:steps] for t in per_rank]).T  # [steps, ranks]
@@ -127,8 +152,18 @@ IDS = pa.list_(pa.int64())
 ROW_CASES = [
     ("id_out_of_range", "user_id", pa.array([[1], [2], [-1], [3], [4], [5]], IDS), 2),
     ("id_out_of_range", "ad_id", pa.array([[1], [2], [3], [80], [4], [5]], IDS), 3),
-    ("non_finite_dense", "dense", pa.array([[0, 0, 0]] * 3 + [[0, float("nan"), 0]] + [[0, 0, 0]] * 2, pa.list_(pa.float32())), 3),
-    ("non_finite_dense", "dense", pa.array([[0, 0, 0]] + [[float("inf"), 0, 0]] + [[0, 0, 0]] * 4, pa.list_(pa.float32())), 1),
+    (
+        "non_finite_dense",
+        "dense",
+        pa.array([[0, 0, 0]] * 3 + [[0, float("nan"), 0]] + [[0, 0, 0]] * 2, pa.list_(pa.float32())),
+        3,
+    ),
+    (
+        "non_finite_dense",
+        "dense",
+        pa.array([[0, 0, 0]] + [[float("inf"), 0, 0]] + [[0, 0, 0]] * 4, pa.list_(pa.float32())),
+        1,
+    ),
     ("dense_length", "dense", pa.array([[0, 0, 0]] * 5 + [[0, 0]], pa.list_(pa.float32())), 5),
     ("label_out_of_range", "label_click", pa.array([0, 1, 1.5, 0, 0, 1], pa.float32()), 2),
     ("label_out_of_range", "label_click", pa.array([0, -0.5, 1, 0, 0, 1], pa.float32()), 1),
@@ -138,8 +173,9 @@ ROW_CASES = [
 
 
 @pytest.mark.parametrize("case, column, values, row", ROW_CASES)
-def test_bad_rows_fail_naming_file_row_and_column_or_are_skipped_and_counted(tmp_path, tiny_schema, case, column,
-                                                                             values, row):
+def test_bad_rows_fail_naming_file_row_and_column_or_are_skipped_and_counted(
+    tmp_path, tiny_schema, case, column, values, row
+):
     path = _write(tmp_path, tiny_schema, column, values)
     with pytest.raises(ValueError, match=rf"bad.parquet, row {row}: column '{column}'.*on_error.{case}=skip"):
         list(build_loader([path], tiny_schema, 4))
@@ -148,10 +184,11 @@ def test_bad_rows_fail_naming_file_row_and_column_or_are_skipped_and_counted(tmp
     assert sum(b.batch_size for b in batches) == 5
     assert loader.stats["skipped_rows"] == 1 and loader.stats[f"skipped/{case}"] == 1 and loader.stats["rows"] == 5
     if column != "dense":  # dense values identify the rows: exactly the bad one is gone
-        (whole,) = build_loader([_write(tmp_path, tiny_schema, name="good.parquet")], tiny_schema, 6,
-                                options={"balance": False})
+        (whole,) = build_loader(
+            [_write(tmp_path, tiny_schema, name="good.parquet")], tiny_schema, 6, options={"balance": False}
+        )
         file_order = _keys([whole])
-        assert sorted(_keys(batches)) == sorted(file_order[:row] + file_order[row + 1:])
+        assert sorted(_keys(batches)) == sorted(file_order[:row] + file_order[row + 1 :])
 
 
 def test_corrupt_and_truncated_files(tmp_path, tiny_schema):
@@ -162,8 +199,12 @@ def test_corrupt_and_truncated_files(tmp_path, tiny_schema):
     for name in ("corrupt.parquet", "truncated.parquet"):
         with pytest.raises(ValueError, match=f"{name}: .*not a readable Parquet file.*unreadable_file=skip"):
             build_loader([good, tmp_path / name], tiny_schema, 8)
-    loader = build_loader([tmp_path / "corrupt.parquet", good, tmp_path / "truncated.parquet"], tiny_schema, 8,
-                          options={"on_error": {"default": "skip"}})
+    loader = build_loader(
+        [tmp_path / "corrupt.parquet", good, tmp_path / "truncated.parquet"],
+        tiny_schema,
+        8,
+        options={"on_error": {"default": "skip"}},
+    )
     assert sum(b.batch_size for b in loader) == 40
     assert loader.stats["skipped_files"] == 2 and loader.stats["skipped/unreadable_file"] == 2
 
@@ -189,8 +230,12 @@ def test_schema_mismatch_and_missing_column(tmp_path, tiny_schema):
         build_loader([tmp_path / "missing.parquet"], tiny_schema, 4)
     with pytest.raises(ValueError, match="mismatch.parquet: column 'domain': has Arrow type string.*schema_mismatch"):
         build_loader([tmp_path / "mismatch.parquet"], tiny_schema, 4)
-    loader = build_loader([tmp_path / "missing.parquet", good, tmp_path / "mismatch.parquet"], tiny_schema, 4,
-                          options={"on_error": {"missing_column": "skip", "schema_mismatch": "skip"}})
+    loader = build_loader(
+        [tmp_path / "missing.parquet", good, tmp_path / "mismatch.parquet"],
+        tiny_schema,
+        4,
+        options={"on_error": {"missing_column": "skip", "schema_mismatch": "skip"}},
+    )
     assert sum(b.batch_size for b in loader) == 10
     assert loader.stats["skipped/missing_column"] == 1 and loader.stats["skipped/schema_mismatch"] == 1
     with pytest.raises(ValueError, match="data.loader.on_error.typo: unknown case"):
@@ -261,18 +306,26 @@ def test_validator_reports_every_violation_with_row_and_column(tmp_path, tiny_sc
     from gem.data.format.validate import main, validate_file
 
     table = generate(tiny_schema, 8, seed=0)
-    table = table.set_column(table.schema.get_field_index("user_id"), "user_id",
-                             pa.array([[1], [-4], [2], [3], [99], [5], [6], [7]], IDS))
-    table = table.set_column(table.schema.get_field_index("label_click"), "label_click",
-                             pa.array([0, 1, 0, 2, 0, 0, 0, float("nan")], pa.float32()))
+    table = table.set_column(
+        table.schema.get_field_index("user_id"), "user_id", pa.array([[1], [-4], [2], [3], [99], [5], [6], [7]], IDS)
+    )
+    table = table.set_column(
+        table.schema.get_field_index("label_click"),
+        "label_click",
+        pa.array([0, 1, 0, 2, 0, 0, 0, float("nan")], pa.float32()),
+    )
     dense = [[0.0, 0.0, 0.0]] * 8
     dense[4] = [float("inf"), 0.0, 0.0]
     table = table.set_column(table.schema.get_field_index("dense"), "dense", pa.array(dense, pa.list_(pa.float32())))
     write_parquet(table, tmp_path / "bad.parquet", tiny_schema, row_group_size=3)
     found = [(v.row, v.column, v.case) for v in validate_file(tmp_path / "bad.parquet")]
-    assert found == [(1, "user_id", "id_out_of_range"), (3, "label_click", "label_out_of_range"),
-                     (4, "dense", "non_finite_dense"), (4, "user_id", "id_out_of_range"),
-                     (7, "label_click", "label_out_of_range")]
+    assert found == [
+        (1, "user_id", "id_out_of_range"),
+        (3, "label_click", "label_out_of_range"),
+        (4, "dense", "non_finite_dense"),
+        (4, "user_id", "id_out_of_range"),
+        (7, "label_click", "label_out_of_range"),
+    ]
     assert main([str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "bad.parquet: row 4, column 'dense': NaN or inf" in out and out.count("\n") == 5

@@ -28,8 +28,20 @@ def _rank_main(rank: int, world_size: int, port: int, data_dir: str, out_dir: st
     try:
         schema = FeatureSchema.from_config(TINY_SCHEMA)
         files = split_files(data_dir, "train")
-        make = lambda: build_loader(files, schema, 32, shuffle=True, seed=7, drop_last=True,  # noqa: E731
-                                    rank=dist.get_rank(), world_size=dist.get_world_size(), num_workers=1)
+
+        def make():
+            return build_loader(
+                files,
+                schema,
+                32,
+                shuffle=True,
+                seed=7,
+                drop_last=True,
+                rank=dist.get_rank(),
+                world_size=dist.get_world_size(),
+                num_workers=1,
+            )
+
         loader = make()
         keys, steps = [], 0
         for batch in loader:

@@ -52,10 +52,16 @@ def test_masked_loss_ignores_unobserved_labels():
 
 def test_evaluator_uses_only_observed_examples():
     ev = TaskEvaluator(("click", "conversion"))
-    ev.update(torch.tensor([[2.0, 9.0], [-2.0, -9.0]]), torch.tensor([[1.0, 0.0], [0.0, 1.0]]),
-              torch.tensor([[True, False], [True, False]]))
-    ev.update(torch.tensor([[1.0, 1.0], [-1.0, -1.0]]), torch.tensor([[1.0, 1.0], [0.0, 0.0]]),
-              torch.tensor([[True, True], [True, True]]))
+    ev.update(
+        torch.tensor([[2.0, 9.0], [-2.0, -9.0]]),
+        torch.tensor([[1.0, 0.0], [0.0, 1.0]]),
+        torch.tensor([[True, False], [True, False]]),
+    )
+    ev.update(
+        torch.tensor([[1.0, 1.0], [-1.0, -1.0]]),
+        torch.tensor([[1.0, 1.0], [0.0, 0.0]]),
+        torch.tensor([[True, True], [True, True]]),
+    )
     out = ev.compute()
     assert out["click/auc"] == 1.0 and out["click/count"] == 4
     assert out["conversion/auc"] == 1.0 and out["conversion/count"] == 2

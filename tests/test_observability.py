@@ -56,8 +56,6 @@ import os  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
-import torch.distributed as dist  # noqa: E402
-
 from gem.train.config import ConfigError, validate  # noqa: E402
 from gem.train.logging import plot_curves  # noqa: E402
 from gem.train.trainer import train  # noqa: E402
@@ -78,15 +76,26 @@ def test_tensorboard_scalars_and_curves_beside_the_jsonl(cache_dir, tmp_path):
     pytest.importorskip("matplotlib")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    train(_tiny(cache_dir, tmp_path, "sparse=native", "trainer.max_steps=6", "trainer.log_every=2",
-                "trainer.eval_every=3", "trainer.loggers=[jsonl,tensorboard]"))
+    train(
+        _tiny(
+            cache_dir,
+            tmp_path,
+            "sparse=native",
+            "trainer.max_steps=6",
+            "trainer.log_every=2",
+            "trainer.eval_every=3",
+            "trainer.loggers=[jsonl,tensorboard]",
+        )
+    )
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     scalars = events.Tags()["scalars"]
     assert {"train/loss", "train/click/loss", "train/examples_per_s", "val/click/auc", "test/click/auc"} <= set(scalars)
     assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6]
-    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([r["loss"] for r in rows if r["kind"] == "train"])
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(
+        [r["loss"] for r in rows if r["kind"] == "train"]
+    )
     assert 3 in [e.step for e in events.Scalars("val/click/auc")]
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -118,19 +127,36 @@ def test_resume_after_a_kill_during_an_async_save_leaves_one_row_per_step(cache_
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    overrides = ["debug=tiny", f"data.cache_dir={cache_dir}", f"trainer.run_dir={tmp_path}",
-           "trainer.log_every=1", "checkpoint.enabled=true", "checkpoint.every_steps=5", "checkpoint.async_save=true",
-           "sparse=native", "trainer.loggers=[jsonl,tensorboard]", "trainer.plots=false"]
+    overrides = [
+        "debug=tiny",
+        f"data.cache_dir={cache_dir}",
+        f"trainer.run_dir={tmp_path}",
+        "trainer.log_every=1",
+        "checkpoint.enabled=true",
+        "checkpoint.every_steps=5",
+        "checkpoint.async_save=true",
+        "sparse=native",
+        "trainer.loggers=[jsonl,tensorboard]",
+        "trainer.plots=false",
+    ]
     cmd = [sys.executable, "-m", "gem.train", *overrides]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    killed = subprocess.run([sys.executable, "tests/faults.py", "--kill-at", "11:0", "--", *overrides], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=180)
+    killed = subprocess.run(
+        [sys.executable, "tests/faults.py", "--kill-at", "11:0", "--", *overrides],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert killed.returncode == -9, killed.stderr[-3000:]
     first = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in first if r["kind"] == "train"] == list(range(1, 11))
     resumed = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "step_000000005" in resumed.stderr and "dropped 5 rows after step 5" in resumed.stderr, resumed.stderr[-3000:]
+    assert "step_000000005" in resumed.stderr and "dropped 5 rows after step 5" in resumed.stderr, resumed.stderr[
+        -3000:
+    ]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, 21))
     assert [r["kind"] for r in rows].count("test") == 1
@@ -149,12 +175,25 @@ def test_a_line_cut_short_is_dropped_on_resume(tmp_path):
     from gem.train.logging import MetricsWriter
 
     path = tmp_path / "metrics.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in [{"kind": "startup", "step": 0}, {"kind": "train", "step": 5},
-                                                       {"kind": "val", "step": 5}, {"kind": "train", "step": 6}])
-                    + '\n{"kind": "train", "st')
+    path.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"kind": "startup", "step": 0},
+                {"kind": "train", "step": 5},
+                {"kind": "val", "step": 5},
+                {"kind": "train", "step": 6},
+            ]
+        )
+        + '\n{"kind": "train", "st'
+    )
     MetricsWriter(path, append=True, resume_step=5).write("train", 6, {"loss": 1.0})
     assert [(r["kind"], r["step"]) for r in map(json.loads, path.read_text().splitlines())] == [
-        ("startup", 0), ("train", 5), ("val", 5), ("train", 6)]
+        ("startup", 0),
+        ("train", 5),
+        ("val", 5),
+        ("train", 6),
+    ]
 
 
 # ------------------------------------------------------------------------------- error reporting
@@ -162,7 +201,9 @@ def test_a_line_cut_short_is_dropped_on_resume(tmp_path):
 
 def _main(*overrides, cwd, full_error=False, train=None):
     """``python -m gem.train overrides``; ``train``: the body of a ``train(cfg)`` to run instead of gem's."""
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | ({"HYDRA_FULL_ERROR": "1"} if full_error else {})
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | (
+        {"HYDRA_FULL_ERROR": "1"} if full_error else {}
+    )
     cmd = [sys.executable, "-m", "gem.train", *overrides]
     if train is not None:
         code = f"import sys, gem.train.__main__ as m\ndef train(cfg):\n    {train}\nm.train = train\nm.main()"
@@ -190,14 +231,19 @@ def test_a_data_or_checkpoint_error_is_one_line_too(tmp_path):
     args = ("data=parquet", f"data.dir={empty}", f"trainer.run_dir={tmp_path / 'a'}")
     proc = _main(*args, cwd=tmp_path)
     assert proc.returncode == 1
-    assert _lines(proc.stderr) == [f"Error in the data: data.dir='{empty}' has no train/ folder: a gem data set holds "
-                                   f"train/, val/ and test/ folders of *.parquet files, and this folder holds nothing; "
-                                   f"write each split's Parquet files (gem layout, docs/data.md) into {empty}/train/, "
-                                   f"{empty}/val/, {empty}/test/"], proc.stderr
+    assert _lines(proc.stderr) == [
+        f"Error in the data: data.dir='{empty}' has no train/ folder: a gem data set holds "
+        f"train/, val/ and test/ folders of *.parquet files, and this folder holds nothing; "
+        f"write each split's Parquet files (gem layout, docs/data.md) into {empty}/train/, "
+        f"{empty}/val/, {empty}/test/"
+    ], proc.stderr
     proc = _main(*args, cwd=tmp_path, full_error=True)
     assert proc.returncode == 1 and "Traceback" in proc.stderr and "MissingDataError" in proc.stderr, proc.stderr
-    proc = _main(f"trainer.run_dir={tmp_path / 'b'}", cwd=tmp_path,
-                 train="from gem.train.checkpoint import CheckpointError; raise CheckpointError('step_5: truncated')")
+    proc = _main(
+        f"trainer.run_dir={tmp_path / 'b'}",
+        cwd=tmp_path,
+        train="from gem.train.checkpoint import CheckpointError; raise CheckpointError('step_5: truncated')",
+    )
     assert proc.returncode == 1 and _lines(proc.stderr) == ["Error in the checkpoint: step_5: truncated"], proc.stderr
 
 
@@ -240,5 +286,8 @@ def test_an_empty_validation_split_is_skipped_with_a_warning_and_an_empty_test_s
     for split, source in (("train", "train"), ("val", "test"), ("test", "val")):
         shutil.copytree(data.dir / source, swapped / split)
     with pytest.raises(ValueError, match="the test split .* has no examples"):
-        train(_tiny(cache_dir, tmp_path / "run2", "data=parquet", f"data.dir={swapped}", "data.schema={}",
-                    "sparse=native"))
+        train(
+            _tiny(
+                cache_dir, tmp_path / "run2", "data=parquet", f"data.dir={swapped}", "data.schema={}", "sparse=native"
+            )
+        )

@@ -93,12 +93,36 @@ def _write_with(tmp_path, tiny_schema, column, values):
 @pytest.mark.parametrize(
     "column, values, match",
     [
-        ("user_id", pa.array([[1], [2], [-1], [3], [4], [5]], pa.list_(pa.int64())), "bad.parquet, row 2: column 'user_id': an id outside \\[0, 50\\).*the row holds \\[-1\\]"),
-        ("ad_id", pa.array([[1], [2], [3], [80], [4], [5]], pa.list_(pa.int64())), "row 3: column 'ad_id': an id outside \\[0, 80\\).*cardinality.*the row holds \\[80\\]"),
-        ("label_click", pa.array([0, 1, 1.5, 0, 0, 1], pa.float32()), "row 2: column 'label_click': outside \\[0, 1\\].*the row holds 1.5"),
-        ("dense", pa.array([[0, 0, 0]] * 3 + [[0, float("nan"), 0]] + [[0, 0, 0]] * 2, pa.list_(pa.float32())), "row 3: column 'dense': NaN or inf.*the row holds \\[0.0, nan, 0.0\\]"),
-        ("dense", pa.array([[0, 0, 0]] * 5 + [[0, 0]], pa.list_(pa.float32())), "row 5: column 'dense': not exactly data.schema.num_dense=3 values.*the row holds \\[0.0, 0.0\\]"),
-        ("domain", pa.array([0, 1, 2, 0, 0, 0], pa.int64()), "row 2: column 'domain': outside \\[0, data.schema.num_domains=2\\).*the row holds 2"),
+        (
+            "user_id",
+            pa.array([[1], [2], [-1], [3], [4], [5]], pa.list_(pa.int64())),
+            "bad.parquet, row 2: column 'user_id': an id outside \\[0, 50\\).*the row holds \\[-1\\]",
+        ),
+        (
+            "ad_id",
+            pa.array([[1], [2], [3], [80], [4], [5]], pa.list_(pa.int64())),
+            "row 3: column 'ad_id': an id outside \\[0, 80\\).*cardinality.*the row holds \\[80\\]",
+        ),
+        (
+            "label_click",
+            pa.array([0, 1, 1.5, 0, 0, 1], pa.float32()),
+            "row 2: column 'label_click': outside \\[0, 1\\].*the row holds 1.5",
+        ),
+        (
+            "dense",
+            pa.array([[0, 0, 0]] * 3 + [[0, float("nan"), 0]] + [[0, 0, 0]] * 2, pa.list_(pa.float32())),
+            "row 3: column 'dense': NaN or inf.*the row holds \\[0.0, nan, 0.0\\]",
+        ),
+        (
+            "dense",
+            pa.array([[0, 0, 0]] * 5 + [[0, 0]], pa.list_(pa.float32())),
+            "row 5: column 'dense': not exactly data.schema.num_dense=3 values.*the row holds \\[0.0, 0.0\\]",
+        ),
+        (
+            "domain",
+            pa.array([0, 1, 2, 0, 0, 0], pa.int64()),
+            "row 2: column 'domain': outside \\[0, data.schema.num_domains=2\\).*the row holds 2",
+        ),
     ],
 )
 def test_bad_values_name_the_column_and_the_fix(tmp_path, tiny_schema, column, values, match):
@@ -117,7 +141,9 @@ def test_bad_files_and_folders(tmp_path, tiny_schema):
         _read_all([tmp_path / "old.parquet"], tiny_schema, 4)
     unequal = generate(tiny_schema, 3, seed=0)
     idx = unequal.schema.get_field_index("hist_action")
-    unequal = unequal.set_column(idx, "hist_action", pa.array([[1, 2, 3, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]] * 3, pa.list_(pa.int64())))
+    unequal = unequal.set_column(
+        idx, "hist_action", pa.array([[1, 2, 3, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]] * 3, pa.list_(pa.int64()))
+    )
     pq.write_table(unequal, tmp_path / "unequal.parquet")
     with pytest.raises(ValueError, match="need equal lengths"):
         _read_all([tmp_path / "unequal.parquet"], tiny_schema, 4)
@@ -128,8 +154,14 @@ def _odd_schema():
     from gem.data.pipeline.schema import FeatureSchema
     from tests.conftest import TINY_SCHEMA
 
-    cfg = {**TINY_SCHEMA, "id_features": [dict(f, cardinality=90) if f["name"] == "ad_id" else dict(f)
-                                          for f in TINY_SCHEMA["id_features"] if f["name"] != "ad_cluster"]}
+    cfg = {
+        **TINY_SCHEMA,
+        "id_features": [
+            dict(f, cardinality=90) if f["name"] == "ad_id" else dict(f)
+            for f in TINY_SCHEMA["id_features"]
+            if f["name"] != "ad_cluster"
+        ],
+    }
     return FeatureSchema.from_config(cfg)
 
 
@@ -142,11 +174,14 @@ def test_files_written_with_different_schemas_fail_naming_both_files_and_the_fea
     odd = _odd_schema()
     for i in range(3):
         write_parquet(generate(tiny_schema, 8, seed=i), tmp_path / "train" / f"part-{i}.parquet", tiny_schema)
-    write_parquet(generate(tiny_schema, 8, seed=9).drop_columns(["ad_cluster"]), tmp_path / "train" / "a-odd.parquet",
-                  odd)  # sorts first
+    write_parquet(
+        generate(tiny_schema, 8, seed=9).drop_columns(["ad_cluster"]), tmp_path / "train" / "a-odd.parquet", odd
+    )  # sorts first
     files = split_files(tmp_path, "train")
-    both = r"a-odd.parquet and .*part-\d.parquet carry different gem.schema metadata \(feature 'ad_id' has cardinality " \
-           r"90 in train/a-odd.parquet, 80 in train/part-\d.parquet; feature 'ad_cluster' is absent in"
+    both = (
+        r"a-odd.parquet and .*part-\d.parquet carry different gem.schema metadata \(feature 'ad_id' has cardinality "
+        r"90 in train/a-odd.parquet, 80 in train/part-\d.parquet; feature 'ad_cluster' is absent in"
+    )
     with pytest.raises(ValueError, match=both + r".*rewrite the odd file.*1 of 4 files differ from the other 3"):
         schema_from_files(files)
     with pytest.raises(ValueError, match=both):
@@ -167,21 +202,30 @@ def test_files_written_with_different_schemas_fail_naming_both_files_and_the_fea
 
 def test_a_data_dir_without_split_folders_says_what_was_expected_and_found(tmp_path, tiny_schema):
     """Issue #27.9: '.../train does not exist', and an empty-folder hint about the synthetic generator."""
-    with pytest.raises(FileNotFoundError, match="data.dir='.*nope' does not exist; set data.dir to a gem data set: "
-                                                "a folder with train/, val/ and test/ folders of \\*.parquet files"):
+    with pytest.raises(
+        FileNotFoundError,
+        match="data.dir='.*nope' does not exist; set data.dir to a gem data set: "
+        "a folder with train/, val/ and test/ folders of \\*.parquet files",
+    ):
         split_files(tmp_path / "nope", "train")
     write_parquet(generate(tiny_schema, 4, seed=0), tmp_path / "flat" / "part-0.parquet", tiny_schema)
     (tmp_path / "flat" / "notes").mkdir()
-    with pytest.raises(FileNotFoundError, match=r"has no train/ folder: a gem data set holds train/, val/ and test/ "
-                                                r"folders of \*.parquet files, and this folder holds the folders "
-                                                r"\['notes/'\], 1 \*.parquet file; move its \*.parquet files into "
-                                                r".*flat/train/ and hold some out in .*flat/val/ and .*flat/test/"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"has no train/ folder: a gem data set holds train/, val/ and test/ "
+        r"folders of \*.parquet files, and this folder holds the folders "
+        r"\['notes/'\], 1 \*.parquet file; move its \*.parquet files into "
+        r".*flat/train/ and hold some out in .*flat/val/ and .*flat/test/",
+    ):
         split_files(tmp_path / "flat", "train")
     (tmp_path / "sets" / "ads" / "train").mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match="looks like a folder of data sets: set data.dir='.*sets/ads'"):
         split_files(tmp_path / "sets", "train")
     (tmp_path / "sets" / "ads" / "train" / "rows.csv").write_text("a,b\n")
-    with pytest.raises(FileNotFoundError, match=r"ads/train holds no \*.parquet files \(it holds 1 \*.csv file\); put "
-                                                r"the train split's Parquet files there") as e:
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"ads/train holds no \*.parquet files \(it holds 1 \*.csv file\); put "
+        r"the train split's Parquet files there",
+    ) as e:
         split_files(tmp_path / "sets" / "ads", "train")
     assert "synthetic" not in str(e.value) and "generate" not in str(e.value)

@@ -33,13 +33,26 @@ def test_the_trainer_uses_the_placement_of_a_plan_file(tmp_path):
     config = check(compose(["debug=tiny"]))
     from gem.data.pipeline.schema import FeatureSchema
 
-    arch = SparseArch.from_config(FeatureSchema.from_config(config.data.schema), config.sparse.embedding_dim,
-                                  device="meta")
+    arch = SparseArch.from_config(
+        FeatureSchema.from_config(config.data.schema), config.sparse.embedding_dim, device="meta"
+    )
     expected = format_plan(load_plan_file(str(path), arch, 2, 2, "cpu"), arch, 2)
     run_dir = tmp_path / "run"
-    proc = torchrun(["-m", "gem.train", "debug=tiny", f"trainer.run_dir={run_dir}", f"data.cache_dir={tmp_path}",
-                     "trainer.device=cpu", f"sparse.plan_file={path}", "trainer.max_steps=4", "trainer.log_every=2",
-                     "trainer.plots=false"], nproc=2)
+    proc = torchrun(
+        [
+            "-m",
+            "gem.train",
+            "debug=tiny",
+            f"trainer.run_dir={run_dir}",
+            f"data.cache_dir={tmp_path}",
+            "trainer.device=cpu",
+            f"sparse.plan_file={path}",
+            "trainer.max_steps=4",
+            "trainer.log_every=2",
+            "trainer.plots=false",
+        ],
+        nproc=2,
+    )
     assert proc.returncode == 0, _errors(proc.stderr)
     log = (run_dir / "train.log").read_text()
     assert f"sparse sharding plan (plan file {path}):\n{expected}" in log, log
@@ -52,8 +65,11 @@ def test_a_plan_file_for_another_world_or_model_is_refused(tmp_path):
     plan = _plan("plan.world_size=2", "plan.gpus_per_node=2", "plan.device=cpu")
     path = plan.save(tmp_path / "plan.json")
     arch = SparseArch.from_config(plan.schema, plan.config.sparse.embedding_dim, device="meta")
-    with pytest.raises(ValueError, match=r"the plan is for 2 ranks, this run shards over 4; plan again with "
-                                         r"plan.world_size=4"):
+    with pytest.raises(
+        ValueError,
+        match=r"the plan is for 2 ranks, this run shards over 4; plan again with "
+        r"plan.world_size=4",
+    ):
         load_plan_file(str(path), arch, 4, 4, "cpu")
     wider = SparseArch.from_config(plan.schema, 16, device="meta")
     with pytest.raises(ValueError, match=r"table t_user_id is 2000 x 32 in the plan, 2000 x 16 in this model"):
@@ -77,8 +93,10 @@ def test_a_large_cluster_is_planned_and_grouped_by_rank(tmp_path, capsys):
     png = tmp_path / "scaling.png"  # the scaling table as a plot, beside the plan file
     assert f"scaling plot: {png}" in out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["debug=tiny", "plan.world_size=12"]) == 1
-    assert capsys.readouterr().err.strip() == ("Error in the configuration: plan.world_size=12 is not a whole number "
-                                               "of nodes of plan.gpus_per_node=8; set plan.world_size=8")
+    assert capsys.readouterr().err.strip() == (
+        "Error in the configuration: plan.world_size=12 is not a whole number "
+        "of nodes of plan.gpus_per_node=8; set plan.world_size=8"
+    )
 
 
 def test_over_budget_ranks_are_named_with_the_fix():
@@ -97,10 +115,17 @@ def test_over_budget_ranks_are_named_with_the_fix():
 
 
 def test_table_and_dense_memory_formulas():
-    sharding = {"tables": {
-        "t_a": {"sharding_type": "row_wise", "rows": 10, "dim": 4,
-                "shards": [{"rank": 0, "sizes": [5, 4]}, {"rank": 1, "sizes": [5, 4]}]},
-        "t_b": {"sharding_type": "data_parallel", "rows": 3, "dim": 2, "shards": []}}}
+    sharding = {
+        "tables": {
+            "t_a": {
+                "sharding_type": "row_wise",
+                "rows": 10,
+                "dim": 4,
+                "shards": [{"rank": 0, "sizes": [5, 4]}, {"rank": 1, "sizes": [5, 4]}],
+            },
+            "t_b": {"sharding_type": "data_parallel", "rows": 3, "dim": 2, "shards": []},
+        }
+    }
     rowwise = table_memory(sharding, 2, "rowwise_adagrad")
     assert rowwise["tables"].tolist() == [4 * 20 + 4 * 6] * 2
     assert rowwise["table optimizer"].tolist() == [4 * 5 + 4 * 3] * 2  # one float per row (of each shard)
@@ -125,8 +150,14 @@ def test_the_step_time_model_scales_down_with_communication():
     assert all(0 < table.efficiency(r) <= 1.0 + 1e-9 for r in table.rows)
     assert rows[4096].examples_per_s > rows[1].examples_per_s
     assert np.isclose(rows[1].parts_ms["dense"], plan.flops_per_step / (989e12 * plan.config.plan.mfu) * 1e3)
-    checkpointed = _plan("model=gem_tiny", "parallelism=hsdp", "data.batch_size=1024", "plan.world_size=64",
-                         "parallelism.activation_checkpointing=true", "plan.activations=none")
+    checkpointed = _plan(
+        "model=gem_tiny",
+        "parallelism=hsdp",
+        "data.batch_size=1024",
+        "plan.world_size=64",
+        "parallelism.activation_checkpointing=true",
+        "plan.activations=none",
+    )
     recompute = 1 + plan.forward_flops / plan.flops_per_step  # the forward runs again in backward
     assert np.isclose(step_time_table(checkpointed).rows[0].parts_ms["dense"], rows[1].parts_ms["dense"] * recompute)
     assert GiB == 2**30
@@ -148,8 +179,9 @@ def test_the_step_time_defaults_are_the_h200_calibration_and_predict_the_other_r
 
 
 def test_a_parquet_data_set_gives_its_schema_and_history_lengths(tiny_dataset):
-    plan = _plan("data=parquet", f"data.dir={tiny_dataset}", "plan.world_size=4", "plan.gpus_per_node=4",
-                 "plan.activations=none")
+    plan = _plan(
+        "data=parquet", f"data.dir={tiny_dataset}", "plan.world_size=4", "plan.gpus_per_node=4", "plan.activations=none"
+    )
     assert plan.lengths.source.endswith(f"{tiny_dataset / 'train'}") and plan.schema.cardinality("ad_id") == 80
     assert 0 < plan.lengths.mean("hist") <= 12  # the tiny data set's max_len
 

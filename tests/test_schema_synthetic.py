@@ -60,8 +60,12 @@ def test_generator_has_power_law_popularity_and_a_signal(tiny_schema):
     # The hidden signal: ads from the user's home cluster (ad_cluster == first interest), which also
     # fills most of the history, are clicked more.
     t = generate(tiny_schema, 4000, seed=5, cfg=SyntheticConfig(num_clusters=5))
-    home = t["user_interests"].combine_chunks().flatten().to_numpy()[
-        t["user_interests"].combine_chunks().offsets.to_numpy()[:-1]]
+    home = (
+        t["user_interests"]
+        .combine_chunks()
+        .flatten()
+        .to_numpy()[t["user_interests"].combine_chunks().offsets.to_numpy()[:-1]]
+    )
     same = t["ad_cluster"].combine_chunks().flatten().to_numpy() == home
     click = t["label_click"].to_numpy()
     assert click[same].mean() > click[~same].mean() + 0.1

@@ -38,8 +38,11 @@ def _rows(directory, split):
 def test_s3rec_leave_one_out_split_examples_and_negatives(tmp_path):
     sequences = _write_s3rec(tmp_path)
     out = tmp_path / "out"
-    summary = write_seqrec(read_s3rec(tmp_path, "Tiny"), out,
-                           SeqRecOptions(max_len=4, num_negatives=2, num_eval_negatives=9, users_per_file=7))
+    summary = write_seqrec(
+        read_s3rec(tmp_path, "Tiny"),
+        out,
+        SeqRecOptions(max_len=4, num_negatives=2, num_eval_negatives=9, users_per_file=7),
+    )
     schema = schema_from_files(split_files(out, "test"))
     assert schema.cardinality("item_id") == NUM_ITEMS + 1 and schema.group("hist").max_len == 4
     assert {f.name: f.table for f in schema.id_features}["item_id"] == "item" == schema.group("hist").features[0].table
@@ -86,8 +89,16 @@ def test_s3rec_fixed_negatives_and_bad_files(tmp_path):
 @pytest.mark.parametrize("fmt", ["dat", "csv"])
 def test_movielens_tables_order_by_time_and_remap_ids(tmp_path, fmt):
     # user, item, rating, timestamp; user 7's items arrive out of order in the file.
-    rows = [(7, 100, 5, 30), (7, 205, 3, 10), (7, 100, 4, 20), (9, 300, 1, 5), (7, 300, 2, 40),
-            (9, 205, 5, 6), (9, 100, 5, 7), (9, 999, 4, 8)]
+    rows = [
+        (7, 100, 5, 30),
+        (7, 205, 3, 10),
+        (7, 100, 4, 20),
+        (9, 300, 1, 5),
+        (7, 300, 2, 40),
+        (9, 205, 5, 6),
+        (9, 100, 5, 7),
+        (9, 999, 4, 8),
+    ]
     if fmt == "dat":
         text = "\n".join("::".join(map(str, r)) for r in rows)
     else:
@@ -96,14 +107,19 @@ def test_movielens_tables_order_by_time_and_remap_ids(tmp_path, fmt):
     data = read_interactions(tmp_path / f"ratings.{fmt}")
     ids = {100: 1, 205: 2, 300: 3, 999: 4}
     assert data.num_items == 4
-    assert [s.tolist() for s in data.sequences] == [[ids[205], ids[100], ids[100], ids[300]],
-                                                    [ids[300], ids[205], ids[100], ids[999]]]
+    assert [s.tolist() for s in data.sequences] == [
+        [ids[205], ids[100], ids[100], ids[300]],
+        [ids[300], ids[205], ids[100], ids[999]],
+    ]
     high = read_interactions(tmp_path / f"ratings.{fmt}", min_rating=4)  # item 300 drops out: ids 1..3
     assert [s.tolist() for s in high.sequences] == [[1, 1], [2, 1, 3]] and high.num_items == 3
     out = prepare_seqrec(tmp_path, f"ratings.{fmt}", tmp_path / "cache", {"num_eval_negatives": 0, "num_negatives": 0})
     test = _rows(out, "test")
     assert [(r["request_id"], r["item_id"], r["hist_item"]) for r in test] == [(1, [3], [2, 1, 1]), (2, [4], [3, 2, 1])]
-    assert prepare_seqrec(tmp_path, f"ratings.{fmt}", tmp_path / "cache", {"num_eval_negatives": 0, "num_negatives": 0}) == out, "cached"
+    assert (
+        prepare_seqrec(tmp_path, f"ratings.{fmt}", tmp_path / "cache", {"num_eval_negatives": 0, "num_negatives": 0})
+        == out
+    ), "cached"
 
 
 # -- ranking metrics, hand-computed ------------------------------------------------------------
@@ -129,9 +145,15 @@ def test_ranking_evaluator_groups_across_batches_and_skips_masked_rows():
     ev = RankingEvaluator(("next_item",))
     # group 1: positive 0.5 vs negatives 0.9, 0.1 (rank 1); group 2: positive 0.7 vs 0.2 (rank 0);
     # a masked row with a huge score does not count.
-    ev.update(torch.tensor([[0.5], [0.9]]), torch.tensor([[1.0], [0.0]]), torch.tensor([[True], [True]]), torch.tensor([1, 1]))
-    ev.update(torch.tensor([[0.1], [0.7], [0.2], [9.0]]), torch.tensor([[0.0], [1.0], [0.0], [0.0]]),
-              torch.tensor([[True], [True], [True], [False]]), torch.tensor([1, 2, 2, 2]))
+    ev.update(
+        torch.tensor([[0.5], [0.9]]), torch.tensor([[1.0], [0.0]]), torch.tensor([[True], [True]]), torch.tensor([1, 1])
+    )
+    ev.update(
+        torch.tensor([[0.1], [0.7], [0.2], [9.0]]),
+        torch.tensor([[0.0], [1.0], [0.0], [0.0]]),
+        torch.tensor([[True], [True], [True], [False]]),
+        torch.tensor([1, 2, 2, 2]),
+    )
     got = ev.compute()
     assert got["next_item/groups"] == 2 and got["next_item/hr@1"] == pytest.approx(0.5)
     assert got["next_item/mrr"] == pytest.approx((1 / 2 + 1) / 2)
@@ -140,12 +162,28 @@ def test_ranking_evaluator_groups_across_batches_and_skips_masked_rows():
 
 def test_seqrec_experiment_trains_and_writes_test_metrics(tmp_path):
     _write_s3rec(tmp_path, num_users=60)
-    cfg = compose(["experiment=seqrec", f"data.dir={tmp_path}", "data.name=Tiny", f"data.cache_dir={tmp_path / 'cache'}",
-                   f"trainer.run_dir={tmp_path / 'run'}", "data.batch_size=32", "data.num_workers=0",
-                   "data.eval_batch_size=500", "trainer.max_steps=15", "trainer.progress_bar=false",
-                   "data.seqrec.num_eval_negatives=20"])
+    cfg = compose(
+        [
+            "experiment=seqrec",
+            f"data.dir={tmp_path}",
+            "data.name=Tiny",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            f"trainer.run_dir={tmp_path / 'run'}",
+            "data.batch_size=32",
+            "data.num_workers=0",
+            "data.eval_batch_size=500",
+            "trainer.max_steps=15",
+            "trainer.progress_bar=false",
+            "data.seqrec.num_eval_negatives=20",
+        ]
+    )
     result = train(cfg)
     saved = json.loads((tmp_path / "run" / "test_metrics.json").read_text())
     for key in ("hr@1", "hr@5", "hr@10", "ndcg@5", "ndcg@10", "mrr"):
-        assert 0 <= saved[f"next_item/{key}"] <= 1 and saved[f"next_item/{key}"] == pytest.approx(result[f"next_item/{key}"])
-    assert saved["next_item/groups"] == 60 and saved["next_item/hr@1"] <= saved["next_item/hr@5"] <= saved["next_item/hr@10"]
+        assert 0 <= saved[f"next_item/{key}"] <= 1 and saved[f"next_item/{key}"] == pytest.approx(
+            result[f"next_item/{key}"]
+        )
+    assert (
+        saved["next_item/groups"] == 60
+        and saved["next_item/hr@1"] <= saved["next_item/hr@5"] <= saved["next_item/hr@10"]
+    )

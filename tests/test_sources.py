@@ -27,13 +27,17 @@ def test_synthetic_is_generated_once_into_the_cache(tmp_path):
 
 def test_parquet_reads_the_schema_from_the_files_unless_given(tiny_dataset, tiny_schema):
     from_files = build_source(_data(kind="parquet", dir=str(tiny_dataset), schema={}))
-    assert from_files.schema == tiny_schema and from_files.files("train") == sorted((tiny_dataset / "train").glob("*.parquet"))
+    assert from_files.schema == tiny_schema and from_files.files("train") == sorted(
+        (tiny_dataset / "train").glob("*.parquet")
+    )
     given = build_source(_data(kind="parquet", dir=str(tiny_dataset)))
     assert given.schema == from_files.schema
 
 
 def test_unknown_kinds_and_missing_dirs_name_the_key():
-    with pytest.raises(DataError, match=r"data.kind='csv' is not a data source; use one of \[.*'parquet', 'seqrec'.*'synthetic'\]"):
+    with pytest.raises(
+        DataError, match=r"data.kind='csv' is not a data source; use one of \[.*'parquet', 'seqrec'.*'synthetic'\]"
+    ):
         build_source(_data(kind="csv"))
     with pytest.raises(ValueError, match="data.dir is required when data.kind=parquet"):
         build_source(_data(kind="parquet"))

@@ -37,7 +37,7 @@ def test_backends_agree_forward_and_backward(tiny_dataset, tiny_schema):
     for out in outs:
         w = torch.randn(seq_a.values.shape[1], generator=g)
         g.manual_seed(1)
-        loss = (out.sequences["hist"].values @ w).sin().sum() + sum((v ** 2).sum() for v in out.pooled.values())
+        loss = (out.sequences["hist"].values @ w).sin().sum() + sum((v**2).sum() for v in out.pooled.values())
         loss.backward()
     for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
         assert pa.grad is not None and pa.grad.abs().sum() > 0, name
@@ -48,10 +48,16 @@ def test_empty_histories_give_empty_values(tiny_schema):
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     a, b = _pair(tiny_schema)
-    sparse = KeyedJaggedTensor(keys=tiny_schema.id_feature_names, values=torch.tensor([1, 2, 3, 1, 1, 1, 1]),
-                               lengths=torch.tensor([1, 1, 1, 1, 1, 1, 1, 0], dtype=torch.int32))
-    seq = KeyedJaggedTensor(keys=tiny_schema.sequence_feature_names, values=torch.zeros(0, dtype=torch.int64),
-                            lengths=torch.zeros(8, dtype=torch.int32))
+    sparse = KeyedJaggedTensor(
+        keys=tiny_schema.id_feature_names,
+        values=torch.tensor([1, 2, 3, 1, 1, 1, 1]),
+        lengths=torch.tensor([1, 1, 1, 1, 1, 1, 1, 0], dtype=torch.int32),
+    )
+    seq = KeyedJaggedTensor(
+        keys=tiny_schema.sequence_feature_names,
+        values=torch.zeros(0, dtype=torch.int64),
+        lengths=torch.zeros(8, dtype=torch.int32),
+    )
     for m in (a, b):
         out = m(sparse, seq, {"hist": 0})
         assert out.sequences["hist"].values.shape == (0, 32)

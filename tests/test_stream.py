@@ -28,9 +28,19 @@ from gem.train.trainer import train
 from tests.conftest import ROOT, compose
 from tests.faults import example_ids
 
-RUN = ["experiment=stream", "data.stream.days=3", "data.stream.examples_per_day=1000", "data.batch_size=128",
-       "data.eval_batch_size=512", "trainer.deterministic=true", "trainer.log_every=1", "trainer.progress_bar=false",
-       "trainer.plots=false", "checkpoint.every_steps=5", "checkpoint.keep_last=0"]
+RUN = [
+    "experiment=stream",
+    "data.stream.days=3",
+    "data.stream.examples_per_day=1000",
+    "data.batch_size=128",
+    "data.eval_batch_size=512",
+    "trainer.deterministic=true",
+    "trainer.log_every=1",
+    "trainer.progress_bar=false",
+    "trainer.plots=false",
+    "checkpoint.every_steps=5",
+    "checkpoint.keep_last=0",
+]
 DAYS = ["day=2026-11-23", "day=2026-11-24", "day=2026-11-25"]
 
 
@@ -91,7 +101,9 @@ def test_one_pass_in_date_order_each_example_once(cache_dir, one_pass):
 def test_each_partition_is_scored_before_training_on_it(one_pass):
     run_dir, _, result = one_pass
     rows = _rows_of(run_dir, "stream")
-    assert [(r["partition"], r["step"], r["click/count"]) for r in rows] == [(d, 8 * i, 1000) for i, d in enumerate(DAYS)]
+    assert [(r["partition"], r["step"], r["click/count"]) for r in rows] == [
+        (d, 8 * i, 1000) for i, d in enumerate(DAYS)
+    ]
     first_train_step = min(r["step"] for r in _rows_of(run_dir, "train"))
     assert rows[0]["step"] < first_train_step  # day 1 scored by the untrained model
     assert 0.4 < rows[0]["click/auc"] < 0.6 < rows[-1]["click/auc"]  # and later days by a model that learned
@@ -103,8 +115,10 @@ def test_each_partition_is_scored_before_training_on_it(one_pass):
 def test_new_ids_appear_over_time(cache_dir):
     """The synthetic stream renews users' and items' raw ids (data.stream.id_lifetime_days=3)."""
     data = _stream_dir(cache_dir)
-    users = [set(pq.read_table(data / d, columns=["user_id"]).column("user_id").combine_chunks().flatten().to_pylist())
-             for d in DAYS]
+    users = [
+        set(pq.read_table(data / d, columns=["user_id"]).column("user_id").combine_chunks().flatten().to_pylist())
+        for d in DAYS
+    ]
     assert max(max(u) for u in users) >= 2000  # raw ids beyond the table's 2,000 rows
     new_on_day_3 = users[2] - users[0] - users[1]
     assert 0.05 < len(new_on_day_3) / len(users[2]) < 0.9
@@ -115,8 +129,16 @@ def test_new_ids_appear_over_time(cache_dir):
 
 def _torchrun(cache_dir, run_dir, *extra, faults=(), ranks=1):
     entry = [str(ROOT / "tests" / "faults.py"), *faults, "--"] if faults else ["-m", "gem.train"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "--max-restarts=1",
-           *entry, *_overrides(cache_dir, run_dir, *extra)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={ranks}",
+        "--max-restarts=1",
+        *entry,
+        *_overrides(cache_dir, run_dir, *extra),
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -138,16 +160,22 @@ def test_sigkill_mid_partition_resumes_exactly(cache_dir, one_pass, tmp_path):
     run = tmp_path / "run"
     _torchrun(cache_dir, run, faults=["--kill-at", "13:0", "--example-log", str(log)])
     rows = [json.loads(line) for line in (log / "rank0.jsonl").read_text().splitlines()]
-    assert max(r["step"] for r in rows if r["attempt"] == 0) == 13 and min(r["step"] for r in rows if r["attempt"] == 1) == 11
+    assert (
+        max(r["step"] for r in rows if r["attempt"] == 0) == 13
+        and min(r["step"] for r in rows if r["attempt"] == 1) == 11
+    )
     history = {r["step"]: r["ids"] for r in rows if r["attempt"] == 1 or r["step"] <= 10}
     data = _stream_dir(cache_dir)
     assert Counter(e for ids in history.values() for e in ids) == Counter(e for d in DAYS for e in _rows(data / d))
     losses = lambda r: {x["step"]: x["loss"] for x in _rows_of(r, "train")}  # noqa: E731
     assert losses(run) == losses(reference)
-    assert [(r["partition"], r["click/auc"]) for r in _rows_of(run, "stream")] == \
-        [(r["partition"], r["click/auc"]) for r in _rows_of(reference, "stream")]
-    final, ref = _state(run / "checkpoints" / "step_000000024", tmp_path), _state(
-        reference / "checkpoints" / "step_000000024", tmp_path)
+    assert [(r["partition"], r["click/auc"]) for r in _rows_of(run, "stream")] == [
+        (r["partition"], r["click/auc"]) for r in _rows_of(reference, "stream")
+    ]
+    final, ref = (
+        _state(run / "checkpoints" / "step_000000024", tmp_path),
+        _state(reference / "checkpoints" / "step_000000024", tmp_path),
+    )
     keys = [k for k in ref if k.startswith(("model.", "optim.")) and isinstance(ref[k], torch.Tensor)]
     assert any(".ids.mch." in k for k in keys)
     for key in keys:
@@ -155,8 +183,20 @@ def test_sigkill_mid_partition_resumes_exactly(cache_dir, one_pass, tmp_path):
     manifests = [json.loads((run / "deltas" / f"{s:06d}" / "manifest.json").read_text()) for s in range(3)]
     assert [(m["partition"], m["step"]) for m in manifests] == [(d, 8 * (i + 1)) for i, d in enumerate(DAYS)]
     out = tmp_path / "applied"
-    assert delta_main(["apply", "--base", str(run / "checkpoints" / "step_000000000"), "--deltas", str(run / "deltas"),
-                       "--out", str(out)]) == 0
+    assert (
+        delta_main(
+            [
+                "apply",
+                "--base",
+                str(run / "checkpoints" / "step_000000000"),
+                "--deltas",
+                str(run / "deltas"),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     applied = _state(out, tmp_path)
     for key in (k for k in keys if k.startswith("model.")):
         torch.testing.assert_close(applied[key], ref[key], rtol=0, atol=0, msg=key)
@@ -167,12 +207,17 @@ def test_two_ranks_train_each_example_once(cache_dir, tmp_path):
     one process only, so off here."""
     log = tmp_path / "examples"
     log.mkdir()
-    _torchrun(cache_dir, tmp_path / "run", "trainer.delta_export.every=null", faults=["--example-log", str(log)], ranks=2)
-    seen = [e for r in (0, 1) for line in (log / f"rank{r}.jsonl").read_text().splitlines()
-            for e in json.loads(line)["ids"]]
+    _torchrun(
+        cache_dir, tmp_path / "run", "trainer.delta_export.every=null", faults=["--example-log", str(log)], ranks=2
+    )
+    seen = [
+        e for r in (0, 1) for line in (log / f"rank{r}.jsonl").read_text().splitlines() for e in json.loads(line)["ids"]
+    ]
     data = _stream_dir(cache_dir)
     assert Counter(seen) == Counter(e for d in DAYS for e in _rows(data / d))
-    assert [(r["partition"], r["click/count"]) for r in _rows_of(tmp_path / "run", "stream")] == [(d, 1000) for d in DAYS]
+    assert [(r["partition"], r["click/count"]) for r in _rows_of(tmp_path / "run", "stream")] == [
+        (d, 1000) for d in DAYS
+    ]
 
 
 # ------------------------------------------------------------------------------------- bad input
@@ -195,9 +240,12 @@ def test_new_partitions_continue_and_earlier_ones_fail(cache_dir, own_stream, tm
     assert train(compose(_overrides(cache_dir, run, f"data.dir={own_stream}")))["steps"] == 24
     assert [r["partition"] for r in _rows_of(run, "stream")] == DAYS  # day 3 only was added
     shutil.copytree(own_stream / DAYS[0], own_stream / "day=2026-11-20")  # a day before the trained ones
-    with pytest.raises(DataError, match=r"partitions out of order: the checkpoint stands in day=2026-11-25, which had "
-                                        r"2 partition\(s\) before it, now 3 \(day=2026-11-20, day=2026-11-23, "
-                                        r"day=2026-11-24\): a partition dated before it appeared"):
+    with pytest.raises(
+        DataError,
+        match=r"partitions out of order: the checkpoint stands in day=2026-11-25, which had "
+        r"2 partition\(s\) before it, now 3 \(day=2026-11-20, day=2026-11-23, "
+        r"day=2026-11-24\): a partition dated before it appeared",
+    ):
         train(compose(_overrides(cache_dir, run, f"data.dir={own_stream}")))
     shutil.rmtree(own_stream / "day=2026-11-20")
     shutil.rmtree(own_stream / DAYS[2])
@@ -205,8 +253,13 @@ def test_new_partitions_continue_and_earlier_ones_fail(cache_dir, own_stream, tm
         train(compose(_overrides(cache_dir, run, f"data.dir={own_stream}")))
 
 
-@pytest.mark.parametrize("name, match", [("2026-11-26", "'2026-11-26' is not a partition folder day=YYYY-MM-DD"),
-                                         ("day=2026-13-01", "partition 'day=2026-13-01' has no valid date")])
+@pytest.mark.parametrize(
+    "name, match",
+    [
+        ("2026-11-26", "'2026-11-26' is not a partition folder day=YYYY-MM-DD"),
+        ("day=2026-13-01", "partition 'day=2026-13-01' has no valid date"),
+    ],
+)
 def test_stray_folders_are_named(own_stream, name, match):
     (own_stream / name).mkdir()
     with pytest.raises(DataError, match=match):

@@ -52,8 +52,9 @@ def test_sharded_torchrec_and_native_train_identically(cache_dir, tmp_path, devi
 
     models = []
     for backend in ("torchrec", "native"):
-        config = validate(_cfg(cache_dir, tmp_path, f"sparse={backend}", "optim.warmup_steps=4",
-                               f"trainer.device={device}"))
+        config = validate(
+            _cfg(cache_dir, tmp_path, f"sparse={backend}", "optim.warmup_steps=4", f"trainer.device={device}")
+        )
         env = init_distributed(device, need_process_group=backend == "torchrec")
         torch.manual_seed(0)
         schema, data_dir = load_data(config, env)
@@ -64,8 +65,10 @@ def test_sharded_torchrec_and_native_train_identically(cache_dir, tmp_path, devi
         models.append((model, OptimizerSet((dense_opt, sparse_opt, fused), [], 0.0), schedule))
     (sharded, *_), (native, *_) = models
     native.dense_arch.load_state_dict(sharded.dense_arch.state_dict())
-    tables = {k: (v.local_shards()[0].tensor if hasattr(v, "local_shards") else v).clone()
-              for k, v in sharded.sparse_arch.state_dict().items()}
+    tables = {
+        k: (v.local_shards()[0].tensor if hasattr(v, "local_shards") else v).clone()
+        for k, v in sharded.sparse_arch.state_dict().items()
+    }
     native.sparse_arch.load_state_dict(tables)
     reader = build_loader(split_files(data_dir, "train"), schema, 64, options={"balance": False})
     weights = torch.ones(schema.num_tasks)
@@ -108,8 +111,7 @@ def test_unknown_task_weight_and_empty_dataset_fail_clearly(cache_dir, tmp_path)
         train(_cfg(cache_dir, tmp_path, "+trainer.task_weights.ctr=2.0"))
     (tmp_path / "empty" / "train").mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match="holds no \\*.parquet files"):
-        train(_cfg(cache_dir, tmp_path / "run", "data=parquet", f"data.dir={tmp_path / 'empty'}",
-                   "data.schema={}"))
+        train(_cfg(cache_dir, tmp_path / "run", "data=parquet", f"data.dir={tmp_path / 'empty'}", "data.schema={}"))
 
 
 def test_quickstart_default_learns_the_hidden_signal(tmp_path):
@@ -139,8 +141,16 @@ def test_regional_compile_trains_like_eager(cache_dir, tmp_path):
     runs = {}
     for compiled in ("false", "true"):
         run_dir = tmp_path / compiled
-        train(_cfg(cache_dir, run_dir, "model=gem_tiny", "trainer.max_steps=3", "trainer.log_every=1",
-                   f"parallelism.compile={compiled}"))
+        train(
+            _cfg(
+                cache_dir,
+                run_dir,
+                "model=gem_tiny",
+                "trainer.max_steps=3",
+                "trainer.log_every=1",
+                f"parallelism.compile={compiled}",
+            )
+        )
         runs[compiled] = _losses(run_dir)[0]
     assert len(runs["true"]) == 3
     assert runs["true"] == pytest.approx(runs["false"], rel=1e-4), runs
@@ -166,8 +176,17 @@ def test_profile_writes_a_trace_and_a_breakdown(cache_dir, tmp_path):
     """trainer.profile records the chosen steps: a gzipped Chrome trace and the time by kind."""
     import gzip
 
-    train(_cfg(cache_dir, tmp_path, "model=gem_tiny", "sparse=native", "trainer.max_steps=6",
-               "trainer.profile.start=3", "trainer.profile.steps=2"))
+    train(
+        _cfg(
+            cache_dir,
+            tmp_path,
+            "model=gem_tiny",
+            "sparse=native",
+            "trainer.max_steps=6",
+            "trainer.profile.start=3",
+            "trainer.profile.steps=2",
+        )
+    )
     trace = json.loads(gzip.open(tmp_path / "profile" / "trace_rank0.json.gz").read())
     assert sum(e.get("name", "").startswith("ProfilerStep#") for e in trace["traceEvents"]) == 2
     result = json.loads((tmp_path / "profile" / "breakdown_rank0.json").read_text())
@@ -177,22 +196,30 @@ def test_profile_writes_a_trace_and_a_breakdown(cache_dir, tmp_path):
     assert result["top"][0]["ms_per_step"] >= result["top"][-1]["ms_per_step"]
 
 
-@pytest.mark.parametrize("name, kind", [
-    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
-    ("nvjet_tst_192x128_64x4_2x1_v_bz_coopA_TNN", "gemm"),
-    ("triton_tem_fused_addmm_3", "gemm"),
-    ("_fwd_kernel", "attention"), ("_bwd_dkdv_kernel", "attention"), ("_gdpa_fwd_kernel", "attention"),
-    ("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128>>", "attention"),
-    ("triton_poi_fused__to_copy_add_cat_mul_7", "elementwise"),
-    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "elementwise"),
-    ("void at::native::(anonymous namespace)::indexSelectLargeIndex<float, long, unsigned int>", "embedding"),
-    ("triton_red_fused_embedding_dense_backward_2", "embedding"),
-    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
-    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "communication"),
-    ("Memcpy HtoD (Pinned -> Device)", "memcpy"),
-    ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)"
-     "::{lambda()#3}::operator()() const::{lambda()#7}::operator()() const::{lambda(float)#1}>", "elementwise"),
-])
+@pytest.mark.parametrize(
+    "name, kind",
+    [
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
+        ("nvjet_tst_192x128_64x4_2x1_v_bz_coopA_TNN", "gemm"),
+        ("triton_tem_fused_addmm_3", "gemm"),
+        ("_fwd_kernel", "attention"),
+        ("_bwd_dkdv_kernel", "attention"),
+        ("_gdpa_fwd_kernel", "attention"),
+        ("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128>>", "attention"),
+        ("triton_poi_fused__to_copy_add_cat_mul_7", "elementwise"),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "elementwise"),
+        ("void at::native::(anonymous namespace)::indexSelectLargeIndex<float, long, unsigned int>", "embedding"),
+        ("triton_red_fused_embedding_dense_backward_2", "embedding"),
+        ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
+        ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "communication"),
+        ("Memcpy HtoD (Pinned -> Device)", "memcpy"),
+        (
+            "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)"
+            "::{lambda()#3}::operator()() const::{lambda()#7}::operator()() const::{lambda(float)#1}>",
+            "elementwise",
+        ),
+    ],
+)
 def test_profile_kinds(name, kind):
     from gem.train.profile import kind_of
 
@@ -226,8 +253,13 @@ def test_table_replicas_are_synced_after_every_step():
     model.sparse_arch = Replicated()
     model.forward = lambda batch: model.sparse_arch.weight * batch.x
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    step = TrainStep(model, lambda out, batch: (out.sum(), out.detach()), OptimizerSet((optimizer,), [], 0.0),
-                     torch.device("cpu"), pipelined=False)
+    step = TrainStep(
+        model,
+        lambda out, batch: (out.sum(), out.detach()),
+        OptimizerSet((optimizer,), [], 0.0),
+        torch.device("cpu"),
+        pipelined=False,
+    )
     batches = iter([Batch(), Batch()])
     step(batches)
     step(batches)

@@ -14,8 +14,14 @@ from gem.train.checkpoint import CheckpointError, list_checkpoints
 from gem.train.losses import multitask_bce
 from tests.conftest import compose
 
-BASE = ["debug=tiny", "data=parquet", "trainer.device=cpu", "trainer.plots=false", "data.batch_size=64",
-        "data.num_workers=0"]
+BASE = [
+    "debug=tiny",
+    "data=parquet",
+    "trainer.device=cpu",
+    "trainer.plots=false",
+    "data.batch_size=64",
+    "data.num_workers=0",
+]
 
 
 def _data(tiny_dataset, *extra):
@@ -28,8 +34,18 @@ def teacher_ckpt(tiny_dataset, tmp_path_factory):
     from gem.train.trainer import train
 
     run_dir = tmp_path_factory.mktemp("teacher")
-    train(compose(_data(tiny_dataset, "model=gem_tiny", "trainer.max_steps=6", "checkpoint.enabled=true",
-                        f"trainer.run_dir={run_dir}", "data.eval_batch_size=512")))
+    train(
+        compose(
+            _data(
+                tiny_dataset,
+                "model=gem_tiny",
+                "trainer.max_steps=6",
+                "checkpoint.enabled=true",
+                f"trainer.run_dir={run_dir}",
+                "data.eval_batch_size=512",
+            )
+        )
+    )
     return list_checkpoints(run_dir / "checkpoints")[-1]
 
 
@@ -57,7 +73,10 @@ def test_shared_tables_load_bit_exact_from_the_teacher(tiny_dataset, teacher_ckp
     data, model = _student(tiny_dataset, f"sparse={backend}", "model=dlrm")
     before = {k: _full(v).clone() for k, v in model_state(model).items()}
     loaded = init_from_checkpoint(model, teacher_ckpt, ["sparse_arch.ebc.embedding_bags.t_ad_id", "sparse_arch.ec"])
-    assert "sparse_arch.ebc.embedding_bags.t_ad_id.weight" in loaded and "sparse_arch.ec.embeddings.t_hist_item.weight" in loaded
+    assert (
+        "sparse_arch.ebc.embedding_bags.t_ad_id.weight" in loaded
+        and "sparse_arch.ec.embeddings.t_hist_item.weight" in loaded
+    )
     teacher = load_teacher(teacher_ckpt, data.schema, None, torch.device("cpu")).model
     want = {f"sparse_arch.{k}": v for k, v in teacher.sparse_arch.state_dict().items()}
     after = model_state(model)
@@ -66,14 +85,18 @@ def test_shared_tables_load_bit_exact_from_the_teacher(tiny_dataset, teacher_ckp
             assert torch.equal(_full(t), want[name]), name
         else:  # the rest untouched (the dense arch is a DLRM, the teacher's a GEM one)
             assert torch.equal(_full(t), before[name]), name
-    assert not torch.equal(before["sparse_arch.ebc.embedding_bags.t_ad_id.weight"], want["sparse_arch.ebc.embedding_bags.t_ad_id.weight"])
+    assert not torch.equal(
+        before["sparse_arch.ebc.embedding_bags.t_ad_id.weight"], want["sparse_arch.ebc.embedding_bags.t_ad_id.weight"]
+    )
 
 
 def test_init_from_of_another_shape_or_a_missing_key_names_it(tiny_dataset, teacher_ckpt):
     from gem.transfer.params import init_from_checkpoint
 
     _, model = _student(tiny_dataset, "sparse.embedding_dim=8")
-    with pytest.raises(CheckpointError, match=r"t_ad_id.weight: \[80, 32\] float32 in the checkpoint, \[80, 8\] float32"):
+    with pytest.raises(
+        CheckpointError, match=r"t_ad_id.weight: \[80, 32\] float32 in the checkpoint, \[80, 8\] float32"
+    ):
         init_from_checkpoint(model, teacher_ckpt, ["sparse_arch.ebc.embedding_bags.t_ad_id"])
     _, model = _student(tiny_dataset, "model=dlrm")
     with pytest.raises(CheckpointError, match=r"dense_arch.bottom.*not in the checkpoint"):
@@ -90,7 +113,8 @@ def test_frozen_parameters_are_unchanged_after_steps(tiny_dataset, backend):
     from gem.transfer.params import freeze, model_state
 
     frozen_prefixes = ["sparse_arch.ebc.embedding_bags.t_ad_id", "dense_arch.bottom"]
-    # the config gives the sharding the frozen tables: a fused one trains at learning rate 0 in a kernel group of its own
+    # the config gives the sharding the frozen tables: a fused one trains at learning rate 0 in a kernel
+    # group of its own
     data, model = _student(tiny_dataset, f"sparse={backend}", f"checkpoint.init_frozen=[{','.join(frozen_prefixes)}]")
     frozen = freeze(model, frozen_prefixes)
     assert "sparse_arch.ebc.embedding_bags.t_ad_id.weight" in frozen and "dense_arch.bottom.net.0.weight" in frozen
@@ -117,10 +141,13 @@ def test_distillation_loss_matches_a_hand_computation():
     want = []
     for k in range(2):
         rows = mask[:, k]
-        hard = -(y[rows, k] * torch.log(torch.sigmoid(z[rows, k])) + (1 - y[rows, k]) * torch.log(1 - torch.sigmoid(z[rows, k])))
+        hard = -(
+            y[rows, k] * torch.log(torch.sigmoid(z[rows, k]))
+            + (1 - y[rows, k]) * torch.log(1 - torch.sigmoid(z[rows, k]))
+        )
         p, q = torch.sigmoid(t[rows, k] / temp), torch.sigmoid(z[rows, k] / temp)
         soft = -(p * torch.log(q) + (1 - p) * torch.log(1 - q))
-        want.append(((1 - w[k]) * hard + w[k] * temp ** 2 * soft).mean())
+        want.append(((1 - w[k]) * hard + w[k] * temp**2 * soft).mean())
     assert torch.allclose(per_task, torch.stack(want), atol=1e-6)
     assert torch.allclose(loss, want[0] + 2 * want[1], atol=1e-6)
     # weight 0: the plain loss, and a NaN teacher column of an undistilled task is ignored
@@ -128,16 +155,21 @@ def test_distillation_loss_matches_a_hand_computation():
     loss0, _ = multitask_bce(z, y, mask, torch.ones(2), teacher=t, distill_weight=torch.tensor([0.0, 0.0]))
     plain, _ = multitask_bce(z, y, mask, torch.ones(2))
     assert torch.equal(loss0, plain)
-    assert torch.isfinite(multitask_bce(z, y, mask, torch.ones(2), teacher=t, distill_weight=torch.tensor([0.3, 0.0]))[0])
+    assert torch.isfinite(
+        multitask_bce(z, y, mask, torch.ones(2), teacher=t, distill_weight=torch.tensor([0.3, 0.0]))[0]
+    )
 
 
 def test_a_task_the_teacher_never_learned_is_named(tiny_dataset, teacher_ckpt):
     from gem.data.pipeline.schema import FeatureSchema
     from gem.transfer.teacher import load_teacher
 
-    schema = FeatureSchema.from_config(pq.read_schema(next((tiny_dataset / "val").glob("*.parquet"))).metadata
-                                       and __import__("json").loads(pq.read_schema(next((tiny_dataset / "val").glob(
-                                           "*.parquet"))).metadata[b"gem.schema"]))
+    schema = FeatureSchema.from_config(
+        pq.read_schema(next((tiny_dataset / "val").glob("*.parquet"))).metadata
+        and __import__("json").loads(
+            pq.read_schema(next((tiny_dataset / "val").glob("*.parquet"))).metadata[b"gem.schema"]
+        )
+    )
     with pytest.raises(CheckpointError, match=r"never learned task\(s\) \['like'\]"):
         load_teacher(teacher_ckpt, schema, ("click", "like"), torch.device("cpu"))
     # NaN teacher outputs (a broken teacher) are named too
@@ -158,8 +190,13 @@ def test_export_writes_teacher_columns_resumably_and_the_loader_reads_them(tiny_
     from gem.transfer.teacher import load_teacher
 
     out = tmp_path / "out"
-    args = _data(tiny_dataset) + [f"transfer.checkpoint={teacher_ckpt.parent}", f"transfer.out={out}",
-                                  "transfer.splits=[train,val]", "transfer.representation=true", "transfer.batch_size=128"]
+    args = _data(tiny_dataset) + [
+        f"transfer.checkpoint={teacher_ckpt.parent}",
+        f"transfer.out={out}",
+        "transfer.splits=[train,val]",
+        "transfer.representation=true",
+        "transfer.batch_size=128",
+    ]
     cfg, overrides = parse(args)
     first = run(cfg, overrides)
     assert len(first["written"]) == 4 and not first["skipped"]  # 3 train files of <= 300 rows, 1 val file
@@ -171,8 +208,9 @@ def test_export_writes_teacher_columns_resumably_and_the_loader_reads_them(tiny_
     assert {"teacher_click", "teacher_conversion", "teacher_repr"} <= set(table.column_names)
     assert table.schema.metadata[b"gem.schema"] == pq.read_schema(src).metadata[b"gem.schema"]
     # the columns are the teacher's logits of those rows, in order; the loader hands them out as batch.teacher
-    from gem.data.pipeline.schema import FeatureSchema
     import json
+
+    from gem.data.pipeline.schema import FeatureSchema
 
     schema = FeatureSchema.from_config(json.loads(table.schema.metadata[b"gem.schema"]))
     teacher = load_teacher(teacher_ckpt, schema, None, torch.device("cpu"))
@@ -183,9 +221,10 @@ def test_export_writes_teacher_columns_resumably_and_the_loader_reads_them(tiny_
 
 
 def test_non_finite_teacher_columns_are_a_data_error(tiny_dataset, tmp_path):
+    import json
+
     from gem.data.format.checks import check_rows
     from gem.data.pipeline.loader import build_loader
-    import json
     from gem.data.pipeline.schema import FeatureSchema
 
     src = sorted((tiny_dataset / "val").glob("*.parquet"))[0]
@@ -223,10 +262,20 @@ def test_train_a_student_with_shared_frozen_tables_and_an_online_teacher(tiny_da
 
     shared = "sparse_arch.ebc.embedding_bags.t_ad_id"
     run_dir = tmp_path / "student"
-    args = _data(tiny_dataset, "model=dlrm", "trainer.max_steps=4", f"trainer.run_dir={run_dir}",
-                 f"checkpoint.init_from={teacher_ckpt}", f"checkpoint.init_modules=[{shared},sparse_arch.ec]",
-                 f"checkpoint.init_frozen=[{shared}]", "checkpoint.enabled=true", "trainer.distill.weight=0.5",
-                 "trainer.distill.temperature=2", "trainer.distill.source=model", f"trainer.distill.checkpoint={teacher_ckpt}")
+    args = _data(
+        tiny_dataset,
+        "model=dlrm",
+        "trainer.max_steps=4",
+        f"trainer.run_dir={run_dir}",
+        f"checkpoint.init_from={teacher_ckpt}",
+        f"checkpoint.init_modules=[{shared},sparse_arch.ec]",
+        f"checkpoint.init_frozen=[{shared}]",
+        "checkpoint.enabled=true",
+        "trainer.distill.weight=0.5",
+        "trainer.distill.temperature=2",
+        "trainer.distill.source=model",
+        f"trainer.distill.checkpoint={teacher_ckpt}",
+    )
     result = train(compose(args))
     assert np.isfinite(result["click/auc"])
     import torch.distributed.checkpoint as dcp
@@ -240,17 +289,30 @@ def test_train_a_student_with_shared_frozen_tables_and_an_online_teacher(tiny_da
         return out[f"model.sparse.{name}"]
 
     mine = list_checkpoints(run_dir / "checkpoints")[-1]
-    assert torch.equal(table(mine, "ebc.embedding_bags.t_ad_id.weight"), table(teacher_ckpt, "ebc.embedding_bags.t_ad_id.weight"))
+    assert torch.equal(
+        table(mine, "ebc.embedding_bags.t_ad_id.weight"), table(teacher_ckpt, "ebc.embedding_bags.t_ad_id.weight")
+    )
     # shared but trained on: moved away from the teacher's values
-    assert not torch.equal(table(mine, "ec.embeddings.t_hist_item.weight"), table(teacher_ckpt, "ec.embeddings.t_hist_item.weight"))
+    assert not torch.equal(
+        table(mine, "ec.embeddings.t_hist_item.weight"), table(teacher_ckpt, "ec.embeddings.t_hist_item.weight")
+    )
 
 
 def test_distillation_from_data_without_teacher_columns_names_them(tiny_dataset, tmp_path):
     from gem.train.trainer import train
 
     with pytest.raises(DataError, match=r"has no column\(s\) \['teacher_click'\].*gem.transfer.export"):
-        train(compose(_data(tiny_dataset, "trainer.max_steps=1", f"trainer.run_dir={tmp_path}",
-                            "trainer.distill.weight=0.5", "trainer.distill.tasks=[click]")))
+        train(
+            compose(
+                _data(
+                    tiny_dataset,
+                    "trainer.max_steps=1",
+                    f"trainer.run_dir={tmp_path}",
+                    "trainer.distill.weight=0.5",
+                    "trainer.distill.tasks=[click]",
+                )
+            )
+        )
 
 
 def test_synthetic_drift_moves_the_world_and_zero_is_the_default(tiny_schema):
@@ -266,12 +328,18 @@ def test_resuming_the_runs_own_checkpoint_takes_precedence_over_init_from(tiny_d
     from gem.train.trainer import apply_transfer
     from gem.transfer.params import model_state
 
-    data, model = _student(tiny_dataset, "checkpoint.enabled=true", f"checkpoint.init_from={teacher_ckpt}",
-                           "checkpoint.init_modules=[sparse_arch]")
+    data, model = _student(
+        tiny_dataset,
+        "checkpoint.enabled=true",
+        f"checkpoint.init_from={teacher_ckpt}",
+        "checkpoint.init_modules=[sparse_arch]",
+    )
     before = {k: _full(v).clone() for k, v in model_state(model).items()}
     (tmp_path / "step_000000004").mkdir()  # the run's own checkpoint: the restore loads every tensor from it
     apply_transfer(data.config, model, tmp_path)
     assert all(torch.equal(before[k], _full(v)) for k, v in model_state(model).items())
     apply_transfer(data.config, model, tmp_path / "empty")  # nothing to resume: the teacher's tables
-    assert not torch.equal(before["sparse_arch.ec.embeddings.t_hist_item.weight"],
-                           _full(model_state(model)["sparse_arch.ec.embeddings.t_hist_item.weight"]))
+    assert not torch.equal(
+        before["sparse_arch.ec.embeddings.t_hist_item.weight"],
+        _full(model_state(model)["sparse_arch.ec.embeddings.t_hist_item.weight"]),
+    )

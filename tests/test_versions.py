@@ -35,8 +35,12 @@ def fake(monkeypatch):
 
 
 def test_the_known_good_combinations_pass(fake):
-    for dists in (CPU_PINS, H200, H200 | {"fbgemm-gpu": None} | {"fbgemm-gpu-cpu": "1.6.0"},
-                  CPU_PINS | {"fbgemm-gpu": "1.8.0"}):  # the CUDA wheel installed over the CPU one
+    for dists in (
+        CPU_PINS,
+        H200,
+        H200 | {"fbgemm-gpu": None} | {"fbgemm-gpu-cpu": "1.6.0"},
+        CPU_PINS | {"fbgemm-gpu": "1.8.0"},
+    ):  # the CUDA wheel installed over the CPU one
         fake({k: v for k, v in dists.items() if v})
         assert versions.check_versions() is None, dists
     fake(CPU_PINS | {"torch": "2.13.1+cpu", "triton": "3.7.0"})  # patch releases do not matter
@@ -86,15 +90,20 @@ def test_the_override_skips_the_check(fake, monkeypatch):
 
 
 def test_python_m_gem_train_prints_the_version_error_as_one_line(tmp_path):
-    code = ("import importlib.metadata as md, runpy, sys\n"
-            "real = md.version\n"
-            "md.version = lambda name: '2.12.0+cpu' if name == 'torch' else real(name)\n"
-            "runpy.run_module('gem.train', run_name='__main__', alter_sys=True)")
+    code = (
+        "import importlib.metadata as md, runpy, sys\n"
+        "real = md.version\n"
+        "md.version = lambda name: '2.12.0+cpu' if name == 'torch' else real(name)\n"
+        "runpy.run_module('gem.train', run_name='__main__', alter_sys=True)"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "GEM_SKIP_VERSION_CHECK")}
     env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr
-    assert lines[0].startswith("Error in the installed packages: these versions do not work together: "
-                               "fbgemm-gpu-cpu 1.8.0 is built for torch 2.13, not 2.12.0+cpu"), proc.stderr
+    assert lines[0].startswith(
+        "Error in the installed packages: these versions do not work together: "
+        "fbgemm-gpu-cpu 1.8.0 is built for torch 2.13, not 2.12.0+cpu"
+    ), proc.stderr

@@ -58,21 +58,26 @@ class ParallelDims:
                 raise ParallelLayoutError(f"parallelism.{key}={value}: must be >= 1, or -1 to fill the world")
         if self.dp_replicate == -1 and self.dp_shard == -1:
             if w % local:
-                raise ParallelLayoutError(f"world_size {w} is not a whole number of nodes of {local} ranks; "
-                                          f"set parallelism.dp_shard and parallelism.dp_replicate explicitly")
+                raise ParallelLayoutError(
+                    f"world_size {w} is not a whole number of nodes of {local} ranks; "
+                    f"set parallelism.dp_shard and parallelism.dp_replicate explicitly"
+                )
             self.dp_shard, self.dp_replicate = local, w // local
         for key, other in (("dp_replicate", "dp_shard"), ("dp_shard", "dp_replicate")):
             if getattr(self, key) == -1:
                 given = getattr(self, other)
                 if w % given:
-                    raise ParallelLayoutError(f"parallelism.{other}={given} does not divide the world size {w}; "
-                                              f"pick a divisor of {w} for parallelism.{other}")
+                    raise ParallelLayoutError(
+                        f"parallelism.{other}={given} does not divide the world size {w}; "
+                        f"pick a divisor of {w} for parallelism.{other}"
+                    )
                 setattr(self, key, w // given)
         if self.dp_replicate * self.dp_shard != w:
             raise ParallelLayoutError(
                 f"parallelism.dp_replicate x parallelism.dp_shard = {self.dp_replicate} x {self.dp_shard} = "
                 f"{self.dp_replicate * self.dp_shard}, but the world size is {w}; make the product {w} "
-                f"(or set one of them to -1)")
+                f"(or set one of them to -1)"
+            )
 
     @property
     def hsdp(self) -> bool:
@@ -94,8 +99,9 @@ class ParallelDims:
             if self.dp_replicate == 1:
                 self._mesh = init_device_mesh(device_type, (self.dp_shard,), mesh_dim_names=("dp_shard",))
             else:
-                self._mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard),
-                                              mesh_dim_names=("dp_replicate", "dp_shard"))
+                self._mesh = init_device_mesh(
+                    device_type, (self.dp_replicate, self.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")
+                )
         return self._mesh
 
     @property

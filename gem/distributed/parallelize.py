@@ -24,7 +24,13 @@ def dense_blocks(dense_arch: nn.Module) -> list[nn.Module]:
         return list(dense_arch.fsdp_blocks())
     blocks = []
     for child in dense_arch.children():
-        members = child.values() if isinstance(child, nn.ModuleDict) else child if isinstance(child, nn.ModuleList) else [child]
+        members = (
+            child.values()
+            if isinstance(child, nn.ModuleDict)
+            else child
+            if isinstance(child, nn.ModuleList)
+            else [child]
+        )
         blocks.extend(m for m in members if any(True for _ in m.parameters()))
     return blocks
 
@@ -45,9 +51,13 @@ def float8_projections(dense_arch: nn.Module, min_features: int) -> list[str]:
     chosen: list[str] = []
 
     def take(module: nn.Module, name: str) -> bool:
-        ok = (isinstance(module, nn.Linear) and not name.startswith("heads")
-              and min(module.in_features, module.out_features) >= min_features
-              and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+        ok = (
+            isinstance(module, nn.Linear)
+            and not name.startswith("heads")
+            and min(module.in_features, module.out_features) >= min_features
+            and module.in_features % 16 == 0
+            and module.out_features % 16 == 0
+        )
         if ok:
             chosen.append(name)
         return ok
@@ -56,10 +66,17 @@ def float8_projections(dense_arch: nn.Module, min_features: int) -> list[str]:
     return chosen
 
 
-def parallelize_gem(model: nn.Module, mesh: DeviceMesh | None, *, param_dtype: torch.dtype = torch.bfloat16,
-                    reduce_dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False,
-                    compile: bool = False, reshard_after_forward: bool = True,
-                    float8_min_features: int | None = None) -> nn.Module:
+def parallelize_gem(
+    model: nn.Module,
+    mesh: DeviceMesh | None,
+    *,
+    param_dtype: torch.dtype = torch.bfloat16,
+    reduce_dtype: torch.dtype = torch.float32,
+    activation_checkpointing: bool = False,
+    compile: bool = False,
+    reshard_after_forward: bool = True,
+    float8_min_features: int | None = None,
+) -> nn.Module:
     """Parallelize ``model.dense_arch`` in place and return ``model``.
 
     Args:

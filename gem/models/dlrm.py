@@ -25,21 +25,27 @@ from kernels.jagged import jagged_mean
 
 class DLRM(nn.Module):
     """Args:
-        schema: the feature schema.
-        feature_dims: embedding width of each id feature and of each sequence group (from the SparseArch).
-        dim: common width ``D`` of the interaction.
-        bottom_mlp / top_mlp / tower_mlp: hidden widths.
+    schema: the feature schema.
+    feature_dims: embedding width of each id feature and of each sequence group (from the SparseArch).
+    dim: common width ``D`` of the interaction.
+    bottom_mlp / top_mlp / tower_mlp: hidden widths.
     """
 
-    def __init__(self, schema: FeatureSchema, feature_dims: dict[str, int], dim: int = 16,
-                 bottom_mlp: tuple[int, ...] = (64,), top_mlp: tuple[int, ...] = (128, 64),
-                 tower_mlp: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        schema: FeatureSchema,
+        feature_dims: dict[str, int],
+        dim: int = 16,
+        bottom_mlp: tuple[int, ...] = (64,),
+        top_mlp: tuple[int, ...] = (128, 64),
+        tower_mlp: tuple[int, ...] = (),
+    ) -> None:
         super().__init__()
         self.schema = schema
         self.bottom = MLP(schema.num_dense, tuple(bottom_mlp) + (dim,))
-        self.project = nn.ModuleDict({
-            name: (nn.Identity() if d == dim else nn.Linear(d, dim, bias=False)) for name, d in feature_dims.items()
-        })
+        self.project = nn.ModuleDict(
+            {name: (nn.Identity() if d == dim else nn.Linear(d, dim, bias=False)) for name, d in feature_dims.items()}
+        )
         self.domain_embedding = nn.Embedding(schema.num_domains, dim)
         num_vectors = 2 + len(feature_dims)  # bottom output, domain, features
         self.top = MLP(dim + num_vectors * (num_vectors - 1) // 2, tuple(top_mlp))

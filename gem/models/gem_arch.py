@@ -38,27 +38,46 @@ BLOCKS = ("interformer", "kunlun")
 
 class GEMDenseArch(nn.Module):
     """Args:
-        schema / feature_dims: the feature schema and the SparseArch's widths (passed by the trainer).
-        block: ``"interformer"`` or ``"kunlun"``.
-        dim: ``d``, width of the non-sequence tokens; num_layers: depth of the stack.
-        num_heads / head_dim / window: default attention settings of every event stream;
-            ``streams`` overrides them per stream, e.g. ``{"hist": {"num_heads": 4, "window": 32}}``.
-        num_summary: ``N``, tokens of the non-sequence summary (InterFormer: also the CLS tokens).
-        pffn_kv / pffn_activation: the personalized FFN (GDPA form) of both blocks.
-        interaction / num_pma / num_recent: InterFormer's interaction ensemble and sequence summary.
-        compskip / num_seeds / num_pooled / wukong: Kunlun's CompSkip, seed pooling and Wukong
-            interaction (``rank``, ``hidden``, ``num_lcb``, ``num_experts``).
-        top_mlp / tower_mlp / domain_mode: the shared MLP and the heads (``"gate"`` or ``"towers"``).
-        attention_backend: ``kernels.jagged_attention`` backend (configs: ``${kernels.attention_backend}``).
+    schema / feature_dims: the feature schema and the SparseArch's widths (passed by the trainer).
+    block: ``"interformer"`` or ``"kunlun"``.
+    dim: ``d``, width of the non-sequence tokens; num_layers: depth of the stack.
+    num_heads / head_dim / window: default attention settings of every event stream;
+        ``streams`` overrides them per stream, e.g. ``{"hist": {"num_heads": 4, "window": 32}}``.
+    num_summary: ``N``, tokens of the non-sequence summary (InterFormer: also the CLS tokens).
+    pffn_kv / pffn_activation: the personalized FFN (GDPA form) of both blocks.
+    interaction / num_pma / num_recent: InterFormer's interaction ensemble and sequence summary.
+    compskip / num_seeds / num_pooled / wukong: Kunlun's CompSkip, seed pooling and Wukong
+        interaction (``rank``, ``hidden``, ``num_lcb``, ``num_experts``).
+    top_mlp / tower_mlp / domain_mode: the shared MLP and the heads (``"gate"`` or ``"towers"``).
+    attention_backend: ``kernels.jagged_attention`` backend (configs: ``${kernels.attention_backend}``).
     """
 
-    def __init__(self, schema: FeatureSchema, feature_dims: dict[str, int], block: str = "interformer",
-                 dim: int = 32, num_layers: int = 2, num_heads: int = 2, head_dim: int = 16, window: int | None = None,
-                 streams: dict[str, dict[str, Any]] | None = None, num_summary: int = 2, pffn_kv: int = 8,
-                 pffn_activation: str = "silu", interaction: tuple[str, ...] = ("dot", "dcnv2"), num_pma: int = 2,
-                 num_recent: int = 2, compskip: bool = True, num_seeds: int = 8, num_pooled: int = 2,
-                 wukong: dict[str, Any] | None = None, top_mlp: tuple[int, ...] = (128, 64), tower_mlp: tuple[int, ...] = (),
-                 domain_mode: str = "gate", attention_backend: str | None = None) -> None:
+    def __init__(
+        self,
+        schema: FeatureSchema,
+        feature_dims: dict[str, int],
+        block: str = "interformer",
+        dim: int = 32,
+        num_layers: int = 2,
+        num_heads: int = 2,
+        head_dim: int = 16,
+        window: int | None = None,
+        streams: dict[str, dict[str, Any]] | None = None,
+        num_summary: int = 2,
+        pffn_kv: int = 8,
+        pffn_activation: str = "silu",
+        interaction: tuple[str, ...] = ("dot", "dcnv2"),
+        num_pma: int = 2,
+        num_recent: int = 2,
+        compskip: bool = True,
+        num_seeds: int = 8,
+        num_pooled: int = 2,
+        wukong: dict[str, Any] | None = None,
+        top_mlp: tuple[int, ...] = (128, 64),
+        tower_mlp: tuple[int, ...] = (),
+        domain_mode: str = "gate",
+        attention_backend: str | None = None,
+    ) -> None:
         super().__init__()
         if block not in BLOCKS:
             raise ValueError(f"model.block={block!r} must be one of {list(BLOCKS)}")
@@ -67,8 +86,10 @@ class GEMDenseArch(nn.Module):
         streams = dict(streams or {})
         unknown = sorted(set(streams) - {g.name for g in schema.sequence_groups})
         if unknown:
-            raise ValueError(f"model.streams: unknown event streams {unknown}; the schema has "
-                             f"{[g.name for g in schema.sequence_groups]}")
+            raise ValueError(
+                f"model.streams: unknown event streams {unknown}; the schema has "
+                f"{[g.name for g in schema.sequence_groups]}"
+            )
         self.schema, self.block, self.dim, self.num_summary = schema, block, dim, num_summary
         self.specs: list[tuple[str, int, int, int | None]] = []  # (name, width, heads, window)
         for g in schema.sequence_groups:
@@ -82,29 +103,62 @@ class GEMDenseArch(nn.Module):
         self.bottom = MLP(schema.num_dense, (dim,)) if schema.num_dense else None
         self.domain_embedding = nn.Embedding(schema.num_domains, dim)
         self.num_tokens = len(schema.id_feature_names) + (1 if schema.num_dense else 0) + 1
-        self.stream_proj = nn.ModuleDict({name: nn.Linear(feature_dims[name], width) for name, width, _, _ in self.specs})
+        self.stream_proj = nn.ModuleDict(
+            {name: nn.Linear(feature_dims[name], width) for name, width, _, _ in self.specs}
+        )
 
         if block == "interformer":
             self.cls_summary = NonSequenceSummary(self.num_tokens, num_summary, dim)
             self.cls_proj = nn.ModuleDict({name: nn.Linear(dim, width) for name, width, _, _ in self.specs})
             self.layers = nn.ModuleList(
-                InterFormerLayer(self.num_tokens, dim, self.specs, num_summary, list(interaction), pffn_kv,
-                                 pffn_activation, num_pma, num_recent, attention_backend)
-                for _ in range(num_layers))
-            self.final = nn.ModuleDict({
-                name: SequenceSummary(width, heads, dim, num_summary, num_pma, num_recent, attention_backend)
-                for name, width, heads, _ in self.specs})
+                InterFormerLayer(
+                    self.num_tokens,
+                    dim,
+                    self.specs,
+                    num_summary,
+                    list(interaction),
+                    pffn_kv,
+                    pffn_activation,
+                    num_pma,
+                    num_recent,
+                    attention_backend,
+                )
+                for _ in range(num_layers)
+            )
+            self.final = nn.ModuleDict(
+                {
+                    name: SequenceSummary(width, heads, dim, num_summary, num_pma, num_recent, attention_backend)
+                    for name, width, heads, _ in self.specs
+                }
+            )
         else:
             self.layers = nn.ModuleList(
-                KunlunLayer(self.num_tokens, dim, self.specs, compskip and i % 2 == 1, num_summary, pffn_kv,
-                            pffn_activation, num_seeds, num_pooled, dict(wukong or {}), attention_backend)
-                for i in range(num_layers))
-            self.final = nn.ModuleDict({
-                name: SeedPooling(width, heads, dim, num_seeds, num_pooled, attention_backend)
-                for name, width, heads, _ in self.specs})
+                KunlunLayer(
+                    self.num_tokens,
+                    dim,
+                    self.specs,
+                    compskip and i % 2 == 1,
+                    num_summary,
+                    pffn_kv,
+                    pffn_activation,
+                    num_seeds,
+                    num_pooled,
+                    dict(wukong or {}),
+                    attention_backend,
+                )
+                for i in range(num_layers)
+            )
+            self.final = nn.ModuleDict(
+                {
+                    name: SeedPooling(width, heads, dim, num_seeds, num_pooled, attention_backend)
+                    for name, width, heads, _ in self.specs
+                }
+            )
         rep_dim = dim * (self.num_tokens + sum(m.num_tokens for m in self.final.values()))
         self.top = MLP(rep_dim, tuple(top_mlp))
-        self.heads = MultiDomainHeads(self.top.out_dim, schema.num_tasks, schema.num_domains, tuple(tower_mlp), domain_mode)
+        self.heads = MultiDomainHeads(
+            self.top.out_dim, schema.num_tasks, schema.num_domains, tuple(tower_mlp), domain_mode
+        )
 
     def init_weights(self) -> None:
         """Initialize every parameter (after ``to_empty``); fails if a parameter has no rule."""
@@ -127,8 +181,10 @@ class GEMDenseArch(nn.Module):
                 values, offsets = jagged_prepend(self.cls_proj[name](cls), s.values, s.offsets)
                 seqs[name] = JaggedEmbeddings(values, offsets, s.max_len + self.num_summary)
         # rotary tables once per stream, for every layer (positions do not change between layers)
-        rope = {name: rotary_tables(seqs[name].offsets, seqs[name].values.shape[0], width // heads)
-                for name, width, heads, _ in self.specs}
+        rope = {
+            name: rotary_tables(seqs[name].offsets, seqs[name].values.shape[0], width // heads)
+            for name, width, heads, _ in self.specs
+        }
         if self.block == "interformer":
             for layer in self.layers:
                 x, seqs = layer(x, seqs, rope)
@@ -139,8 +195,13 @@ class GEMDenseArch(nn.Module):
         rep = [x.flatten(1)] + [self.final[name](s).flatten(1) for name, s in seqs.items()]
         return self.heads(self.top(torch.cat(rep, dim=1)), domain)
 
-    def flops(self, batch_size: int, lengths: dict[str, torch.Tensor], max_lens: dict[str, int] | None = None,
-              padded: bool = False) -> dict[str, int]:
+    def flops(
+        self,
+        batch_size: int,
+        lengths: dict[str, torch.Tensor],
+        max_lens: dict[str, int] | None = None,
+        padded: bool = False,
+    ) -> dict[str, int]:
         """Analytic FLOPs of one forward and one backward pass (matmuls only, as FlopCounterMode counts).
 
         Args:

@@ -45,15 +45,34 @@ OBJECTIVES = ("next_event", "ranking")
 class CausalSequenceLayer(nn.Module):
     """One block's sequence arch, causal: ``S = MHA_rope(PFFN(S | X_sum))`` (no PFFN on a CompSkip layer)."""
 
-    def __init__(self, width: int, num_heads: int, summary_dim: int, num_summary: int, pffn_kv: int,
-                 pffn_activation: str, window: int | None, use_pffn: bool, backend: str | None) -> None:
+    def __init__(
+        self,
+        width: int,
+        num_heads: int,
+        summary_dim: int,
+        num_summary: int,
+        pffn_kv: int,
+        pffn_activation: str,
+        window: int | None,
+        use_pffn: bool,
+        backend: str | None,
+    ) -> None:
         super().__init__()
-        self.pffn = (PersonalizedFFN(width, num_heads, summary_dim, num_summary, pffn_kv, pffn_activation, backend)
-                     if use_pffn else None)
+        self.pffn = (
+            PersonalizedFFN(width, num_heads, summary_dim, num_summary, pffn_kv, pffn_activation, backend)
+            if use_pffn
+            else None
+        )
         self.attention = JaggedSelfAttention(width, num_heads, window, backend, causal=True)
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int, summary: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        offsets: torch.Tensor,
+        max_len: int,
+        summary: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
         if self.pffn is not None:
             x = self.pffn(x, offsets, max_len, summary)
         return self.attention(x, offsets, max_len, rope)
@@ -65,42 +84,60 @@ class CausalSequenceLayer(nn.Module):
 
 class GenerativeSeqArch(nn.Module):
     """Args:
-        schema / feature_dims: the feature schema and the SparseArch's widths (passed by the trainer).
-        block: ``"interformer"`` (a PFFN in every layer, full causal attention) or ``"kunlun"``
-            (CompSkip on odd layers with ``compskip``, attention within ``window``).
-        dim / num_summary: width and count of the user summary tokens that generate the PFFN.
-        num_layers / num_heads / head_dim / window / pffn_kv / pffn_activation: the sequence arch.
-        sequence / negatives: the event stream and the group of sampled negatives (gem.data.sources.seqrec's
-            ``hist`` and ``neg``); the stream's first feature is the item, whose table scores.
-        candidate_features: the id features that describe a ranking row's candidate (``item_id``,
-            the one scored, first); every other id feature is a user token.
-        item_attributes: score an item as its id embedding plus a linear map of the sum of its
-            attribute embeddings (the events' and negatives' attribute features, the ranking row's
-            ``candidate_features[1]`` bag), so that items seen rarely as targets share what their
-            attributes learned. Needs the bag to hold as many attributes as an event carries
-            (``data.seqrec.max_attrs == data.seqrec.event_attrs``).
-        similarity / temperature: ``cosine`` (scaled by ``1 / temperature``) or ``dot``.
-        in_batch_negatives: at most this many of the batch's next events are each position's
-            in-batch negatives (all of them when there are fewer).
-        logq_correction: subtract each candidate's log expected count from its logit (an item drawn
-            often as an in-batch negative is not pushed down for being popular); False for ablations.
-        pffn: the personalized FFN in the layers (False: attention only, for ablations).
-        dropout: on the event embeddings and on ``H``.
-        attention_backend: ``kernels.jagged_attention`` backend.
-        objective: ``next_event`` (the sampled softmax above) or ``ranking``: the ranking logits in
-            training too, for labelled (history, candidate) rows and the trainer's task loss, e.g.
-            to fine-tune a next-event model (``checkpoint.init_from``) on a ranking task.
+    schema / feature_dims: the feature schema and the SparseArch's widths (passed by the trainer).
+    block: ``"interformer"`` (a PFFN in every layer, full causal attention) or ``"kunlun"``
+        (CompSkip on odd layers with ``compskip``, attention within ``window``).
+    dim / num_summary: width and count of the user summary tokens that generate the PFFN.
+    num_layers / num_heads / head_dim / window / pffn_kv / pffn_activation: the sequence arch.
+    sequence / negatives: the event stream and the group of sampled negatives (gem.data.sources.seqrec's
+        ``hist`` and ``neg``); the stream's first feature is the item, whose table scores.
+    candidate_features: the id features that describe a ranking row's candidate (``item_id``,
+        the one scored, first); every other id feature is a user token.
+    item_attributes: score an item as its id embedding plus a linear map of the sum of its
+        attribute embeddings (the events' and negatives' attribute features, the ranking row's
+        ``candidate_features[1]`` bag), so that items seen rarely as targets share what their
+        attributes learned. Needs the bag to hold as many attributes as an event carries
+        (``data.seqrec.max_attrs == data.seqrec.event_attrs``).
+    similarity / temperature: ``cosine`` (scaled by ``1 / temperature``) or ``dot``.
+    in_batch_negatives: at most this many of the batch's next events are each position's
+        in-batch negatives (all of them when there are fewer).
+    logq_correction: subtract each candidate's log expected count from its logit (an item drawn
+        often as an in-batch negative is not pushed down for being popular); False for ablations.
+    pffn: the personalized FFN in the layers (False: attention only, for ablations).
+    dropout: on the event embeddings and on ``H``.
+    attention_backend: ``kernels.jagged_attention`` backend.
+    objective: ``next_event`` (the sampled softmax above) or ``ranking``: the ranking logits in
+        training too, for labelled (history, candidate) rows and the trainer's task loss, e.g.
+        to fine-tune a next-event model (``checkpoint.init_from``) on a ranking task.
     """
 
-
-    def __init__(self, schema: FeatureSchema, feature_dims: dict[str, int], block: str = "interformer",
-                 dim: int = 32, num_layers: int = 2, num_heads: int = 2, head_dim: int = 32,
-                 window: int | None = None, num_summary: int = 2, pffn_kv: int = 8, pffn_activation: str = "silu",
-                 compskip: bool = True, sequence: str = "hist", negatives: str | None = "neg",
-                 candidate_features: tuple[str, ...] = ("item_id", "item_attr"), item_attributes: bool = False,
-                 similarity: str = "cosine", temperature: float = 0.05, in_batch_negatives: int = 4096,
-                 logq_correction: bool = True, pffn: bool = True, dropout: float = 0.0,
-                 attention_backend: str | None = None, objective: str = "next_event") -> None:
+    def __init__(
+        self,
+        schema: FeatureSchema,
+        feature_dims: dict[str, int],
+        block: str = "interformer",
+        dim: int = 32,
+        num_layers: int = 2,
+        num_heads: int = 2,
+        head_dim: int = 32,
+        window: int | None = None,
+        num_summary: int = 2,
+        pffn_kv: int = 8,
+        pffn_activation: str = "silu",
+        compskip: bool = True,
+        sequence: str = "hist",
+        negatives: str | None = "neg",
+        candidate_features: tuple[str, ...] = ("item_id", "item_attr"),
+        item_attributes: bool = False,
+        similarity: str = "cosine",
+        temperature: float = 0.05,
+        in_batch_negatives: int = 4096,
+        logq_correction: bool = True,
+        pffn: bool = True,
+        dropout: float = 0.0,
+        attention_backend: str | None = None,
+        objective: str = "next_event",
+    ) -> None:
         super().__init__()
         if objective not in OBJECTIVES:
             raise ValueError(f"model.objective={objective!r} must be one of {list(OBJECTIVES)}")
@@ -115,8 +152,10 @@ class GenerativeSeqArch(nn.Module):
         if sequence not in groups:
             raise ValueError(f"model.sequence={sequence!r}: the schema's sequence groups are {list(groups)}")
         if negatives is not None and negatives not in groups:
-            raise ValueError(f"model.negatives={negatives!r}: the schema's sequence groups are {list(groups)}; "
-                             "set model.negatives=null to train on in-batch negatives only")
+            raise ValueError(
+                f"model.negatives={negatives!r}: the schema's sequence groups are {list(groups)}; "
+                "set model.negatives=null to train on in-batch negatives only"
+            )
         self.item_feature = groups[sequence].feature_names[0]
         self.candidate_attrs = candidate_features[1] if len(candidate_features) > 1 else None
         self.negative_feature = groups[negatives].feature_names[0] if negatives else None
@@ -125,12 +164,16 @@ class GenerativeSeqArch(nn.Module):
         tables |= {f.name: f.table_name for g in schema.sequence_groups for f in g.features}
         scored = [f for f in (self.candidate, self.negative_feature) if f is not None]
         if any(tables.get(f) != tables[self.item_feature] for f in scored):
-            raise ValueError(f"model: {scored} must share the table of {self.item_feature!r} "
-                             f"({tables[self.item_feature]!r}): the item table scores the next event")
+            raise ValueError(
+                f"model: {scored} must share the table of {self.item_feature!r} "
+                f"({tables[self.item_feature]!r}): the item table scores the next event"
+            )
         self.user_features = [f for f in schema.id_feature_names if f not in candidate_features]
         if not self.user_features:
-            raise ValueError(f"model.candidate_features={list(candidate_features)} leaves no user id feature "
-                             "to generate the personalized FFN from")
+            raise ValueError(
+                f"model.candidate_features={list(candidate_features)} leaves no user id feature "
+                "to generate the personalized FFN from"
+            )
         self.sequence, self.negatives = sequence, negatives
         self.attr_slots: dict[str, list[str]] = {}  # group -> its attribute features, when items are scored with them
         if item_attributes:
@@ -148,14 +191,25 @@ class GenerativeSeqArch(nn.Module):
         self.user_summary = NonSequenceSummary(len(self.user_features), num_summary, dim)
         self.event_proj = nn.Linear(feature_dims[sequence], width)
         self.layers = nn.ModuleList(
-            CausalSequenceLayer(width, num_heads, dim, num_summary, pffn_kv, pffn_activation, window,
-                                pffn and not (block == "kunlun" and compskip and i % 2 == 1), attention_backend)
-            for i in range(num_layers))
+            CausalSequenceLayer(
+                width,
+                num_heads,
+                dim,
+                num_summary,
+                pffn_kv,
+                pffn_activation,
+                window,
+                pffn and not (block == "kunlun" and compskip and i % 2 == 1),
+                attention_backend,
+            )
+            for i in range(num_layers)
+        )
         self.norm = nn.LayerNorm(width)
         self.out = nn.Linear(width, self.item_dim)
         self.dropout = nn.Dropout(dropout)
-        self.attr_proj = (nn.Linear(feature_dims[candidate_features[1]], self.item_dim, bias=False)
-                          if self.attr_slots else None)
+        self.attr_proj = (
+            nn.Linear(feature_dims[candidate_features[1]], self.item_dim, bias=False) if self.attr_slots else None
+        )
 
     def init_weights(self) -> None:
         """Initialize every parameter (after ``to_empty``); fails if a parameter has no rule."""
@@ -178,8 +232,13 @@ class GenerativeSeqArch(nn.Module):
             return F.normalize(queries.float(), dim=-1) @ F.normalize(items.float(), dim=-1).T / self.temperature
         return queries.float() @ items.float().T
 
-    def forward(self, sparse: SparseOutput, dense: torch.Tensor, domain: torch.Tensor,
-                ids: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        sparse: SparseOutput,
+        dense: torch.Tensor,
+        domain: torch.Tensor,
+        ids: dict[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         if self.training and self.returns_loss:
             return self.next_event_loss(self.encode(sparse), sparse, ids).view(1, 1)
         last = self.last_states(sparse)
@@ -202,8 +261,10 @@ class GenerativeSeqArch(nn.Module):
             total = int(offsets[-1])
             rows = torch.repeat_interleave(s.offsets[:-1][keep], lengths, output_size=total)
             rows = rows + jagged_positions(offsets, total)
-            sparse = SparseOutput({f: sparse.pooled[f][keep] for f in self.user_features},
-                                  {self.sequence: JaggedEmbeddings(s.values[rows], offsets, s.max_len)})
+            sparse = SparseOutput(
+                {f: sparse.pooled[f][keep] for f in self.user_features},
+                {self.sequence: JaggedEmbeddings(s.values[rows], offsets, s.max_len)},
+            )
             s = sparse.sequences[self.sequence]
         h = self.encode(sparse)
         lengths = offsets_to_lengths(s.offsets)
@@ -258,28 +319,37 @@ class GenerativeSeqArch(nn.Module):
         """``[T, D_item]``: the item of each event of ``group`` as it is scored: its id embedding (the
         group's first columns), plus ``attr_proj`` of its attribute embeddings summed where an
         attribute is present (id 0 marks a missing one, which the candidate's bag leaves out)."""
-        items = values[:, :self.item_dim]
+        items = values[:, : self.item_dim]
         if self.attr_proj is None:
             return items
-        attrs = values[:, self.item_dim:].unflatten(1, (len(self.attr_slots[group]), -1))  # [T, A, D_attr]
+        attrs = values[:, self.item_dim :].unflatten(1, (len(self.attr_slots[group]), -1))  # [T, A, D_attr]
         present = torch.stack([ids[f] != 0 for f in self.attr_slots[group]], dim=1).unsqueeze(-1)
         return items + self.attr_proj((attrs * present).sum(1))
 
     def _rows(self, queries: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
         """Row-wise scores ``[T]`` of ``queries[t]`` against ``items[t]``."""
         if self.similarity == "cosine":
-            return (F.normalize(queries.float(), dim=-1) * F.normalize(items.float(), dim=-1)).sum(-1) / self.temperature
+            return (F.normalize(queries.float(), dim=-1) * F.normalize(items.float(), dim=-1)).sum(
+                -1
+            ) / self.temperature
         return (queries.float() * items.float()).sum(-1)
 
-    def flops(self, batch_size: int, lengths: dict[str, torch.Tensor], max_lens: dict[str, int] | None = None,
-              padded: bool = False) -> dict[str, int]:
+    def flops(
+        self,
+        batch_size: int,
+        lengths: dict[str, torch.Tensor],
+        max_lens: dict[str, int] | None = None,
+        padded: bool = False,
+    ) -> dict[str, int]:
         """Analytic FLOPs of a training step's forward and backward (matmuls, true jagged lengths)."""
         n = lengths[self.sequence].detach().long().cpu()
         rows = int(n.sum())
         max_len = int(n.max()) if n.numel() else 0
         b = batch_size
         fwd = sum(linear_flops(b, m.in_features, m.out_features) for m in self.user_proj.values())
-        fwd += self.user_summary.flops(b) + linear_flops(rows, self.event_proj.in_features, self.event_proj.out_features)
+        fwd += self.user_summary.flops(b) + linear_flops(
+            rows, self.event_proj.in_features, self.event_proj.out_features
+        )
         fwd += sum(layer.flops(n, max_len, padded) for layer in self.layers)
         fwd += linear_flops(rows, self.out.in_features, self.out.out_features)
         uniform = int(lengths[self.negatives].sum()) if self.negatives is not None and self.negatives in lengths else 0
@@ -290,28 +360,39 @@ class GenerativeSeqArch(nn.Module):
         return {"forward": fwd, "backward": 2 * fwd}
 
 
-def _attribute_slots(schema: FeatureSchema, tables: dict[str, str], candidate_features: tuple[str, ...],
-                     sequence: str, negatives: str | None) -> dict[str, list[str]]:
+def _attribute_slots(
+    schema: FeatureSchema,
+    tables: dict[str, str],
+    candidate_features: tuple[str, ...],
+    sequence: str,
+    negatives: str | None,
+) -> dict[str, list[str]]:
     """The attribute features of the event and negative groups for ``item_attributes``: every feature
     after the item, each in the table of the candidate's attribute bag ``candidate_features[1]``."""
     if len(candidate_features) < 2 or candidate_features[1] not in tables:
-        raise ValueError(f"model.item_attributes=true needs the candidate's attribute bag as "
-                         f"model.candidate_features[1]; got {list(candidate_features)}")
+        raise ValueError(
+            f"model.item_attributes=true needs the candidate's attribute bag as "
+            f"model.candidate_features[1]; got {list(candidate_features)}"
+        )
     bag = candidate_features[1]
     slots = {}
     for group in (g for g in (sequence, negatives) if g is not None):
         names = schema.group(group).feature_names[1:]
         if not names or any(tables[f] != tables[bag] for f in names):
-            raise ValueError(f"model.item_attributes=true: the features after the item in group {group!r} "
-                             f"({names}) must all be attributes in the table of {bag!r} ({tables[bag]!r}); "
-                             f"set data.seqrec.event_attrs >= 1")
+            raise ValueError(
+                f"model.item_attributes=true: the features after the item in group {group!r} "
+                f"({names}) must all be attributes in the table of {bag!r} ({tables[bag]!r}); "
+                f"set data.seqrec.event_attrs >= 1"
+            )
         slots[group] = names
     counts = {len(v) for v in slots.values()}
     max_ids = next(f.max_ids for f in schema.id_features if f.name == bag)
     if len(counts) != 1 or max_ids != counts.pop():
-        raise ValueError(f"model.item_attributes=true: the candidate's bag {bag!r} holds up to {max_ids} attributes "
-                         f"but the events carry {[len(v) for v in slots.values()]}; set data.seqrec.max_attrs equal "
-                         f"to data.seqrec.event_attrs so that training and ranking score the same item")
+        raise ValueError(
+            f"model.item_attributes=true: the candidate's bag {bag!r} holds up to {max_ids} attributes "
+            f"but the events carry {[len(v) for v in slots.values()]}; set data.seqrec.max_attrs equal "
+            f"to data.seqrec.event_attrs so that training and ranking score the same item"
+        )
     return slots
 
 

@@ -49,8 +49,9 @@ class MultiDomainHeads(nn.Module):
     ``forward(x, domain [B]) -> logits [B, num_tasks]``.
     """
 
-    def __init__(self, in_dim: int, num_tasks: int, num_domains: int, tower_dims: tuple[int, ...] = (),
-                 mode: str = "gate") -> None:
+    def __init__(
+        self, in_dim: int, num_tasks: int, num_domains: int, tower_dims: tuple[int, ...] = (), mode: str = "gate"
+    ) -> None:
         super().__init__()
         if mode not in ("gate", "towers"):
             raise ValueError(f"model.domain_mode={mode!r} must be 'gate' or 'towers'")

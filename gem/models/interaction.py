@@ -51,8 +51,11 @@ class DCNv2(nn.Module):
         return self.proj(x)
 
     def flops(self, batch_size: int) -> int:
-        cross = sum(linear_flops(batch_size, d.in_features, d.out_features) + linear_flops(batch_size, u.in_features, u.out_features)
-                    for d, u in zip(self.down, self.up))
+        cross = sum(
+            linear_flops(batch_size, d.in_features, d.out_features)
+            + linear_flops(batch_size, u.in_features, u.out_features)
+            for d, u in zip(self.down, self.up)
+        )
         return cross + linear_flops(batch_size, self.proj.in_features, self.proj.out_features)
 
 
@@ -102,8 +105,11 @@ class FactorizationMachineBlock(nn.Module):
 
     def flops(self, batch_size: int) -> int:
         b, m, k, d = batch_size, self.num_in, self.rank, self.dim
-        return (linear_flops(b * d, m, k) + 2 * b * m * k * d
-                + sum(linear_flops(b, l.in_features, l.out_features) for l in self.mlp if isinstance(l, nn.Linear)))
+        return (
+            linear_flops(b * d, m, k)
+            + 2 * b * m * k * d
+            + sum(linear_flops(b, l.in_features, l.out_features) for l in self.mlp if isinstance(l, nn.Linear))
+        )
 
 
 class WukongLayer(nn.Module):
@@ -113,14 +119,24 @@ class WukongLayer(nn.Module):
     With ``num_experts > 1`` the FMB is a softmax-gated mixture of experts (gate on the mean token).
     """
 
-    def __init__(self, num_in: int, num_out: int, dim: int, rank: int = 8, hidden: int = 256,
-                 num_lcb: int | None = None, num_experts: int = 1) -> None:
+    def __init__(
+        self,
+        num_in: int,
+        num_out: int,
+        dim: int,
+        rank: int = 8,
+        hidden: int = 256,
+        num_lcb: int | None = None,
+        num_experts: int = 1,
+    ) -> None:
         super().__init__()
         num_lcb = num_out // 2 if num_lcb is None else num_lcb
         if not 0 <= num_lcb < num_out:
             raise ValueError(f"model.wukong.num_lcb={num_lcb} must be in [0, {num_out}) (the non-sequence token count)")
         self.num_fmb, self.num_out, self.dim = num_out - num_lcb, num_out, dim
-        self.fmb = nn.ModuleList(FactorizationMachineBlock(num_in, self.num_fmb, dim, rank, hidden) for _ in range(num_experts))
+        self.fmb = nn.ModuleList(
+            FactorizationMachineBlock(num_in, self.num_fmb, dim, rank, hidden) for _ in range(num_experts)
+        )
         self.gate = nn.Linear(dim, num_experts) if num_experts > 1 else None
         self.lcb = nn.Linear(num_in, num_lcb, bias=False) if num_lcb else None
         self.norm = nn.LayerNorm(dim)

@@ -49,7 +49,9 @@ class NonSequenceSummary(nn.Module):
         return self.gate(self.proj(x.flatten(1)).view(x.shape[0], self.num_summary, self.dim))
 
     def flops(self, batch_size: int) -> int:
-        return linear_flops(batch_size, self.proj.in_features, self.proj.out_features) + self.gate.flops(batch_size * self.num_summary)
+        return linear_flops(batch_size, self.proj.in_features, self.proj.out_features) + self.gate.flops(
+            batch_size * self.num_summary
+        )
 
 
 class SequenceSummary(nn.Module):
@@ -57,8 +59,16 @@ class SequenceSummary(nn.Module):
     ``num_recent`` most recent rows of each example (CLS rows too when the history is shorter),
     projected to ``dim`` and self-gated: ``[B, num_cls + num_pma + num_recent, dim]``."""
 
-    def __init__(self, stream_dim: int, num_heads: int, dim: int, num_cls: int, num_pma: int, num_recent: int,
-                 backend: str | None) -> None:
+    def __init__(
+        self,
+        stream_dim: int,
+        num_heads: int,
+        dim: int,
+        num_cls: int,
+        num_pma: int,
+        num_recent: int,
+        backend: str | None,
+    ) -> None:
         super().__init__()
         self.num_cls, self.num_recent = num_cls, num_recent
         self.num_tokens = num_cls + num_pma + num_recent
@@ -91,27 +101,42 @@ class InterFormerLayer(nn.Module):
         num_pma / num_recent: PMA tokens and most recent rows in each sequence summary.
     """
 
-    def __init__(self, num_tokens: int, dim: int, streams: list[tuple[str, int, int, int | None]], num_summary: int,
-                 interaction: list[str], pffn_kv: int, pffn_activation: str, num_pma: int, num_recent: int,
-                 backend: str | None = None) -> None:
+    def __init__(
+        self,
+        num_tokens: int,
+        dim: int,
+        streams: list[tuple[str, int, int, int | None]],
+        num_summary: int,
+        interaction: list[str],
+        pffn_kv: int,
+        pffn_activation: str,
+        num_pma: int,
+        num_recent: int,
+        backend: str | None = None,
+    ) -> None:
         super().__init__()
         self.x_summary = NonSequenceSummary(num_tokens, num_summary, dim)
-        self.s_summary = nn.ModuleDict({
-            name: SequenceSummary(width, heads, dim, num_summary, num_pma, num_recent, backend)
-            for name, width, heads, _ in streams
-        })
+        self.s_summary = nn.ModuleDict(
+            {
+                name: SequenceSummary(width, heads, dim, num_summary, num_pma, num_recent, backend)
+                for name, width, heads, _ in streams
+            }
+        )
         num_in = num_tokens + sum(m.num_tokens for m in self.s_summary.values())
         self.interaction = InteractionEnsemble(list(interaction), num_in, num_tokens, dim)
-        self.pffn = nn.ModuleDict({
-            name: PersonalizedFFN(width, heads, dim, num_summary, pffn_kv, pffn_activation, backend)
-            for name, width, heads, _ in streams
-        })
-        self.attention = nn.ModuleDict({
-            name: JaggedSelfAttention(width, heads, window, backend) for name, width, heads, window in streams
-        })
+        self.pffn = nn.ModuleDict(
+            {
+                name: PersonalizedFFN(width, heads, dim, num_summary, pffn_kv, pffn_activation, backend)
+                for name, width, heads, _ in streams
+            }
+        )
+        self.attention = nn.ModuleDict(
+            {name: JaggedSelfAttention(width, heads, window, backend) for name, width, heads, window in streams}
+        )
 
-    def forward(self, x: torch.Tensor, seqs: dict[str, JaggedEmbeddings], rope: dict[str, tuple] | None = None
-                ) -> tuple[torch.Tensor, dict[str, JaggedEmbeddings]]:
+    def forward(
+        self, x: torch.Tensor, seqs: dict[str, JaggedEmbeddings], rope: dict[str, tuple] | None = None
+    ) -> tuple[torch.Tensor, dict[str, JaggedEmbeddings]]:
         """``rope``: per stream, its rotary tables (gem.models.sequence.rotary_tables); None: computed here."""
         rope = rope or {}
         x_sum = self.x_summary(x)  # Cross Arch, both ways
@@ -127,6 +152,9 @@ class InterFormerLayer(nn.Module):
     def flops(self, batch_size: int, lengths: dict[str, torch.Tensor], max_lens: dict[str, int], padded: bool) -> int:
         total = self.x_summary.flops(batch_size) + self.interaction.flops(batch_size)
         for name, n in lengths.items():
-            total += (self.s_summary[name].flops(n, max_lens[name], padded) + self.pffn[name].flops(n, max_lens[name], padded)
-                      + self.attention[name].flops(n, max_lens[name], padded))
+            total += (
+                self.s_summary[name].flops(n, max_lens[name], padded)
+                + self.pffn[name].flops(n, max_lens[name], padded)
+                + self.attention[name].flops(n, max_lens[name], padded)
+            )
         return total

@@ -33,8 +33,9 @@ class SeedPooling(nn.Module):
     learned low-rank map over the seed axis compresses them to ``num_pooled`` tokens, projected
     to ``dim``: ``[B, num_pooled, dim]``."""
 
-    def __init__(self, stream_dim: int, num_heads: int, dim: int, num_seeds: int, num_pooled: int,
-                 backend: str | None) -> None:
+    def __init__(
+        self, stream_dim: int, num_heads: int, dim: int, num_seeds: int, num_pooled: int, backend: str | None
+    ) -> None:
         super().__init__()
         self.num_tokens, self.stream_dim = num_pooled, stream_dim
         self.seeds = PoolingByAttention(stream_dim, num_heads, num_seeds, backend)
@@ -47,9 +48,11 @@ class SeedPooling(nn.Module):
 
     def flops(self, lengths: torch.Tensor, max_len: int, padded: bool) -> int:
         b = lengths.numel()
-        return (self.seeds.flops(lengths, max_len, padded)
-                + linear_flops(b * self.stream_dim, self.compress.in_features, self.compress.out_features)
-                + linear_flops(b * self.num_tokens, self.proj.in_features, self.proj.out_features))
+        return (
+            self.seeds.flops(lengths, max_len, padded)
+            + linear_flops(b * self.stream_dim, self.compress.in_features, self.compress.out_features)
+            + linear_flops(b * self.num_tokens, self.proj.in_features, self.proj.out_features)
+        )
 
 
 class KunlunLayer(nn.Module):
@@ -64,27 +67,48 @@ class KunlunLayer(nn.Module):
         wukong: keyword arguments of :class:`WukongLayer` (rank, hidden, num_lcb, num_experts).
     """
 
-    def __init__(self, num_tokens: int, dim: int, streams: list[tuple[str, int, int, int | None]], skip: bool,
-                 num_summary: int, pffn_kv: int, pffn_activation: str, num_seeds: int, num_pooled: int,
-                 wukong: dict, backend: str | None = None) -> None:
+    def __init__(
+        self,
+        num_tokens: int,
+        dim: int,
+        streams: list[tuple[str, int, int, int | None]],
+        skip: bool,
+        num_summary: int,
+        pffn_kv: int,
+        pffn_activation: str,
+        num_seeds: int,
+        num_pooled: int,
+        wukong: dict,
+        backend: str | None = None,
+    ) -> None:
         super().__init__()
         self.skip = skip
         if not skip:
             self.x_summary = NonSequenceSummary(num_tokens, num_summary, dim)
-            self.pffn = nn.ModuleDict({
-                name: PersonalizedFFN(width, heads, dim, num_summary, pffn_kv, pffn_activation, backend)
-                for name, width, heads, _ in streams
-            })
-            self.pool = nn.ModuleDict({
-                name: SeedPooling(width, heads, dim, num_seeds, num_pooled, backend) for name, width, heads, _ in streams
-            })
-        self.attention = nn.ModuleDict({
-            name: JaggedSelfAttention(width, heads, window, backend) for name, width, heads, window in streams
-        })
+            self.pffn = nn.ModuleDict(
+                {
+                    name: PersonalizedFFN(width, heads, dim, num_summary, pffn_kv, pffn_activation, backend)
+                    for name, width, heads, _ in streams
+                }
+            )
+            self.pool = nn.ModuleDict(
+                {
+                    name: SeedPooling(width, heads, dim, num_seeds, num_pooled, backend)
+                    for name, width, heads, _ in streams
+                }
+            )
+        self.attention = nn.ModuleDict(
+            {name: JaggedSelfAttention(width, heads, window, backend) for name, width, heads, window in streams}
+        )
         self.interaction = WukongLayer(num_tokens + num_pooled * len(streams), num_tokens, dim, **wukong)
 
-    def forward(self, x: torch.Tensor, seqs: dict[str, JaggedEmbeddings], cached: list[torch.Tensor] | None,
-                rope: dict[str, tuple] | None = None) -> tuple[torch.Tensor, dict[str, JaggedEmbeddings], list[torch.Tensor]]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        seqs: dict[str, JaggedEmbeddings],
+        cached: list[torch.Tensor] | None,
+        rope: dict[str, tuple] | None = None,
+    ) -> tuple[torch.Tensor, dict[str, JaggedEmbeddings], list[torch.Tensor]]:
         """Returns the new tokens, the new streams and the pooled summaries (to be reused by a skip
         layer). ``rope``: per stream, its rotary tables (gem.models.sequence.rotary_tables); None:
         computed here."""
@@ -95,7 +119,9 @@ class KunlunLayer(nn.Module):
         out, pooled = {}, []
         for name, s in seqs.items():
             values = s.values if self.skip else self.pffn[name](s.values, s.offsets, s.max_len, x_sum)
-            s = JaggedEmbeddings(self.attention[name](values, s.offsets, s.max_len, rope.get(name)), s.offsets, s.max_len)
+            s = JaggedEmbeddings(
+                self.attention[name](values, s.offsets, s.max_len, rope.get(name)), s.offsets, s.max_len
+            )
             out[name] = s
             if not self.skip:
                 pooled.append(self.pool[name](s))
@@ -109,5 +135,7 @@ class KunlunLayer(nn.Module):
         for name, n in lengths.items():
             total += self.attention[name].flops(n, max_lens[name], padded)
             if not self.skip:
-                total += self.pffn[name].flops(n, max_lens[name], padded) + self.pool[name].flops(n, max_lens[name], padded)
+                total += self.pffn[name].flops(n, max_lens[name], padded) + self.pool[name].flops(
+                    n, max_lens[name], padded
+                )
         return total

@@ -54,8 +54,9 @@ def attention_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.to(dtype) for t in tensors)
 
 
-def rotary_tables(offsets: torch.Tensor, total: int, head_dim: int, base: float = 10000.0
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(
+    offsets: torch.Tensor, total: int, head_dim: int, base: float = 10000.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin)`` float32 ``[T, 1, D/2]`` of the rotary embedding at every row's position in
     its own sequence (0 = oldest). The tables depend only on the offsets: computed once per event
     stream and batch, every layer reuses them (a compiled layer that builds its own evaluates sin
@@ -99,8 +100,9 @@ class JaggedSelfAttention(nn.Module):
         backend: ``kernels.jagged_attention`` backend (None: Triton on CUDA, reference elsewhere).
     """
 
-    def __init__(self, dim: int, num_heads: int, window: int | None = None, backend: str | None = None,
-                 causal: bool = False) -> None:
+    def __init__(
+        self, dim: int, num_heads: int, window: int | None = None, backend: str | None = None, causal: bool = False
+    ) -> None:
         super().__init__()
         if dim % num_heads or (dim // num_heads) % 2:
             raise ValueError(f"model.streams: width {dim} must split into {num_heads} heads of an even head_dim")
@@ -110,15 +112,21 @@ class JaggedSelfAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int,
-                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        offsets: torch.Tensor,
+        max_len: int,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """``rope``: the stream's :func:`rotary_tables` (computed here when None)."""
         if rope is None:
             rope = rotary_tables(offsets, x.shape[0], self.head_dim)
         q, k, v = self.qkv(self.norm(x)).view(-1, 3, self.num_heads, self.head_dim).unbind(1)  # [T, H, D] each
         q, k, v = attention_inputs(rotary(q, rope), rotary(k, rope), v)
-        o = jagged_attention(q, k, v, offsets, offsets, max_len, max_len, causal=self.causal,
-                             window=self.window, backend=self.backend)
+        o = jagged_attention(
+            q, k, v, offsets, offsets, max_len, max_len, causal=self.causal, window=self.window, backend=self.backend
+        )
         return x + self.out(o.reshape(x.shape))
 
     def flops(self, lengths: torch.Tensor, max_len: int, padded: bool) -> int:
@@ -128,8 +136,11 @@ class JaggedSelfAttention(nn.Module):
             pairs = lengths.numel() * max_len * max_len
         else:
             pairs = self_attention_pairs(lengths, self.window, self.causal)
-        return (linear_flops(rows, dim, 3 * dim) + linear_flops(rows, dim, dim)
-                + attention_flops(self.num_heads, self.head_dim, pairs))
+        return (
+            linear_flops(rows, dim, 3 * dim)
+            + linear_flops(rows, dim, dim)
+            + attention_flops(self.num_heads, self.head_dim, pairs)
+        )
 
 
 class PersonalizedFFN(nn.Module):
@@ -149,8 +160,16 @@ class PersonalizedFFN(nn.Module):
         num_kv: ``N``, the FFN's hidden width per head.
     """
 
-    def __init__(self, dim: int, num_heads: int, summary_dim: int, num_summary: int, num_kv: int,
-                 activation: str = "silu", backend: str | None = None) -> None:
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        summary_dim: int,
+        num_summary: int,
+        num_kv: int,
+        activation: str = "silu",
+        backend: str | None = None,
+    ) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv = num_heads, dim // num_heads, num_kv
         self.activation, self.backend = activation, backend
@@ -161,19 +180,32 @@ class PersonalizedFFN(nn.Module):
         self.out = nn.Linear(dim, dim)
 
     def init_own_parameters(self) -> None:
-        nn.init.normal_(self.shared, std=self.head_dim ** -0.5)
+        nn.init.normal_(self.shared, std=self.head_dim**-0.5)
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int, summary: torch.Tensor) -> torch.Tensor:
         num_seqs, width = summary.shape[0], self.num_heads * self.head_dim
         generated = self.proj(summary)  # [B, N_s, 2*H*D]
         mix = self.mix.weight.expand(num_seqs, -1, -1)  # [B, N, N_s], no copy
         # K_b = W_0 + M (xs_b W) per example, K and V apart, each written once in its final layout
-        k, v = (torch.baddbmm(self.shared[:, part], mix, generated[..., part])
-                .view(num_seqs, self.num_kv, self.num_heads, self.head_dim)
-                for part in (slice(0, width), slice(width, None)))  # [B, N, H, D] each
+        k, v = (
+            torch.baddbmm(self.shared[:, part], mix, generated[..., part]).view(
+                num_seqs, self.num_kv, self.num_heads, self.head_dim
+            )
+            for part in (slice(0, width), slice(width, None))
+        )  # [B, N, H, D] each
         h, k, v = attention_inputs(self.norm(x).view(-1, self.num_heads, self.head_dim), k, v)
-        o = jagged_attention(h, k, v, offsets, None, max_len, None, activation=self.activation,
-                             post_scale=1.0 / self.num_kv, backend=self.backend)
+        o = jagged_attention(
+            h,
+            k,
+            v,
+            offsets,
+            None,
+            max_len,
+            None,
+            activation=self.activation,
+            post_scale=1.0 / self.num_kv,
+            backend=self.backend,
+        )
         return x + self.out(o.reshape(x.shape))
 
     def flops(self, lengths: torch.Tensor, max_len: int, padded: bool) -> int:
@@ -181,9 +213,12 @@ class PersonalizedFFN(nn.Module):
         num_seqs, rows = lengths.numel(), int(lengths.sum())
         num_summary = self.mix.in_features
         pairs = (num_seqs * max_len if padded else rows) * self.num_kv
-        return (linear_flops(num_seqs * num_summary, self.proj.in_features, 2 * dim)
-                + linear_flops(num_seqs * 2 * dim, num_summary, self.num_kv)
-                + linear_flops(rows, dim, dim) + attention_flops(self.num_heads, self.head_dim, pairs))
+        return (
+            linear_flops(num_seqs * num_summary, self.proj.in_features, 2 * dim)
+            + linear_flops(num_seqs * 2 * dim, num_summary, self.num_kv)
+            + linear_flops(rows, dim, dim)
+            + attention_flops(self.num_heads, self.head_dim, pairs)
+        )
 
 
 class PoolingByAttention(nn.Module):
@@ -200,7 +235,7 @@ class PoolingByAttention(nn.Module):
         self.kv = nn.Linear(dim, 2 * dim)
 
     def init_own_parameters(self) -> None:
-        nn.init.normal_(self.queries, std=self.head_dim ** -0.5)
+        nn.init.normal_(self.queries, std=self.head_dim**-0.5)
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int) -> torch.Tensor:
         k, v = self.kv(x).view(-1, 2, self.num_heads, self.head_dim).unbind(1)
@@ -212,4 +247,6 @@ class PoolingByAttention(nn.Module):
         dim = self.num_heads * self.head_dim
         num_queries = self.queries.shape[0]
         keys = lengths.numel() * max_len if padded else int(lengths.sum())
-        return linear_flops(int(lengths.sum()), dim, 2 * dim) + attention_flops(self.num_heads, self.head_dim, num_queries * keys)
+        return linear_flops(int(lengths.sum()), dim, 2 * dim) + attention_flops(
+            self.num_heads, self.head_dim, num_queries * keys
+        )

@@ -57,8 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nplan file: {path}  (train with sparse.plan_file={path})")
     name = "scaling.png" if path.stem == "plan" else f"{path.stem}-scaling.png"
     model = str(config.model.get("_target_", "")).rsplit(".", 1)[-1]
-    png = plot_scaling(plan.step_time, path.with_name(name),
-                       f"{model}, batch {config.data.batch_size} per GPU: predicted scaling")
+    png = plot_scaling(
+        plan.step_time, path.with_name(name), f"{model}, batch {config.data.batch_size} per GPU: predicted scaling"
+    )
     if png is not None:
         print(f"scaling plot: {png}")
     return 0

@@ -47,8 +47,11 @@ GiB = 1024**3
 PROBE_EXAMPLES = 4
 PROBE_CARDINALITY = 1024  # the probe's tables: lookups give the same shapes with fewer rows
 # Optimizer state of one table shard of rows x cols (bytes), by optim.sparse.name.
-SPARSE_STATE = {"rowwise_adagrad": lambda rows, cols: 4 * rows, "adagrad": lambda rows, cols: 4 * rows * cols,
-                "adam": lambda rows, cols: 8 * rows * cols}
+SPARSE_STATE = {
+    "rowwise_adagrad": lambda rows, cols: 4 * rows,
+    "adagrad": lambda rows, cols: 4 * rows * cols,
+    "adam": lambda rows, cols: 8 * rows * cols,
+}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -123,17 +126,28 @@ class Plan:
         mem = {k: _stats(v) for k, v in self.memory.items()}
         mem["total"] = _stats(self.total())
         p = self.config.plan
-        out = {"sharding": self.sharding,
-               "cluster": {"world_size": self.world_size, "gpus_per_node": self.local_size, "device": p.device,
-                           "hbm_gb": p.hbm_gb, "reserve_gb": p.reserve_gb},
-               "model": {"target": self.config.model.get("_target_"), "dense_params": self.dense_params,
-                         "dense_layout": self.dims.describe() if self.fsdp else "not sharded",
-                         "batch_per_rank": self.config.data.batch_size,
-                         "mean_history": {g: self.lengths.mean(g) for g in self.lengths.sample},
-                         "flops_per_step": self.flops_per_step, "flops_source": self.flops_source},
-               "memory_bytes": mem, "memory_bytes_per_rank": {k: v.tolist() for k, v in self.memory.items()}
-               if self.world_size <= 64 else None,
-               "warnings": self.warnings}
+        out = {
+            "sharding": self.sharding,
+            "cluster": {
+                "world_size": self.world_size,
+                "gpus_per_node": self.local_size,
+                "device": p.device,
+                "hbm_gb": p.hbm_gb,
+                "reserve_gb": p.reserve_gb,
+            },
+            "model": {
+                "target": self.config.model.get("_target_"),
+                "dense_params": self.dense_params,
+                "dense_layout": self.dims.describe() if self.fsdp else "not sharded",
+                "batch_per_rank": self.config.data.batch_size,
+                "mean_history": {g: self.lengths.mean(g) for g in self.lengths.sample},
+                "flops_per_step": self.flops_per_step,
+                "flops_source": self.flops_source,
+            },
+            "memory_bytes": mem,
+            "memory_bytes_per_rank": {k: v.tolist() for k, v in self.memory.items()} if self.world_size <= 64 else None,
+            "warnings": self.warnings,
+        }
         out["cluster"]["sharding_group_size"] = self.group_size
         if self.step_time is not None:
             out["step_time"] = self.step_time.to_json()
@@ -169,8 +183,9 @@ def plan_schema(config: Config) -> tuple[FeatureSchema, Path | None]:
     return source.schema, source.dir
 
 
-def history_lengths(config: Config, schema: FeatureSchema, directory: Path | None, n: int = 100_000,
-                    seed: int = 0) -> Lengths:
+def history_lengths(
+    config: Config, schema: FeatureSchema, directory: Path | None, n: int = 100_000, seed: int = 0
+) -> Lengths:
     """A sample of ``n`` history lengths per sequence group: ``plan.history_fill`` x max_len if
     set; the synthetic generator's lognormal (capped at max_len, with its empty share); else the
     lengths in the train split's files."""
@@ -179,8 +194,10 @@ def history_lengths(config: Config, schema: FeatureSchema, directory: Path | Non
     groups = schema.sequence_groups
     fill = config.plan.history_fill
     if fill is not None:
-        return Lengths({g.name: np.full(n, round(fill * g.max_len), dtype=np.int64) for g in groups},
-                       f"plan.history_fill={fill} x max_len")
+        return Lengths(
+            {g.name: np.full(n, round(fill * g.max_len), dtype=np.int64) for g in groups},
+            f"plan.history_fill={fill} x max_len",
+        )
     rng = np.random.default_rng(seed)
     if config.data.kind == "synthetic" and directory is None:
         k = SyntheticConfig(**config.data.synthetic)
@@ -189,8 +206,11 @@ def history_lengths(config: Config, schema: FeatureSchema, directory: Path | Non
             lengths = np.minimum(np.round(rng.lognormal(k.history_log_mean, k.history_log_std, n)), g.max_len)
             lengths[rng.random(n) < k.empty_history_rate] = 0
             out[g.name] = lengths.astype(np.int64)
-        return Lengths(out, f"the synthetic generator: lognormal({k.history_log_mean}, {k.history_log_std}) capped "
-                            f"at max_len, {k.empty_history_rate:.0%} empty")
+        return Lengths(
+            out,
+            f"the synthetic generator: lognormal({k.history_log_mean}, {k.history_log_std}) capped "
+            f"at max_len, {k.empty_history_rate:.0%} empty",
+        )
     import pyarrow.parquet as pq
 
     from gem.data.format.dataset import split_files
@@ -237,20 +257,30 @@ def dense_flops(dense: nn.Module, batch_size: int, lengths: Lengths) -> tuple[fl
     (each weight used once per example)."""
     count = getattr(dense, "flops", None)
     if count is not None:
-        sample = {g: torch.from_numpy(v[:batch_size] if v.size >= batch_size else np.resize(v, batch_size))
-                  for g, v in lengths.sample.items()}
+        sample = {
+            g: torch.from_numpy(v[:batch_size] if v.size >= batch_size else np.resize(v, batch_size))
+            for g, v in lengths.sample.items()
+        }
         f = count(batch_size, sample)
-        return (float(f["forward"] + f["backward"]), float(f["forward"]),
-                f"{type(dense).__name__}.flops() on sampled lengths")
+        return (
+            float(f["forward"] + f["backward"]),
+            float(f["forward"]),
+            f"{type(dense).__name__}.flops() on sampled lengths",
+        )
     params = sum(p.numel() for p in dense.parameters())
-    return 6.0 * params * batch_size, 2.0 * params * batch_size, "6 x dense parameters x examples (the arch has no flops())"
+    return (
+        6.0 * params * batch_size,
+        2.0 * params * batch_size,
+        "6 x dense parameters x examples (the arch has no flops())",
+    )
 
 
 # -- activation probe ------------------------------------------------------------------------------
 
 
-def probe_activations(config: Config, schema: FeatureSchema, lengths: Lengths,
-                      examples: int = PROBE_EXAMPLES) -> Activations:
+def probe_activations(
+    config: Config, schema: FeatureSchema, lengths: Lengths, examples: int = PROBE_EXAMPLES
+) -> Activations:
     """One forward of ``examples`` examples at the mean history length, on the CPU, counting the
     tensors autograd saves (module docstring). The tables are capped at PROBE_CARDINALITY rows."""
     from torch.utils._pytree import tree_leaves
@@ -304,6 +334,7 @@ def probe_activations(config: Config, schema: FeatureSchema, lengths: Lengths,
                     done.add(t.untyped_storage().data_ptr())
                     kept.append(t)
                     inputs[index] += t.untyped_storage().nbytes()
+
         return hook
 
     def post_hook(module, args, output):
@@ -331,8 +362,9 @@ def probe_activations(config: Config, schema: FeatureSchema, lengths: Lengths,
         sequence.jagged_attention = real
         for h in handles:
             h.remove()
-    return Activations([b / examples for b in saved[:-1]], [i / examples for i in inputs], saved[-1] / examples,
-                       probe_len)
+    return Activations(
+        [b / examples for b in saved[:-1]], [i / examples for i in inputs], saved[-1] / examples, probe_len
+    )
 
 
 def _probe_batch(schema: FeatureSchema, n: int, lengths: dict[str, int]):
@@ -345,15 +377,23 @@ def _probe_batch(schema: FeatureSchema, n: int, lengths: dict[str, int]):
     def kjt(features: list[tuple[str, int, int]]) -> KeyedJaggedTensor:  # (name, cardinality, per-example length)
         keys = [f for f, _, _ in features]
         lens = torch.tensor([length for _, _, length in features for _ in range(n)], dtype=torch.int64)
-        values = torch.cat([torch.randint(0, card, (n * length,), generator=gen) for _, card, length in features]
-                           or [torch.zeros(0, dtype=torch.int64)])
+        values = torch.cat(
+            [torch.randint(0, card, (n * length,), generator=gen) for _, card, length in features]
+            or [torch.zeros(0, dtype=torch.int64)]
+        )
         return KeyedJaggedTensor.from_lengths_sync(keys, values, lens)
 
     sparse = kjt([(f.name, f.cardinality, f.max_ids) for f in schema.id_features])
     sequences = kjt([(f.name, f.cardinality, lengths[g.name]) for g in schema.sequence_groups for f in g.features])
-    return Batch(sparse=sparse, sequences=sequences, max_seq_len=dict(lengths), dense=torch.zeros(n, schema.num_dense),
-                 labels=torch.zeros(n, schema.num_tasks), label_mask=torch.ones(n, schema.num_tasks, dtype=torch.bool),
-                 domain=torch.zeros(n, dtype=torch.int64))
+    return Batch(
+        sparse=sparse,
+        sequences=sequences,
+        max_seq_len=dict(lengths),
+        dense=torch.zeros(n, schema.num_dense),
+        labels=torch.zeros(n, schema.num_tasks),
+        label_mask=torch.ones(n, schema.num_tasks, dtype=torch.bool),
+        domain=torch.zeros(n, dtype=torch.int64),
+    )
 
 
 # -- memory ----------------------------------------------------------------------------------------------
@@ -397,14 +437,18 @@ def dense_memory(config: Config, params: int, block_params: list[int], dims, fsd
         gathered = compute * params + 4 * largest
     if fsdp and shard == 1 and compute == 4:
         gathered = 4 * largest  # one copy: the unsharded parameters are the fp32 ones
-    return {"dense params": 4 * params / shard, "dense grads": 4 * params / shard,
-            "dense optimizer (AdamW)": 8 * params / shard, "gathered dense blocks": gathered}
+    return {
+        "dense params": 4 * params / shard,
+        "dense grads": 4 * params / shard,
+        "dense optimizer (AdamW)": 8 * params / shard,
+        "gathered dense blocks": gathered,
+    }
 
 
 # -- the plan ----------------------------------------------------------------------------------------------
 
 
-def make_plan(config: Config, probe: "tuple[Activations | None, str] | None" = None) -> Plan:
+def make_plan(config: Config, probe: tuple[Activations | None, str] | None = None) -> Plan:
     """Plan ``config`` (a validated gem.train.config.Config) for ``plan.world_size`` ranks.
 
     With ``sparse.sharding_group_size=G`` (2-D sparse parallelism, TorchRec's DMPCollection) the
@@ -414,8 +458,14 @@ def make_plan(config: Config, probe: "tuple[Activations | None, str] | None" = N
     activations (and note) of an earlier plan of the same model and batch, not measured again."""
     from gem.distributed.parallel_dims import ParallelDims, ParallelLayoutError
     from gem.distributed.parallelize import dense_blocks
-    from gem.distributed.sharding import (explicit_plan, fuse_optimizer, load_plan_file, plan_to_dict, planner_plan,
-                                          sharders)
+    from gem.distributed.sharding import (
+        explicit_plan,
+        fuse_optimizer,
+        load_plan_file,
+        plan_to_dict,
+        planner_plan,
+        sharders,
+    )
 
     p, s = config.plan, config.sparse
     world = p.world_size
@@ -427,9 +477,11 @@ def make_plan(config: Config, probe: "tuple[Activations | None, str] | None" = N
     fsdp = config.parallelism.fully_shard if config.parallelism.fully_shard is not None else world > 1
     group = s.sharding_group_size
     if group is not None and (group < 1 or world % group):
-        raise ConfigError(f"sparse.sharding_group_size={group} does not divide plan.world_size={world}; set a "
-                          f"divisor (e.g. sparse.sharding_group_size="
-                          f"{max(d for d in range(1, max(group, 1) + 1) if world % d == 0)}) or null")
+        raise ConfigError(
+            f"sparse.sharding_group_size={group} does not divide plan.world_size={world}; set a "
+            f"divisor (e.g. sparse.sharding_group_size="
+            f"{max(d for d in range(1, max(group, 1) + 1) if world % d == 0)}) or null"
+        )
     group = None if group == world else group
     plan_world = group or world
     plan_local = min(local, plan_world)  # as gem.distributed.sharding.shard_sparse_arch plans a group
@@ -449,9 +501,11 @@ def make_plan(config: Config, probe: "tuple[Activations | None, str] | None" = N
     elif p.activations == "probe":
         try:
             activations = probe_activations(config, schema, lengths)
-            note = (f"probe: {PROBE_EXAMPLES} examples at history length {activations.probe_length}, "
-                    f"x {batch} examples, x {compute_bytes}/4 for the compute dtype"
-                    + (", checkpointed" if config.parallelism.activation_checkpointing else ""))
+            note = (
+                f"probe: {PROBE_EXAMPLES} examples at history length {activations.probe_length}, "
+                f"x {batch} examples, x {compute_bytes}/4 for the compute dtype"
+                + (", checkpointed" if config.parallelism.activation_checkpointing else "")
+            )
         except Exception as e:  # a dense arch the probe cannot run: plan without, and say so
             note = f"not estimated: the probe failed ({type(e).__name__}: {e})"
             warnings.append(f"activations {note}; the totals below leave them out")
@@ -464,8 +518,10 @@ def make_plan(config: Config, probe: "tuple[Activations | None, str] | None" = N
     rest = sum(memory_dense.values()) + act + io
     reserved = rest + p.reserve_gb * GiB
     if reserved >= p.hbm_gb * GiB:
-        warnings.append(f"the dense part, activations and reserve alone take {_human(reserved)} of "
-                        f"plan.hbm_gb={p.hbm_gb:g}; the tables were planned as if they had the whole budget")
+        warnings.append(
+            f"the dense part, activations and reserve alone take {_human(reserved)} of "
+            f"plan.hbm_gb={p.hbm_gb:g}; the tables were planned as if they had the whole budget"
+        )
         reserved = 0.0
     fuse_optimizer(sparse, config.optim.sparse.name, config.optim.sparse.lr, config.optim.sparse.eps)
     from torchrec.distributed.planner.types import PlannerError
@@ -475,43 +531,80 @@ def make_plan(config: Config, probe: "tuple[Activations | None, str] | None" = N
             plan = load_plan_file(s.plan_file, sparse, plan_world, plan_local, p.device)
         elif s.plan or s.sharding_type is not None:  # an explicit plan, as training would build it
             per_table = {t.name: s.plan.get(t.name, s.sharding_type) for t in sparse.tables}
-            plan = explicit_plan(sparse, {k: v for k, v in per_table.items() if v is not None}, plan_world,
-                                 plan_local, p.device)
+            plan = explicit_plan(
+                sparse, {k: v for k, v in per_table.items() if v is not None}, plan_world, plan_local, p.device
+            )
         else:
-            plan = planner_plan(sparse, sharders(), None, plan_world, plan_local, p.device, p.hbm_gb, s.constraints,
-                                batch_size=batch, reserved_bytes=int(reserved), intra_node_gbps=p.intra_node_gbps,
-                                inter_node_gbps=p.inter_node_gbps)
+            plan = planner_plan(
+                sparse,
+                sharders(),
+                None,
+                plan_world,
+                plan_local,
+                p.device,
+                p.hbm_gb,
+                s.constraints,
+                batch_size=batch,
+                reserved_bytes=int(reserved),
+                intra_node_gbps=p.intra_node_gbps,
+                inter_node_gbps=p.inter_node_gbps,
+            )
     except ValueError as e:  # explicit plan / plan file errors name the sparse.* key
         raise ConfigError(str(e)) from None
     except PlannerError as e:
         total = sum(t.num_bytes for t in sparse.tables)
-        raise ConfigError(f"TorchRec's planner found no placement of the tables ({_human(total)} of fp32 "
-                          f"weights) in the {_human(p.hbm_gb * GiB - reserved)} per rank the dense part "
-                          f"leaves of plan.hbm_gb={p.hbm_gb:g} on {plan_world} ranks"
-                          + (f" (sparse.sharding_group_size={group})" if group else "")
-                          + "; raise plan.world_size" + (" or sparse.sharding_group_size" if group else "") + ", lower "
-                          f"sparse.embedding_dim / sparse.dims, or shrink the dense part "
-                          f"(parallelism.activation_checkpointing=true, data.batch_size) "
-                          f"[{type(e).__name__}: {str(e).splitlines()[0][:200]}]") from None
+        raise ConfigError(
+            f"TorchRec's planner found no placement of the tables ({_human(total)} of fp32 "
+            f"weights) in the {_human(p.hbm_gb * GiB - reserved)} per rank the dense part "
+            f"leaves of plan.hbm_gb={p.hbm_gb:g} on {plan_world} ranks"
+            + (f" (sparse.sharding_group_size={group})" if group else "")
+            + "; raise plan.world_size"
+            + (" or sparse.sharding_group_size" if group else "")
+            + ", lower "
+            f"sparse.embedding_dim / sparse.dims, or shrink the dense part "
+            f"(parallelism.activation_checkpointing=true, data.batch_size) "
+            f"[{type(e).__name__}: {str(e).splitlines()[0][:200]}]"
+        ) from None
     sharding = plan_to_dict(plan, sparse, plan_world, plan_local, p.device)
     for name, t in sharding["tables"].items():
         empty = sum(1 for shard in t["shards"] if shard["sizes"][0] == 0)
         if empty and p.device == "cpu":  # measured with fbgemm-gpu-cpu 1.8 (gem/distributed/sharding.py)
-            warnings.append(f"{name}: {empty} ranks hold empty row-wise shards ({t['rows']:,} rows over "
-                            f"{len(t['shards'])} ranks), on which FBGEMM's CPU row-wise Adagrad fails now and then; "
-                            f"fix: +sparse.constraints.{name}=[table_wise,data_parallel]")
+            warnings.append(
+                f"{name}: {empty} ranks hold empty row-wise shards ({t['rows']:,} rows over "
+                f"{len(t['shards'])} ranks), on which FBGEMM's CPU row-wise Adagrad fails now and then; "
+                f"fix: +sparse.constraints.{name}=[table_wise,data_parallel]"
+            )
     memory = table_memory(sharding, plan_world, config.optim.sparse.name)
     if group:  # global rank r holds the shards of group rank r // (W / G)
         memory = {k: np.repeat(v, world // group) for k, v in memory.items()}
         if p.device != "cuda":
-            warnings.append("sparse.sharding_group_size: TorchRec's DMPCollection runs on CUDA only; training "
-                            "on CPU refuses it")
+            warnings.append(
+                "sparse.sharding_group_size: TorchRec's DMPCollection runs on CUDA only; training on CPU refuses it"
+            )
     memory["embedding I/O"] = np.full(world, io)
     for k, v in memory_dense.items():
         memory[k] = np.full(world, v)
     memory["activations"] = np.full(world, act)
-    result = Plan(config, world, local, schema, sharding, lengths, params, block_params, dims, fsdp, memory,
-                  flops, flops_source, activations, note, warnings, forward_flops=forward_flops, group_size=group)
+    result = Plan(
+        config,
+        world,
+        local,
+        schema,
+        sharding,
+        lengths,
+        params,
+        block_params,
+        dims,
+        fsdp,
+        memory,
+        flops,
+        flops_source,
+        activations,
+        note,
+        warnings,
+        forward_flops=forward_flops,
+        group_size=group,
+    )
     warnings += budget_warnings(result)
     return result
 
@@ -526,16 +619,20 @@ def budget_warnings(plan: Plan) -> list[str]:
     c, p = plan.config, plan.config.plan
     worst = int(total.argmax())
     parts = sorted(((k, float(v[worst])) for k, v in plan.memory.items()), key=lambda kv: -kv[1])
-    head = (f"{len(over)} of {plan.world_size} ranks need more than the {_human(plan.budget)} budget "
-            f"(plan.hbm_gb={p.hbm_gb:g} less plan.reserve_gb={p.reserve_gb:g}); rank {worst}: "
-            f"{_human(total[worst])}, mostly " + ", ".join(f"{k} {_human(v)}" for k, v in parts[:3]))
+    head = (
+        f"{len(over)} of {plan.world_size} ranks need more than the {_human(plan.budget)} budget "
+        f"(plan.hbm_gb={p.hbm_gb:g} less plan.reserve_gb={p.reserve_gb:g}); rank {worst}: "
+        f"{_human(total[worst])}, mostly " + ", ".join(f"{k} {_human(v)}" for k, v in parts[:3])
+    )
     fixes = []
     biggest = parts[0][0]
     if biggest == "activations" and plan.activations is not None:
         if not c.parallelism.activation_checkpointing:
             ac = plan.activations.per_example(True) / plan.activations.per_example(False)
-            fixes.append(f"parallelism.activation_checkpointing=true (activations x{ac:.2f}: "
-                         f"{_human(plan.memory['activations'][worst] * ac)})")
+            fixes.append(
+                f"parallelism.activation_checkpointing=true (activations x{ac:.2f}: "
+                f"{_human(plan.memory['activations'][worst] * ac)})"
+            )
         scaled = plan.memory["activations"][worst] + plan.memory["embedding I/O"][worst]  # both grow with the batch
         per_example = scaled / c.data.batch_size
         room = plan.budget - (total[worst] - scaled)
@@ -552,10 +649,14 @@ def budget_warnings(plan: Plan) -> list[str]:
             fixes.append("optim.sparse.name=rowwise_adagrad (one float of state per row, not per weight)")
         heavy = sorted(plan.sharding["tables"].items(), key=lambda kv: -kv[1]["rows"] * kv[1]["dim"])[0][0]
         if plan.group_size:
-            fixes.append(f"a larger sparse.sharding_group_size (now {plan.group_size}: each rank holds 1/"
-                         f"{plan.group_size} of the tables)")
-        fixes.append(f"more ranks (plan.world_size), a smaller sparse.embedding_dim / sparse.dims, or spreading "
-                     f"the largest table: +sparse.constraints.{heavy}=[row_wise]")
+            fixes.append(
+                f"a larger sparse.sharding_group_size (now {plan.group_size}: each rank holds 1/"
+                f"{plan.group_size} of the tables)"
+            )
+        fixes.append(
+            f"more ranks (plan.world_size), a smaller sparse.embedding_dim / sparse.dims, or spreading "
+            f"the largest table: +sparse.constraints.{heavy}=[row_wise]"
+        )
     if biggest == "embedding I/O":
         fixes.append("a smaller data.batch_size or shorter histories (data.schema max_len)")
     out.append(head + "; fix: " + "; or ".join(fixes) if fixes else head)
@@ -614,37 +715,67 @@ def format_report(plan: Plan) -> str:
     c, p = plan.config, plan.config.plan
     w, b = plan.world_size, c.data.batch_size
     nodes = math.ceil(w / plan.local_size)
-    lines = [f"plan for {w} ranks ({nodes} node{'s' * (nodes > 1)} of {plan.local_size} {p.device} devices, "
-             f"{p.hbm_gb:g} GiB each), model {c.model.get('_target_')}"
-             + (f" block={c.model.get('block')}" if c.model.get("block") else ""),
-             f"batch {b} per rank, {b * w:,} global; histories ({plan.lengths.source}): "
-             + ", ".join(f"{g} mean {plan.lengths.mean(g):.1f}" for g in plan.lengths.sample),
-             f"dense arch: {plan.dense_params / 1e6:.2f}M parameters in {len(plan.block_params)} blocks, "
-             f"{plan.dims.describe() if plan.fsdp else 'not sharded'}; "
-             + (f"{_flops(plan.flops_per_step)} per rank per step ({plan.flops_source})"
-                if plan.flops_per_step else "FLOPs unknown")]
+    lines = [
+        f"plan for {w} ranks ({nodes} node{'s' * (nodes > 1)} of {plan.local_size} {p.device} devices, "
+        f"{p.hbm_gb:g} GiB each), model {c.model.get('_target_')}"
+        + (f" block={c.model.get('block')}" if c.model.get("block") else ""),
+        f"batch {b} per rank, {b * w:,} global; histories ({plan.lengths.source}): "
+        + ", ".join(f"{g} mean {plan.lengths.mean(g):.1f}" for g in plan.lengths.sample),
+        f"dense arch: {plan.dense_params / 1e6:.2f}M parameters in {len(plan.block_params)} blocks, "
+        f"{plan.dims.describe() if plan.fsdp else 'not sharded'}; "
+        + (
+            f"{_flops(plan.flops_per_step)} per rank per step ({plan.flops_source})"
+            if plan.flops_per_step
+            else "FLOPs unknown"
+        ),
+    ]
     n = plan.sharding_world
     if plan.group_size:
         step = w // n
-        lines.append(f"2-D sparse parallelism (sparse.sharding_group_size={n}, TorchRec DMPCollection): tables "
-                     f"sharded inside {step} groups of {n} ranks (group i: ranks i, i+{step}, i+{2 * step}, ...), "
-                     f"replicated across them (each shard's {step} replicas on consecutive ranks); ranks below are "
-                     f"ranks in a group")
-    lines += ["", "tables (" + ("plan file " + c.sparse.plan_file if c.sparse.plan_file else
-                           "explicit: sparse.plan / sparse.sharding_type" if c.sparse.plan or c.sparse.sharding_type
-                           else "TorchRec planner") + "):"]
+        lines.append(
+            f"2-D sparse parallelism (sparse.sharding_group_size={n}, TorchRec DMPCollection): tables "
+            f"sharded inside {step} groups of {n} ranks (group i: ranks i, i+{step}, i+{2 * step}, ...), "
+            f"replicated across them (each shard's {step} replicas on consecutive ranks); ranks below are "
+            f"ranks in a group"
+        )
+    lines += [
+        "",
+        "tables ("
+        + (
+            "plan file " + c.sparse.plan_file
+            if c.sparse.plan_file
+            else "explicit: sparse.plan / sparse.sharding_type"
+            if c.sparse.plan or c.sparse.sharding_type
+            else "TorchRec planner"
+        )
+        + "):",
+    ]
     rows = [["table", "rows", "dim", "sharding", "shards", "ranks", "fp32 weights"]]
     for name, t in plan.sharding["tables"].items():
         ranks = t["ranks"] or list(range(n))
-        rows.append([name, f"{t['rows']:,}", str(t["dim"]), t["sharding_type"], str(max(1, len(t["shards"]))),
-                     _ranks(ranks), _human(4 * t["rows"] * t["dim"])])
+        rows.append(
+            [
+                name,
+                f"{t['rows']:,}",
+                str(t["dim"]),
+                t["sharding_type"],
+                str(max(1, len(t["shards"]))),
+                _ranks(ranks),
+                _human(4 * t["rows"] * t["dim"]),
+            ]
+        )
     lines += _table(rows, right=(1, 2, 4, 6))
     lines += ["", "shards per rank" + (" of a group:" if plan.group_size else ":")]
     for ranks, items in rank_groups(plan.sharding, n):
-        lines.append(f"  {'group ' if plan.group_size else ''}rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)}: "
-                     + ("; ".join(items) or "no tables"))
-    lines += ["", f"memory per rank (budget {_human(plan.budget)} = plan.hbm_gb {p.hbm_gb:g} - plan.reserve_gb "
-                  f"{p.reserve_gb:g}):"]
+        lines.append(
+            f"  {'group ' if plan.group_size else ''}rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)}: "
+            + ("; ".join(items) or "no tables")
+        )
+    lines += [
+        "",
+        f"memory per rank (budget {_human(plan.budget)} = plan.hbm_gb {p.hbm_gb:g} - plan.reserve_gb "
+        f"{p.reserve_gb:g}):",
+    ]
     rows = [["part", "min", "max", "max at rank"]]
     for k, v in list(plan.memory.items()) + [("total", plan.total())]:
         rows.append([k, _human(v.min()), _human(v.max()), str(int(v.argmax())) if v.max() > v.min() else "all"])
@@ -664,6 +795,11 @@ def format_report(plan: Plan) -> str:
 
 def _table(rows: list[list[str]], right: tuple[int, ...] = ()) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    fmt = lambda r: "  " + "  ".join(c.rjust(wd) if i in right else c.ljust(wd)  # noqa: E731
-                                     for i, (c, wd) in enumerate(zip(r, widths))).rstrip()
+
+    def fmt(r):
+        return (
+            "  "
+            + "  ".join(c.rjust(wd) if i in right else c.ljust(wd) for i, (c, wd) in enumerate(zip(r, widths))).rstrip()
+        )
+
     return [fmt(rows[0]), fmt(["-" * wd for wd in widths])] + [fmt(r) for r in rows[1:]]

@@ -43,6 +43,7 @@ model's error on the runs it was not fitted to (benchmarks/plan_model.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -99,23 +100,48 @@ class StepTimeTable:
     def text(self) -> str:
         parts = list(self.rows[0].parts_ms)
         head = ["GPUs", "step ms", *[p + " ms" for p in parts], "examples/s", "efficiency", "GiB/GPU"]
-        table = [head] + [[str(r.world_size), f"{r.step_ms:.1f}", *[f"{r.parts_ms[p]:.1f}" for p in parts],
-                           f"{r.examples_per_s:,.0f}", f"{self.efficiency(r):.1%}",
-                           f"{r.memory / 2**30:.1f}" + ("" if r.fits else " *")] for r in self.rows]
+        table = [head] + [
+            [
+                str(r.world_size),
+                f"{r.step_ms:.1f}",
+                *[f"{r.parts_ms[p]:.1f}" for p in parts],
+                f"{r.examples_per_s:,.0f}",
+                f"{self.efficiency(r):.1%}",
+                f"{r.memory / 2**30:.1f}" + ("" if r.fits else " *"),
+            ]
+            for r in self.rows
+        ]
         widths = [max(len(t[i]) for t in table) for i in range(len(head))]
-        lines = ["predicted step time (gem/plan/steptime.py; efficiency = examples/s over GPUs x the smallest "
-                 "row's per GPU):"]
-        lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(t, widths)) for t in
-                  [table[0], ["-" * w for w in widths], *table[1:]]]
+        lines = [
+            "predicted step time (gem/plan/steptime.py; efficiency = examples/s over GPUs x the smallest "
+            "row's per GPU):"
+        ]
+        lines += [
+            "  " + "  ".join(c.rjust(w) for c, w in zip(t, widths))
+            for t in [table[0], ["-" * w for w in widths], *table[1:]]
+        ]
         if not all(r.fits for r in self.rows):
-            lines.append("  * over the memory budget at that size (tables spread evenly; the step time assumes it fits)")
+            lines.append(
+                "  * over the memory budget at that size (tables spread evenly; the step time assumes it fits)"
+            )
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
 
     def to_json(self) -> dict:
-        return {"rows": [{"world_size": r.world_size, "step_ms": r.step_ms, "examples_per_s": r.examples_per_s,
-                          "efficiency": self.efficiency(r), "parts_ms": r.parts_ms, "memory_bytes": r.memory,
-                          "fits": r.fits} for r in self.rows],
-                "notes": self.notes}
+        return {
+            "rows": [
+                {
+                    "world_size": r.world_size,
+                    "step_ms": r.step_ms,
+                    "examples_per_s": r.examples_per_s,
+                    "efficiency": self.efficiency(r),
+                    "parts_ms": r.parts_ms,
+                    "memory_bytes": r.memory,
+                    "fits": r.fits,
+                }
+                for r in self.rows
+            ],
+            "notes": self.notes,
+        }
 
 
 def _lookups_per_example(plan: Plan) -> dict[str, float]:
@@ -136,8 +162,9 @@ def _features(plan: Plan, table: str) -> list[str]:
 
     if not hasattr(plan, "_table_features"):
         s = plan.config.sparse
-        plan._table_features = {t.name: list(t.feature_names)
-                                for t in build_tables(plan.schema, s.embedding_dim, s.init_scale, s.dims)}
+        plan._table_features = {
+            t.name: list(t.feature_names) for t in build_tables(plan.schema, s.embedding_dim, s.init_scale, s.dims)
+        }
     return plan._table_features[table]
 
 
@@ -198,8 +225,10 @@ def traffic(plan: Plan, world: int) -> Traffic | None:
         groups.add((t["module"], kind))
         # shards at this world size: (rank, share of the lookups, columns)
         if same_size:
-            shards = [(s["rank"], s["sizes"][0] / t["rows"] if kind in ("row_wise", "table_row_wise") else 1.0,
-                       s["sizes"][1]) for s in t["shards"]]
+            shards = [
+                (s["rank"], s["sizes"][0] / t["rows"] if kind in ("row_wise", "table_row_wise") else 1.0, s["sizes"][1])
+                for s in t["shards"]
+            ]
         elif kind == "row_wise":
             shards = [(r, 1.0 / n, dim) for r in range(n)]
         elif kind == "table_row_wise":
@@ -244,10 +273,23 @@ def traffic(plan: Plan, world: int) -> Traffic | None:
     replica = 2 * reduce * params / shard * (replicate - 1) / replicate if replicate > 1 else 0.0
     blocks = len(plan.block_params) + 1
     replica_tables = 2 * float(touched.max()) * (step - 1) / step if step > 1 else 0.0
-    return Traffic(world, float(emb.max()), a2a * intra_share + 2 * intra_rs, a2a * (1 - intra_share),
-                   3 * len(groups) if n > 1 else 0, 2 * dp_bytes * (world - 1) / world if world > 1 else 0.0,
-                   gather, scatter, shard <= g, replica, blocks * passes if shard > 1 else 0, layout,
-                   n, replica_tables, step <= g)
+    return Traffic(
+        world,
+        float(emb.max()),
+        a2a * intra_share + 2 * intra_rs,
+        a2a * (1 - intra_share),
+        3 * len(groups) if n > 1 else 0,
+        2 * dp_bytes * (world - 1) / world if world > 1 else 0.0,
+        gather,
+        scatter,
+        shard <= g,
+        replica,
+        blocks * passes if shard > 1 else 0,
+        layout,
+        n,
+        replica_tables,
+        step <= g,
+    )
 
 
 def predict(plan: Plan, t: Traffic) -> Row:
@@ -267,8 +309,9 @@ def predict(plan: Plan, t: Traffic) -> Row:
     fsdp = max(0.0, fsdp_bw - dense) + t.gathers * cp.collective_latency_ms
     parts = {"dense": dense, "embedding": emb, "all-to-all": a2a + dp_tables}
     if plan.group_size:  # 2-D: the replicas' all-reduce of table gradients, not overlapped
-        parts["replica sync"] = (t.replica_table_bytes / (intra if t.replica_intra else inter) * 1e3
-                                 + (cp.collective_latency_ms if t.replica_table_bytes else 0.0))
+        parts["replica sync"] = t.replica_table_bytes / (intra if t.replica_intra else inter) * 1e3 + (
+            cp.collective_latency_ms if t.replica_table_bytes else 0.0
+        )
     parts.update({"fsdp exposed": fsdp, "overhead": cp.step_overhead_ms})
     return Row(t.world_size, parts, c.data.batch_size)
 
@@ -298,8 +341,14 @@ def memory_at(plan: Plan, world: int) -> float:
 
         io = embedding_io_bytes(plan.schema, meta_model(c, plan.schema)[0], c.data.batch_size, plan.lengths)
     sharded /= sharding_group(plan, world) or world  # 2-D: spread over a group
-    return (sharded + replicated + dense + float(plan.memory["activations"].max()) + (io if world > 1 else 0.0)
-            + c.plan.reserve_gb * 2**30)
+    return (
+        sharded
+        + replicated
+        + dense
+        + float(plan.memory["activations"].max())
+        + (io if world > 1 else 0.0)
+        + c.plan.reserve_gb * 2**30
+    )
 
 
 def step_time_table(plan: Plan) -> StepTimeTable:
@@ -316,25 +365,28 @@ def step_time_table(plan: Plan) -> StepTimeTable:
         row.fits = row.memory <= plan.config.plan.hbm_gb * 2**30
         rows.append(row)
     if skipped:
-        notes.append(f"skipped {skipped}: parallelism.dp_replicate x dp_shard"
-                     + (f" or sparse.sharding_group_size={plan.group_size}" if plan.group_size else "")
-                     + " does not tile them")
+        notes.append(
+            f"skipped {skipped}: parallelism.dp_replicate x dp_shard"
+            + (f" or sparse.sharding_group_size={plan.group_size}" if plan.group_size else "")
+            + " does not tile them"
+        )
     if not plan.flops_per_step:
         notes.append("no dense FLOP count: dense compute is left out")
     if plan.group_size:
-        notes.append(f"tables sharded in groups of {plan.group_size} ranks (all ranks below that) and replicated "
-                     f"across groups; replica sync: an all-reduce of the looked-up rows' gradients every step (an "
-                     f"approximation: DMPCollection itself averages weights and optimizer state in sync())")
+        notes.append(
+            f"tables sharded in groups of {plan.group_size} ranks (all ranks below that) and replicated "
+            f"across groups; replica sync: an all-reduce of the looked-up rows' gradients every step (an "
+            f"approximation: DMPCollection itself averages weights and optimizer state in sync())"
+        )
     notes.append(f"tables keep the sharding types planned for {plan.sharding_world} ranks at every size")
     return StepTimeTable(rows, notes)
 
 
-def plot_scaling(table: StepTimeTable, path: "str | Path", title: str = "") -> "Path | None":
+def plot_scaling(table: StepTimeTable, path: str | Path, title: str = "") -> Path | None:
     """The scaling table as a PNG: predicted examples/s (log-log, with linear scaling from the
     smallest row dashed) and scaling efficiency against GPUs; rows over the memory budget hollow.
     None (and one log line) when matplotlib is not installed (it is optional)."""
     import logging
-    from pathlib import Path
 
     try:
         import matplotlib
@@ -403,37 +455,64 @@ class GroupComparison:
     def text(self) -> str:
         from gem.plan.planner import _human, _table
 
-        rows = [["group size", "groups", "memory/GPU (max)", "all-to-all ms", "replica sync ms", "step ms",
-                 "examples/s"]]
+        rows = [
+            ["group size", "groups", "memory/GPU (max)", "all-to-all ms", "replica sync ms", "step ms", "examples/s"]
+        ]
         for c in self.choices:
             mark = " (configured)" if c.group_size == self.configured else ""
             if c.row is None:
                 rows.append([f"{c.group_size}{mark}", str(self.world_size // c.group_size), c.error, "", "", "", ""])
                 continue
             p = c.row.parts_ms
-            rows.append([f"{c.group_size}{mark}", str(self.world_size // c.group_size),
-                         _human(c.memory) + ("" if c.fits else " *") + (" +" if c.uvm else ""),
-                         f"{p['all-to-all']:.1f}",
-                         f"{p.get('replica sync', 0.0):.1f}", f"{c.row.step_ms:.1f}", f"{c.row.examples_per_s:,.0f}"])
-        lines = [f"2-D sparse parallelism at {self.world_size} GPUs (tables sharded in groups, replicated across "
-                 f"them; TorchRec's planner run for each group size):", *_table(rows, right=(1, 2, 3, 4, 5, 6))]
+            rows.append(
+                [
+                    f"{c.group_size}{mark}",
+                    str(self.world_size // c.group_size),
+                    _human(c.memory) + ("" if c.fits else " *") + (" +" if c.uvm else ""),
+                    f"{p['all-to-all']:.1f}",
+                    f"{p.get('replica sync', 0.0):.1f}",
+                    f"{c.row.step_ms:.1f}",
+                    f"{c.row.examples_per_s:,.0f}",
+                ]
+            )
+        lines = [
+            f"2-D sparse parallelism at {self.world_size} GPUs (tables sharded in groups, replicated across "
+            f"them; TorchRec's planner run for each group size):",
+            *_table(rows, right=(1, 2, 3, 4, 5, 6)),
+        ]
         if any(not c.fits for c in self.choices if c.row is not None):
             lines.append("  * over the memory budget")
         for c in self.choices:
             if c.uvm:
-                lines.append(f"  + group size {c.group_size}: TorchRec's planner put {', '.join(c.uvm)} in host memory "
-                             f"(UVM caching kernels), which the memory and step-time model count as in HBM")
+                lines.append(
+                    f"  + group size {c.group_size}: TorchRec's planner put {', '.join(c.uvm)} in host memory "
+                    f"(UVM caching kernels), which the memory and step-time model count as in HBM"
+                )
         best = self.best
-        lines.append(f"  recommended: {self._override(best)} (the most examples/s that fits)" if best else
-                     "  recommended: none fits; see the memory warnings")
+        lines.append(
+            f"  recommended: {self._override(best)} (the most examples/s that fits)"
+            if best
+            else "  recommended: none fits; see the memory warnings"
+        )
         return "\n".join(lines)
 
     def to_json(self) -> dict:
-        return {"world_size": self.world_size, "configured": self.configured,
-                "recommended": self.best.group_size if self.best else None,
-                "choices": [{"group_size": c.group_size, "memory_bytes": c.memory, "fits": c.fits, "error": c.error,
-                             "step_ms": c.row.step_ms if c.row else None,
-                             "examples_per_s": c.row.examples_per_s if c.row else None} for c in self.choices]}
+        return {
+            "world_size": self.world_size,
+            "configured": self.configured,
+            "recommended": self.best.group_size if self.best else None,
+            "choices": [
+                {
+                    "group_size": c.group_size,
+                    "memory_bytes": c.memory,
+                    "fits": c.fits,
+                    "error": c.error,
+                    "step_ms": c.row.step_ms if c.row else None,
+                    "examples_per_s": c.row.examples_per_s if c.row else None,
+                }
+                for c in self.choices
+            ],
+        }
 
 
 def compare_group_sizes(plan: Plan) -> GroupComparison | None:
@@ -462,14 +541,24 @@ def compare_group_sizes(plan: Plan) -> GroupComparison | None:
             try:
                 other = make_plan(config, probe=(plan.activations, plan.activation_note))
             except ConfigError as e:
-                choices.append(GroupChoice(g, 0.0, False, None, "no placement" if "planner" in str(e)
-                                           else str(e).split(";")[0][:60]))
+                choices.append(
+                    GroupChoice(
+                        g, 0.0, False, None, "no placement" if "planner" in str(e) else str(e).split(";")[0][:60]
+                    )
+                )
                 continue
         t = traffic(other, w)
         total = other.total()
         uvm = [n for n, tb in other.sharding["tables"].items() if "uvm" in str(tb.get("compute_kernel"))]
-        choices.append(GroupChoice(g, float(total.max()), bool(total.max() <= other.budget),
-                                   predict(other, t) if t is not None else None, uvm=uvm))
+        choices.append(
+            GroupChoice(
+                g,
+                float(total.max()),
+                bool(total.max() <= other.budget),
+                predict(other, t) if t is not None else None,
+                uvm=uvm,
+            )
+        )
     return GroupComparison(w, choices, plan.sharding_world)
 
 
@@ -509,8 +598,20 @@ def _gem_base_plan(world: int, *overrides: str) -> Plan:
     from gem.train.api import compose
     from gem.train.config import validate
 
-    return make_plan(validate(compose(["experiment=gem_base_h200", "sparse=torchrec", f"plan.world_size={world}",
-                                       f"plan.gpus_per_node={world}", "plan.activations=none", *overrides])))
+    return make_plan(
+        validate(
+            compose(
+                [
+                    "experiment=gem_base_h200",
+                    "sparse=torchrec",
+                    f"plan.world_size={world}",
+                    f"plan.gpus_per_node={world}",
+                    "plan.activations=none",
+                    *overrides,
+                ]
+            )
+        )
+    )
 
 
 def _as_data_parallel(plan: Plan) -> Plan:
@@ -520,7 +621,7 @@ def _as_data_parallel(plan: Plan) -> Plan:
     return plan
 
 
-def calibrate(results: "str | Path" = None) -> tuple[dict[str, float], list[Check]]:
+def calibrate(results: str | Path = None) -> tuple[dict[str, float], list[Check]]:
     """Fit ``plan.mfu``, ``plan.embedding_efficiency`` and ``plan.collective_latency_ms`` to the H200
     runs of gem_base (``experiment=gem_base_h200``, batch 1024, bf16) and predict the others.
 
@@ -532,7 +633,6 @@ def calibrate(results: "str | Path" = None) -> tuple[dict[str, float], list[Chec
       the speed of the e2e runs, so each 2-GPU prediction starts from the measured 1-GPU step of its
       own file and predicts only what the second GPU adds.
     """
-    from pathlib import Path
 
     root = Path(results) if results else Path(__file__).resolve().parents[2] / "benchmarks" / "results"
     fb = _result(root / "e2e-h200-fbgemm.json", "fbgemm-interformer")
@@ -549,18 +649,35 @@ def calibrate(results: "str | Path" = None) -> tuple[dict[str, float], list[Chec
             setattr(plan.config.plan, key, value)
         return plan
 
-    checks = [Check("gem_base InterFormer, sharded tables (FBGEMM, pipeline), 1 GPU", "e2e-h200-fbgemm.json",
-                    fb["step_ms"], predict(with_constants(base), t1).step_ms, "mfu, embedding_efficiency")]
+    checks = [
+        Check(
+            "gem_base InterFormer, sharded tables (FBGEMM, pipeline), 1 GPU",
+            "e2e-h200-fbgemm.json",
+            fb["step_ms"],
+            predict(with_constants(base), t1).step_ms,
+            "mfu, embedding_efficiency",
+        )
+    ]
     for name, block in (("interformer", "interformer"), ("kunlun", "kunlun")):
         r = _result(root / "e2e-h200.json", name)
         plan = with_constants(_gem_base_plan(1, f"model.block={block}"))
-        checks.append(Check(f"gem_base {block}, native tables, 1 GPU (another machine)", "e2e-h200.json",
-                            r["step_ms"], predict(plan, traffic(plan, 1)).step_ms))
+        checks.append(
+            Check(
+                f"gem_base {block}, native tables, 1 GPU (another machine)",
+                "e2e-h200.json",
+                r["step_ms"],
+                predict(plan, traffic(plan, 1)).step_ms,
+            )
+        )
     # FSDP on two GPUs: the latency per all-gather, then the other two layouts
-    runs = {"fsdp": ("scaling-h200.json", ["parallelism=fsdp"]),
-            "fsdp, reshard_after_forward=false": ("scaling-h200-fsdp-gathered.json",
-                                                  ["parallelism=fsdp", "parallelism.reshard_after_forward=false"]),
-            "replicate": ("scaling-h200-replicate.json", ["parallelism=replicate"])}
+    runs = {
+        "fsdp": ("scaling-h200.json", ["parallelism=fsdp"]),
+        "fsdp, reshard_after_forward=false": (
+            "scaling-h200-fsdp-gathered.json",
+            ["parallelism=fsdp", "parallelism.reshard_after_forward=false"],
+        ),
+        "replicate": ("scaling-h200-replicate.json", ["parallelism=replicate"]),
+    }
     latency = None
     for label, (file, overrides) in runs.items():
         one, two = _result(root / file, nproc=1)["step_ms"], _result(root / file, nproc=2)["step_ms"]
@@ -572,6 +689,13 @@ def calibrate(results: "str | Path" = None) -> tuple[dict[str, float], list[Chec
             fitted["collective_latency_ms"] = latency
         plan.config.plan.collective_latency_ms = latency
         added = predict(plan, traffic(plan, 2)).step_ms - predict(plan, traffic(plan, 1)).step_ms
-        checks.append(Check(f"gem_base InterFormer, {label}, 2 GPUs (from the file's 1-GPU step {one:.1f} ms)",
-                            file, two, one + added, "collective_latency_ms" if label == "fsdp" else None))
+        checks.append(
+            Check(
+                f"gem_base InterFormer, {label}, 2 GPUs (from the file's 1-GPU step {one:.1f} ms)",
+                file,
+                two,
+                one + added,
+                "collective_latency_ms" if label == "fsdp" else None,
+            )
+        )
     return fitted, checks

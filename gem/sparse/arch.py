@@ -72,9 +72,15 @@ class SparseArch(nn.Module):
     up through the EmbeddingCollection and sum-pooled here.
     """
 
-    def __init__(self, schema: FeatureSchema, tables: list[TableSpec], backend: str = "torchrec",
-                 device: torch.device | str | None = None, ids: dict | None = None,
-                 ids_device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        schema: FeatureSchema,
+        tables: list[TableSpec],
+        backend: str = "torchrec",
+        device: torch.device | str | None = None,
+        ids: dict | None = None,
+        ids_device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
         if backend not in ("torchrec", "native"):
             raise ValueError(f"sparse.backend must be 'torchrec' or 'native', got {backend!r}")
@@ -91,7 +97,9 @@ class SparseArch(nn.Module):
             from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
 
             device = torch.device(device) if device is not None else None
-            self.ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(**_torchrec_args(t)) for t in pooled], device=device)
+            self.ebc = EmbeddingBagCollection(
+                tables=[EmbeddingBagConfig(**_torchrec_args(t)) for t in pooled], device=device
+            )
             self.ec = EmbeddingCollection(tables=[EmbeddingConfig(**_torchrec_args(t)) for t in per_row], device=device)
         else:
             self.ebc = _NativeTables("embedding_bags", pooled, device)
@@ -100,10 +108,17 @@ class SparseArch(nn.Module):
         self.ids = IdMapper(build_id_spaces(tables, ids), ids_device if meta else device) if ids else None
 
     @classmethod
-    def from_config(cls, schema: FeatureSchema, embedding_dim: int, init_scale: float = 0.05,
-                    dims: dict[str, int] | None = None, backend: str = "torchrec",
-                    device: torch.device | str | None = None, ids: dict | None = None,
-                    ids_device: torch.device | str | None = None) -> "SparseArch":
+    def from_config(
+        cls,
+        schema: FeatureSchema,
+        embedding_dim: int,
+        init_scale: float = 0.05,
+        dims: dict[str, int] | None = None,
+        backend: str = "torchrec",
+        device: torch.device | str | None = None,
+        ids: dict | None = None,
+        ids_device: torch.device | str | None = None,
+    ) -> SparseArch:
         return cls(schema, build_tables(schema, embedding_dim, init_scale, dims), backend, device, ids, ids_device)
 
     def pooled_dim(self, feature: str) -> int:
@@ -122,7 +137,9 @@ class SparseArch(nn.Module):
         spec = next(t for t in self.tables if t.name == name)
         return (self.ebc.embedding_bags if spec.pooled else self.ec.embeddings)[name].weight
 
-    def forward(self, sparse: KeyedJaggedTensor, sequences: KeyedJaggedTensor, max_seq_len: dict[str, int]) -> SparseOutput:
+    def forward(
+        self, sparse: KeyedJaggedTensor, sequences: KeyedJaggedTensor, max_seq_len: dict[str, int]
+    ) -> SparseOutput:
         if self.ids is not None:  # raw ids -> rows (sparse.ids)
             sparse, sequences = self.ids(sparse, sequences)
         if self.backend == "torchrec":
@@ -133,7 +150,9 @@ class SparseArch(nn.Module):
         for g in self.schema.sequence_groups:
             parts = [per_event[f][0] for f in g.feature_names]
             offsets = per_event[g.feature_names[0]][1]
-            out[g.name] = JaggedEmbeddings(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], offsets, max_seq_len[g.name])
+            out[g.name] = JaggedEmbeddings(
+                torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], offsets, max_seq_len[g.name]
+            )
         return SparseOutput(pooled=pooled, sequences=out)
 
     def _torchrec_lookup(self, sparse: KeyedJaggedTensor, sequences: KeyedJaggedTensor):
@@ -154,10 +173,10 @@ class SparseArch(nn.Module):
 
     def _native_lookup(self, sparse: KeyedJaggedTensor, sequences: KeyedJaggedTensor):
         pooled, per_event = {}, {}
-        for f, jt in (sparse.to_dict().items() if self.schema.id_features else ()):
+        for f, jt in sparse.to_dict().items() if self.schema.id_features else ():
             weight = self.table_weight(self._table_of[f].name)
             pooled[f] = F.embedding_bag(jt.values(), weight, _offsets(jt), mode="sum", include_last_offset=True)
-        for f, jt in (sequences.to_dict().items() if self.schema.sequence_groups else ()):
+        for f, jt in sequences.to_dict().items() if self.schema.sequence_groups else ():
             per_event[f] = (F.embedding(jt.values(), self.table_weight(self._table_of[f].name)), _offsets(jt))
         return pooled, per_event
 
@@ -182,14 +201,21 @@ def fbgemm_has_kernels(device_type: str) -> bool:
     key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
     try:
         return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
-            "fbgemm::asynchronous_complete_cumsum", key)
+            "fbgemm::asynchronous_complete_cumsum", key
+        )
     except RuntimeError:  # the op is not registered (no fbgemm_gpu loaded)
         return False
 
 
 def _torchrec_args(t: TableSpec) -> dict:
-    return dict(name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim,
-                feature_names=list(t.feature_names), weight_init_min=-t.init_scale, weight_init_max=t.init_scale)
+    return dict(
+        name=t.name,
+        num_embeddings=t.num_embeddings,
+        embedding_dim=t.embedding_dim,
+        feature_names=list(t.feature_names),
+        weight_init_min=-t.init_scale,
+        weight_init_max=t.init_scale,
+    )
 
 
 class _NativeTables(nn.Module):

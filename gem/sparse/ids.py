@@ -3,8 +3,9 @@
 Per table, one policy (docs/streaming.md, "Unbounded ids"):
 
 - ``mch``: TorchRec's ``MCHManagedCollisionModule``, a sorted table of admitted raw ids and their
-  rows, with LRU or LFU eviction (or none: a full table admits no more ids). Every ``eviction_interval`` training steps the ids seen since the
-  last admission compete for rows; an id not (yet) admitted is looked up in the table's last row,
+  rows, with LRU or LFU eviction (or none: a full table admits no more ids). Every
+  ``eviction_interval`` training steps the ids seen since the last admission compete for rows;
+  an id not (yet) admitted is looked up in the table's last row,
   which no id owns.
 - ``hash``: a fixed 64-bit mix (SplitMix64's finalizer) of the raw id, modulo the rows.
 - ``modulo``: ``raw id % rows``, the naive baseline.
@@ -24,8 +25,9 @@ ranks, are not used (docs/streaming.md says why).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,17 +65,22 @@ def build_id_spaces(tables: Sequence[TableSpec], ids: Mapping[str, Any]) -> list
     spaces = []
     for table, entry in ids.items():
         if table not in by_name:
-            raise ValueError(f"sparse.ids.{table}: unknown table; the tables are {sorted(by_name)} "
-                             f"(t_<table> of data.schema)")
+            raise ValueError(
+                f"sparse.ids.{table}: unknown table; the tables are {sorted(by_name)} (t_<table> of data.schema)"
+            )
         fields = dict(entry) if isinstance(entry, Mapping) else dict(vars(entry))
         spec = by_name[table]
         space = IdSpace(table, spec.num_embeddings, spec.feature_names, **fields)
         if space.policy not in POLICIES or space.eviction not in EVICTIONS:
-            raise ValueError(f"sparse.ids.{table}: policy must be one of {list(POLICIES)} and eviction one of "
-                             f"{list(EVICTIONS)}, got {space.policy!r} / {space.eviction!r}")
+            raise ValueError(
+                f"sparse.ids.{table}: policy must be one of {list(POLICIES)} and eviction one of "
+                f"{list(EVICTIONS)}, got {space.policy!r} / {space.eviction!r}"
+            )
         if space.policy == "mch" and space.num_embeddings < 2:
-            raise ValueError(f"sparse.ids.{table}.policy=mch needs a table of >= 2 rows (one is the shared row of "
-                             f"ids not admitted yet); raise the cardinality or use policy=hash")
+            raise ValueError(
+                f"sparse.ids.{table}.policy=mch needs a table of >= 2 rows (one is the shared row of "
+                f"ids not admitted yet); raise the cardinality or use policy=hash"
+            )
         spaces.append(space)
     return spaces
 
@@ -103,16 +110,19 @@ def hash_ids(values: torch.Tensor, num_rows: int) -> torch.Tensor:
 def check_ranges(values: Mapping[str, torch.Tensor], raw_space: Mapping[str, int]) -> None:
     """Raise :class:`IdOutOfRangeError` naming the first feature of ``values`` with an id outside its
     ``[0, raw_space[feature])``; one host sync for all of them."""
-    outside = [((v < 0) | (v >= raw_space[f]) if raw_space[f] < 2**63 else v < 0).any()
-               for f, v in values.items() if v.numel()]
+    outside = [
+        ((v < 0) | (v >= raw_space[f]) if raw_space[f] < 2**63 else v < 0).any() for f, v in values.items() if v.numel()
+    ]
     if not outside or not bool(torch.stack(outside).any()):
         return
     for f, v in values.items():
         bad = v[(v < 0) | (v >= raw_space[f])] if raw_space[f] < 2**63 else v[v < 0]
         if bad.numel():
-            raise IdOutOfRangeError(f"feature {f!r}: id {int(bad[0])} is outside its declared raw space "
-                                    f"[0, {raw_space[f]}) (sparse.ids); fix the input, or raise "
-                                    f"sparse.ids.<table>.raw_space")
+            raise IdOutOfRangeError(
+                f"feature {f!r}: id {int(bad[0])} is outside its declared raw space "
+                f"[0, {raw_space[f]}) (sparse.ids); fix the input, or raise "
+                f"sparse.ids.<table>.raw_space"
+            )
 
 
 def _no_eviction_policy():
@@ -122,9 +132,17 @@ def _no_eviction_policy():
     from torchrec.modules.mc_modules import LFU_EvictionPolicy
 
     class NoEviction(LFU_EvictionPolicy):
-        def update_metadata_and_generate_eviction_scores(self, current_iter, mch_size, argsort_mapping,
-                                                         sorted_counts, matching_mask, matching_indices,
-                                                         mch_metadata, history_metadata):
+        def update_metadata_and_generate_eviction_scores(
+            self,
+            current_iter,
+            mch_size,
+            argsort_mapping,
+            sorted_counts,
+            matching_mask,
+            matching_indices,
+            mch_metadata,
+            history_metadata,
+        ):
             taken = mch_metadata["counts"]
             taken[mch_size - 1] = 1  # the shared row of unadmitted ids is never handed out
             scores = torch.cat([taken * _INT64_MAX, sorted_counts[~matching_mask]])  # new ids: by frequency
@@ -139,9 +157,14 @@ def _mch_module(space: IdSpace, device: torch.device):
     from torchrec.modules.mc_modules import LFU_EvictionPolicy, LRU_EvictionPolicy, MCHManagedCollisionModule
 
     policy = {"lru": LRU_EvictionPolicy, "lfu": LFU_EvictionPolicy, "none": _no_eviction_policy}[space.eviction]()
-    return MCHManagedCollisionModule(zch_size=space.num_embeddings, device=device, eviction_policy=policy,
-                                     eviction_interval=space.eviction_interval,
-                                     input_hash_size=min(space.raw_space, _INT64_MAX), name=space.table)
+    return MCHManagedCollisionModule(
+        zch_size=space.num_embeddings,
+        device=device,
+        eviction_policy=policy,
+        eviction_interval=space.eviction_interval,
+        input_hash_size=min(space.raw_space, _INT64_MAX),
+        name=space.table,
+    )
 
 
 def _reserve_history(mc, incoming: int) -> None:
@@ -158,8 +181,14 @@ def _reserve_history(mc, incoming: int) -> None:
     kept = mc._history_accumulator[:offset].clone() if size != -1 else None
     kept_metadata = {k: v[:offset].clone() for k, v in mc._history_metadata.items()}
     per_step = max(incoming, -(-need // mc._eviction_interval), 1)  # TorchRec allots interval x 1.25 x this
-    mc._init_history_buffers({"ids": JaggedTensor(values=torch.empty(per_step, dtype=torch.int64, device=mc.device),
-                                                  lengths=torch.ones(per_step, dtype=torch.int64, device=mc.device))})
+    mc._init_history_buffers(
+        {
+            "ids": JaggedTensor(
+                values=torch.empty(per_step, dtype=torch.int64, device=mc.device),
+                lengths=torch.ones(per_step, dtype=torch.int64, device=mc.device),
+            )
+        }
+    )
     if kept is not None:
         mc._history_accumulator[:offset] = kept
         for k, v in kept_metadata.items():
@@ -205,8 +234,9 @@ class IdMapper(nn.Module):
         parts = {}  # feature -> its raw values, from whichever KJT holds it
         for kjt in (sparse, sequences):
             if kjt.keys():
-                parts.update({k: v for k, v in zip(kjt.keys(), kjt.values().split(kjt.length_per_key()))
-                              if k in self._table_of})
+                parts.update(
+                    {k: v for k, v in zip(kjt.keys(), kjt.values().split(kjt.length_per_key())) if k in self._table_of}
+                )
         # every table first: a bad id changes no mapping state
         check_ranges(parts, {f: self.spaces[self._table_of[f]].raw_space for f in parts})
         rows = {}
@@ -233,7 +263,9 @@ class IdMapper(nn.Module):
             admitted = mc.evict()  # the rows handed to new ids this step (None: no admission step)
             if admitted is not None:  # evicted = admitted into rows that held an id before
                 self._count(space.table, "evictions", admitted.numel() - (self._occupied(mc) - before))
-        return mc.remap({space.table: JaggedTensor(values=raw, lengths=raw.new_ones(raw.numel()))})[space.table].values()
+        return mc.remap({space.table: JaggedTensor(values=raw, lengths=raw.new_ones(raw.numel()))})[
+            space.table
+        ].values()
 
     @staticmethod
     def _occupied(mc) -> torch.Tensor:
@@ -275,5 +307,6 @@ def _replace_values(kjt: KeyedJaggedTensor, rows: Mapping[str, torch.Tensor]) ->
         return kjt
     parts = kjt.values().split(kjt.length_per_key())
     values = torch.cat([rows.get(k, p) for k, p in zip(keys, parts)])
-    return KeyedJaggedTensor(keys=keys, values=values, lengths=kjt.lengths(), weights=kjt.weights_or_none(),
-                             stride=kjt.stride())
+    return KeyedJaggedTensor(
+        keys=keys, values=values, lengths=kjt.lengths(), weights=kjt.weights_or_none(), stride=kjt.stride()
+    )

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from gem.data.pipeline.schema import FeatureSchema, check_names
 
@@ -55,11 +55,21 @@ def build_tables(
     for table, members in tables.items():
         widths = {dims.get(f.name, embedding_dim) for f in members}
         if len(widths) > 1:
-            raise ValueError(f"sparse.dims: features {[f.name for f in members]} share table {table!r} but ask for "
-                             f"widths {sorted(widths)}; give them one width")
+            raise ValueError(
+                f"sparse.dims: features {[f.name for f in members]} share table {table!r} but ask for "
+                f"widths {sorted(widths)}; give them one width"
+            )
         pooled = not any(f.name in sequence_features for f in members)
-        specs.append(TableSpec(table_name(table), members[0].cardinality, widths.pop(),
-                               tuple(f.name for f in members), pooled, init_scale))
+        specs.append(
+            TableSpec(
+                table_name(table),
+                members[0].cardinality,
+                widths.pop(),
+                tuple(f.name for f in members),
+                pooled,
+                init_scale,
+            )
+        )
     ec_dims = {t.embedding_dim for t in specs if not t.pooled}
     if len(ec_dims) > 1:
         raise ValueError(

@@ -5,10 +5,26 @@ type (``StepHook``). Imported on first use, so ``import gem.train`` stays cheap.
 
 from importlib import import_module
 
-_EXPORTS = {name: "gem.train.api" for name in
-            ("compose", "config_dir", "build_data", "build_model", "build_optimizers", "evaluate", "Data", "Optimizers")}
-_EXPORTS |= {"Config": "gem.train.config", "ConfigError": "gem.train.config", "validate": "gem.train.config",
-             "StepHook": "gem.train.trainer", "CheckpointError": "gem.train.checkpoint"}
+_EXPORTS = {
+    name: "gem.train.api"
+    for name in (
+        "compose",
+        "config_dir",
+        "build_data",
+        "build_model",
+        "build_optimizers",
+        "evaluate",
+        "Data",
+        "Optimizers",
+    )
+}
+_EXPORTS |= {
+    "Config": "gem.train.config",
+    "ConfigError": "gem.train.config",
+    "validate": "gem.train.config",
+    "StepHook": "gem.train.trainer",
+    "CheckpointError": "gem.train.checkpoint",
+}
 __all__ = ["train", *_EXPORTS]
 
 

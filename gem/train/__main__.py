@@ -38,8 +38,11 @@ from gem.train.config import ConfigError  # noqa: E402
 from gem.train.trainer import train  # noqa: E402
 
 CONFIG_DIR = config_dir()  # the checkout's configs/, or gem/configs in an installed wheel
-USER_ERRORS = ((ConfigError, "Error in the configuration"), (DataError, "Error in the data"),
-               (CheckpointError, "Error in the checkpoint"))
+USER_ERRORS = (
+    (ConfigError, "Error in the configuration"),
+    (DataError, "Error in the data"),
+    (CheckpointError, "Error in the checkpoint"),
+)
 
 
 def user_message(e: BaseException) -> str:

@@ -23,9 +23,10 @@ The runnable version is ``examples/custom_loop.py``.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # imported lazily: `import gem` stays cheap
     import torch
@@ -51,11 +52,13 @@ def config_dir() -> str:
     for candidate in (package / "configs", package.parent / "configs"):
         if (candidate / "train.yaml").is_file():
             return str(candidate)
-    raise FileNotFoundError(f"gem's Hydra configs are missing: neither {package / 'configs'} nor "
-                            f"{package.parent / 'configs'} holds train.yaml; reinstall gem")
+    raise FileNotFoundError(
+        f"gem's Hydra configs are missing: neither {package / 'configs'} nor "
+        f"{package.parent / 'configs'} holds train.yaml; reinstall gem"
+    )
 
 
-def compose(overrides: Sequence[str] = (), config_name: str = "train") -> "DictConfig":
+def compose(overrides: Sequence[str] = (), config_name: str = "train") -> DictConfig:
     """The config ``python -m gem.train <overrides>`` would run, e.g. ``compose(["model=gem_tiny",
     "trainer.max_steps=10"])``. Works from any directory (the config tree ships with gem)."""
     from hydra import compose as hydra_compose
@@ -73,24 +76,24 @@ class Data:
     data source (:func:`gem.data.build_source`: the feature schema and the data set folder with
     ``train/``, ``val/``, ``test/``)."""
 
-    config: "Config"
-    env: "DistEnv"
-    source: "DataSource"
-    task_weights: "torch.Tensor" = field(repr=False, default=None)
+    config: Config
+    env: DistEnv
+    source: DataSource
+    task_weights: torch.Tensor = field(repr=False, default=None)
 
     @property
-    def device(self) -> "torch.device":
+    def device(self) -> torch.device:
         return self.env.device
 
     @property
-    def schema(self) -> "FeatureSchema":
+    def schema(self) -> FeatureSchema:
         return self.source.schema
 
     @property
     def dir(self) -> Path:
         return self.source.dir
 
-    def loader(self, split: str = "train", batch_size: int | None = None) -> "BatchLoader":
+    def loader(self, split: str = "train", batch_size: int | None = None) -> BatchLoader:
         """This rank's loader over ``split`` as the trainer builds it (``train``: shuffled, balanced,
         whole batches of ``data.batch_size``; ``val`` / ``test``: in order, ``data.eval_batch_size``).
         Iterating it yields one epoch of :class:`gem.data.Batch` on the host."""
@@ -98,7 +101,7 @@ class Data:
 
         return split_loader(self.config, self.env, self.source, split, batch_size)
 
-    def loss(self, logits: "torch.Tensor", batch) -> tuple["torch.Tensor", "torch.Tensor"]:
+    def loss(self, logits: torch.Tensor, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss, per_task [K])``: the trainer's masked multi-task binary cross-entropy, weighted by
         ``trainer.task_weights`` (normalized over the global batch when there are several ranks)."""
         import torch.distributed as dist
@@ -106,11 +109,12 @@ class Data:
         from gem.train.losses import multitask_bce
 
         group = dist.group.WORLD if self.env.world_size > 1 else None
-        return multitask_bce(logits.float(), batch.labels, batch.label_mask, self.task_weights, batch.weights,
-                             group=group)
+        return multitask_bce(
+            logits.float(), batch.labels, batch.label_mask, self.task_weights, batch.weights, group=group
+        )
 
 
-def build_data(cfg: "DictConfig | dict | Config") -> Data:
+def build_data(cfg: DictConfig | dict | Config) -> Data:
     """Validate ``cfg`` (a :class:`gem.train.config.ConfigError` names a bad key), pick the device,
     start a process group when TorchRec sharding or torchrun needs one, seed every generator
     (``trainer.seed``), and prepare the data set (generating the synthetic one into
@@ -125,8 +129,11 @@ def build_data(cfg: "DictConfig | dict | Config") -> Data:
 
     config = cfg if isinstance(cfg, Config) else validate(cfg)
     t = config.trainer
-    env = init_distributed(t.device, need_process_group=(config.sparse.backend == "torchrec" and config.sparse.shard)
-                           or bool(config.parallelism.fully_shard))
+    env = init_distributed(
+        t.device,
+        need_process_group=(config.sparse.backend == "torchrec" and config.sparse.shard)
+        or bool(config.parallelism.fully_shard),
+    )
     parallel_dims(config, env)
     logger.info(configure_threads(t.num_threads, config.data.num_workers, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     seed_everything(t.seed, t.deterministic)
@@ -136,7 +143,7 @@ def build_data(cfg: "DictConfig | dict | Config") -> Data:
     return Data(config, env, source, weights)
 
 
-def build_model(data: Data) -> "nn.Module":
+def build_model(data: Data) -> nn.Module:
     """The :class:`gem.models.gem.GEMModel` the config describes (TorchRec-sharded tables with their
     fused optimizer, or plain ones; FSDP2 on the dense arch with several ranks), on ``data.device``."""
     from gem.train.trainer import build_model as _build_model
@@ -150,14 +157,15 @@ class Optimizers:
     TorchRec's fused table optimizer (updated inside ``loss.backward()``; ``step()`` hands it the
     scheduled learning rate), and the learning-rate schedule, stepped after them."""
 
-    def __init__(self, model: "nn.Module", config: "Config", total_steps: int) -> None:
+    def __init__(self, model: nn.Module, config: Config, total_steps: int) -> None:
         from gem.train.optim import build_optimizers as _build_optimizers
         from gem.train.step import OptimizerSet
 
         self.dense, self.sparse, self.schedule = _build_optimizers(model, config.optim, total_steps)
         self.fused = getattr(model.sparse_arch, "fused_optimizer", None)
-        self._set = OptimizerSet((self.dense, self.sparse, self.fused), list(model.dense_arch.parameters()),
-                                 config.optim.grad_clip)
+        self._set = OptimizerSet(
+            (self.dense, self.sparse, self.fused), list(model.dense_arch.parameters()), config.optim.grad_clip
+        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._set.zero_grad(set_to_none)
@@ -172,12 +180,12 @@ class Optimizers:
         return self.schedule.get_last_lr()[0]
 
 
-def build_optimizers(model: "nn.Module", data: Data, total_steps: int) -> Optimizers:
+def build_optimizers(model: nn.Module, data: Data, total_steps: int) -> Optimizers:
     """The trainer's optimizers for ``model`` (``optim.*``); ``total_steps`` sets the cosine schedule's length."""
     return Optimizers(model, data.config, total_steps)
 
 
-def evaluate(model: "nn.Module", data: Data, split: str = "val", max_batches: int = -1) -> dict[str, Any]:
+def evaluate(model: nn.Module, data: Data, split: str = "val", max_batches: int = -1) -> dict[str, Any]:
     """Per-task AUC / NE / count over ``split`` (and HR / NDCG / MRR when it has candidate groups),
     gathered over every rank; the model goes back to training mode afterwards."""
     import torch
@@ -185,5 +193,11 @@ def evaluate(model: "nn.Module", data: Data, split: str = "val", max_batches: in
     from gem.train.trainer import evaluate as _evaluate
 
     t = data.config.trainer
-    return _evaluate(model, data.loader(split), data.env, data.schema.tasks, max_batches,
-                     getattr(torch, t.autocast) if t.autocast else None)
+    return _evaluate(
+        model,
+        data.loader(split),
+        data.env,
+        data.schema.tasks,
+        max_batches,
+        getattr(torch, t.autocast) if t.autocast else None,
+    )

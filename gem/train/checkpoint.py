@@ -126,9 +126,19 @@ class Checkpointer:
         rank / world_size: this process and the job size.
     """
 
-    def __init__(self, cfg: CheckpointConfig, directory: Path, model: nn.Module, dense_opt: torch.optim.Optimizer,
-                 sparse_opt: torch.optim.Optimizer | None, scheduler, config_yaml: str, rank: int = 0,
-                 world_size: int = 1, loader=None) -> None:
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        directory: Path,
+        model: nn.Module,
+        dense_opt: torch.optim.Optimizer,
+        sparse_opt: torch.optim.Optimizer | None,
+        scheduler,
+        config_yaml: str,
+        rank: int = 0,
+        world_size: int = 1,
+        loader=None,
+    ) -> None:
         self.cfg = cfg
         self.dir = Path(directory)
         self.model, self.dense_opt, self.sparse_opt, self.scheduler = model, dense_opt, sparse_opt, scheduler
@@ -197,8 +207,13 @@ class Checkpointer:
         tick = time.perf_counter()
         tmp = self.dir / f".tmp-{final.name}"
         state = self._state(progress)
-        manifest = {"step": progress.step, "world_size": self.world_size, "time": time.time(),
-                    "progress": asdict(progress), "fingerprint": self._fingerprint(state)}
+        manifest = {
+            "step": progress.step,
+            "world_size": self.world_size,
+            "time": time.time(),
+            "progress": asdict(progress),
+            "fingerprint": self._fingerprint(state),
+        }
         flat = _flatten(state)[0]
         rng, loader_state = _rng_state(), json.dumps(self.loader.state_dict()) if self.loader is not None else None
         needed = _state_bytes(flat) + len(rng) + len(loader_state or "") + len(self.config_yaml) + (1 << 16)
@@ -215,15 +230,21 @@ class Checkpointer:
             if loader_state is not None:
                 (tmp / f"loader_rank{self.rank}.json").write_text(loader_state)
             if self.cfg.async_save:
-                future = dcp.async_save(_snapshot(flat), checkpoint_id=str(tmp), process_group=self._pg,
-                                        async_stager=_AlreadyStaged())
+                future = dcp.async_save(
+                    _snapshot(flat), checkpoint_id=str(tmp), process_group=self._pg, async_stager=_AlreadyStaged()
+                )
                 self._pending = _Pending(future, tmp, final, manifest, needed)
-                logger.info("checkpoint step %d: staged in %.2fs, writing in the background", progress.step,
-                            time.perf_counter() - tick)
+                logger.info(
+                    "checkpoint step %d: staged in %.2fs, writing in the background",
+                    progress.step,
+                    time.perf_counter() - tick,
+                )
             else:
                 dcp.save(flat, checkpoint_id=str(tmp))
                 self._commit(pending)
-                logger.info("checkpoint step %d: saved to %s in %.2fs", progress.step, final, time.perf_counter() - tick)
+                logger.info(
+                    "checkpoint step %d: saved to %s in %.2fs", progress.step, final, time.perf_counter() - tick
+                )
         except Exception as e:
             self._last_step = previous
             self._raise_if_disk_full(e, pending)
@@ -240,8 +261,9 @@ class Checkpointer:
         short = [(r, n, f) for r, n, f in report if n > f]
         if short:
             rank, n, f = short[0]
-            raise CheckpointError(_disk_full_message(final, self.dir, n, f, rank, self.world_size, self.cfg.keep_last,
-                                                     "before writing"))
+            raise CheckpointError(
+                _disk_full_message(final, self.dir, n, f, rank, self.world_size, self.cfg.keep_last, "before writing")
+            )
 
     def _raise_if_disk_full(self, error: BaseException, pending: _Pending) -> None:
         """Translate a write that ran out of space (ENOSPC, or torch's zip writer's "unexpected pos")
@@ -250,9 +272,18 @@ class Checkpointer:
             return
         shutil.rmtree(pending.tmp, ignore_errors=True)
         free = shutil.disk_usage(_existing_ancestor(self.dir)).free
-        raise CheckpointError(_disk_full_message(pending.final, self.dir, pending.needed, free, self.rank, self.world_size,
-                                                 self.cfg.keep_last, f"while writing ({type(error).__name__}: "
-                                                 f"{_first_line(error)})")) from None
+        raise CheckpointError(
+            _disk_full_message(
+                pending.final,
+                self.dir,
+                pending.needed,
+                free,
+                self.rank,
+                self.world_size,
+                self.cfg.keep_last,
+                f"while writing ({type(error).__name__}: {_first_line(error)})",
+            )
+        ) from None
 
     def poll(self) -> None:
         """Commit a finished background save (cheap when none is pending)."""
@@ -281,8 +312,9 @@ class Checkpointer:
         if self.rank != 0:
             return
         files = sorted(p for p in pending.tmp.rglob("*") if p.is_file())
-        pending.manifest["files"] = {str(p.relative_to(pending.tmp)): {"size": p.stat().st_size, "crc32": _crc32(p)}
-                                     for p in files}
+        pending.manifest["files"] = {
+            str(p.relative_to(pending.tmp)): {"size": p.stat().st_size, "crc32": _crc32(p)} for p in files
+        }
         (pending.tmp / "config.yaml").write_text(self.config_yaml)
         _write_atomic(pending.tmp / MANIFEST, json.dumps(pending.manifest, indent=1))
         if pending.final.exists():  # an unusable leftover at the same step (we resumed from an earlier one)
@@ -290,7 +322,7 @@ class Checkpointer:
         os.replace(pending.tmp, pending.final)
         _fsync_dir(self.dir)
         if self.cfg.keep_last > 0:
-            for old in list_checkpoints(self.dir)[:-self.cfg.keep_last]:
+            for old in list_checkpoints(self.dir)[: -self.cfg.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
 
     # ------------------------------------------------------------------------------------ load
@@ -316,14 +348,19 @@ class Checkpointer:
         probe = self._state(Progress())
         expected = self._fingerprint(probe)
         for path in candidates:
-            problem = self._on_rank0(lambda: self._verify(path, expected))
+            problem = self._on_rank0(lambda path=path: self._verify(path, expected))
             if problem is None:
                 problem = self._load(path, probe)
                 if problem is None:
                     progress = Progress(**probe["progress"])
                     self._last_step = progress.step
-                    logger.info("checkpoint: resumed from %s (step %d, epoch %d, %d examples seen)", path,
-                                progress.step, progress.epoch, progress.examples)
+                    logger.info(
+                        "checkpoint: resumed from %s (step %d, epoch %d, %d examples seen)",
+                        path,
+                        progress.step,
+                        progress.epoch,
+                        progress.examples,
+                    )
                     return progress
             if not self.cfg.fallback or path == candidates[-1]:
                 hint = "" if self.cfg.fallback else "; set checkpoint.fallback=true to fall back to the previous one"
@@ -333,8 +370,10 @@ class Checkpointer:
 
     def _explicit_candidates(self, path: Path) -> list[Path]:
         if not path.is_dir():
-            raise CheckpointError(f"checkpoint.load_from={str(path)!r} does not exist; give a step_<N> folder "
-                                  f"written by a gem run, or a folder of them (e.g. <run_dir>/checkpoints)")
+            raise CheckpointError(
+                f"checkpoint.load_from={str(path)!r} does not exist; give a step_<N> folder "
+                f"written by a gem run, or a folder of them (e.g. <run_dir>/checkpoints)"
+            )
         if (path / ".metadata").exists() or (path / MANIFEST).exists() or _STEP_DIR.match(path.name):
             return [path]
         found = list_checkpoints(path)[::-1]
@@ -373,7 +412,10 @@ class Checkpointer:
                 return f"checkpoint {path}: file {name} is missing"
             size = file.stat().st_size
             if size != want["size"]:
-                return f"checkpoint {path}: file {name} is truncated or overwritten ({size} bytes, expected {want['size']})"
+                return (
+                    f"checkpoint {path}: file {name} is truncated or overwritten "
+                    f"({size} bytes, expected {want['size']})"
+                )
             if self.cfg.verify == "checksum" and _crc32(file) != want["crc32"]:
                 return f"checkpoint {path}: file {name} is corrupted (CRC-32 mismatch)"
         _check_compatible(path, manifest["fingerprint"], expected, self.config_yaml)
@@ -388,7 +430,11 @@ class Checkpointer:
         flat, slots = _flatten(state)
         try:
             # Our flat keys, loaded strictly: an entry this rank needs and the checkpoint lacks is an error.
-            dcp.load(flat, checkpoint_id=str(path), planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+            dcp.load(
+                flat,
+                checkpoint_id=str(path),
+                planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+            )
             for key, (container, name) in slots.items():  # tensors load in place; other values are replaced
                 container[name] = flat[key]
         except Exception as e:  # DCP raises CheckpointException with per-rank details
@@ -402,13 +448,18 @@ class Checkpointer:
         sparse_module(self.model).load_state_dict(state["model"]["sparse"])
         self.model.dense_arch.load_state_dict(state["model"]["dense"])
         _load_fused(self.model, state["optim"]["sparse"], self._fused_keys)
-        set_optimizer_state_dict(self.model.dense_arch, self.dense_opt, state["optim"]["dense"], options=flat_optim_options())
+        set_optimizer_state_dict(
+            self.model.dense_arch, self.dense_opt, state["optim"]["dense"], options=flat_optim_options()
+        )
         self.scheduler.load_state_dict(state["scheduler"])
         if saved_world_size == self.world_size:  # per-rank RNG streams only mean something at the same size
             _set_rng_state((path / f"rng_rank{self.rank}.pkl").read_bytes())
         else:
-            logger.warning("checkpoint: written by %d ranks, loading into %d (resharded); RNG states not restored",
-                           saved_world_size, self.world_size)
+            logger.warning(
+                "checkpoint: written by %d ranks, loading into %d (resharded); RNG states not restored",
+                saved_world_size,
+                self.world_size,
+            )
         self._restore_loader(path, Progress(**state["progress"]))
         return None
 
@@ -427,9 +478,13 @@ class Checkpointer:
             except ValueError as e:
                 problem = str(e)
         if problem is not None and progress.examples_in_epoch:
-            logger.warning("checkpoint: the data position cannot be restored (%s); epoch %d starts again from its "
-                           "first batch, so its first %d examples are seen twice", problem, progress.epoch,
-                           progress.examples_in_epoch)
+            logger.warning(
+                "checkpoint: the data position cannot be restored (%s); epoch %d starts again from its "
+                "first batch, so its first %d examples are seen twice",
+                problem,
+                progress.epoch,
+                progress.examples_in_epoch,
+            )
 
 
 # ---------------------------------------------------------------------------------------- helpers
@@ -470,8 +525,14 @@ def _snapshot(flat: dict[str, Any]) -> dict[str, Any]:
             shards = [Shard(s.tensor.detach().clone(), s.metadata) for s in t.local_shards()]
             return ShardedTensor._init_from_local_shards_and_global_metadata(shards, t.metadata())
         if isinstance(t, DTensor):
-            return DTensor.from_local(t.to_local().detach().clone(), t.device_mesh, t.placements,
-                                      run_check=False, shape=t.shape, stride=t.stride())
+            return DTensor.from_local(
+                t.to_local().detach().clone(),
+                t.device_mesh,
+                t.placements,
+                run_check=False,
+                shape=t.shape,
+                stride=t.stride(),
+            )
         if isinstance(t, torch.Tensor):
             return t.detach().to("cpu", copy=True)
         return copy_module.deepcopy(t)
@@ -594,8 +655,11 @@ def _is_disk_full(error: BaseException | None) -> bool:
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
         text = str(e)
-        if "No space left on device" in text or "Disk quota exceeded" in text or (
-                "inline_container.cc" in text and "unexpected pos" in text):
+        if (
+            "No space left on device" in text
+            or "Disk quota exceeded" in text
+            or ("inline_container.cc" in text and "unexpected pos" in text)
+        ):
             return True
         stack += [e.__cause__, e.__context__]
         failures = getattr(e, "failures", None)  # torch.distributed.checkpoint's CheckpointException
@@ -610,16 +674,19 @@ def _first_line(error: BaseException) -> str:
     return text[0][:200] if text else ""
 
 
-def _disk_full_message(final: Path, directory: Path, needed: int, free: int, rank: int, world_size: int,
-                       keep_last: int, when: str) -> str:
+def _disk_full_message(
+    final: Path, directory: Path, needed: int, free: int, rank: int, world_size: int, keep_last: int, when: str
+) -> str:
     newest = list_checkpoints(directory)
     kept = f"the previous checkpoint {newest[-1]} is intact" if newest else "no earlier checkpoint was touched"
     on_rank = f" on rank {rank}" if world_size > 1 else ""
     need = f"about {_size(needed)}" if needed else "more"
-    return (f"checkpoint {final}: no space left on device ({when}){on_rank}: the save needs {need}, "
-            f"{_existing_ancestor(directory)} has {_size(free)} free. Free space on that disk, keep fewer checkpoints "
-            f"(checkpoint.keep_last={keep_last}; older ones are deleted only after a save succeeds), or point "
-            f"checkpoint.dir at a bigger disk; {kept}")
+    return (
+        f"checkpoint {final}: no space left on device ({when}){on_rank}: the save needs {need}, "
+        f"{_existing_ancestor(directory)} has {_size(free)} free. Free space on that disk, keep fewer checkpoints "
+        f"(checkpoint.keep_last={keep_last}; older ones are deleted only after a save succeeds), or point "
+        f"checkpoint.dir at a bigger disk; {kept}"
+    )
 
 
 def _size(n: int) -> str:

@@ -10,6 +10,7 @@ types cannot (with a message naming the key and the fix).
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from typing import Any, Optional
@@ -25,11 +26,9 @@ class ConfigError(ValueError):
 def _options(module: str, name: str):
     """A field whose default is the dataclass ``module.name``'s defaults as a dict: the data options
     (gem.data) keep their one source there, and every key is a plain override on the command line."""
-    def defaults() -> dict[str, Any]:
-        import dataclasses
-        import importlib
 
-        return dataclasses.asdict(getattr(importlib.import_module(module), name)())
+    def defaults() -> dict[str, Any]:
+        return asdict(getattr(importlib.import_module(module), name)())
 
     return field(default_factory=defaults)
 
@@ -60,7 +59,9 @@ class IdSpaceConfig:
 
     raw_space: int = 2**63  # raw ids lie in [0, raw_space); an id outside is an error naming the feature
     policy: str = "mch"  # mch (TorchRec's managed collisions: a learned id -> row map) | hash | modulo (naive baseline)
-    eviction: str = "lru"  # mch: which mapped id gives up its row to a new one: lru (least recent) | lfu (least frequent) | none (a full table admits no more)
+    # mch: which mapped id gives up its row to a new one: lru (least recent) | lfu (least frequent) |
+    # none (a full table admits no more)
+    eviction: str = "lru"
     eviction_interval: int = 1  # mch: training steps between admissions of new ids (and evictions)
 
 
@@ -69,7 +70,9 @@ class SparseConfig:
     backend: str = "torchrec"  # torchrec | native
     shard: bool = True  # torchrec backend: shard with DistributedModelParallel (fused optimizer)
     sharding_type: Optional[str] = None  # explicit plan: this sharding for every table not in `plan`
-    plan: dict[str, str] = field(default_factory=dict)  # table -> table_wise[:rank] | row_wise | column_wise | table_row_wise[:node] | data_parallel
+    plan: dict[str, str] = field(
+        default_factory=dict
+    )  # table -> table_wise[:rank] | row_wise | column_wise | table_row_wise[:node] | data_parallel
     constraints: dict[str, list[str]] = field(default_factory=dict)  # planner only: table -> allowed sharding types
     hbm_gb: Optional[float] = None  # planner only: per-rank memory budget for the tables (None: TorchRec's default)
     plan_file: Optional[str] = None  # a plan written by `python -m gem.plan` (its placement, shard by shard)
@@ -184,8 +187,11 @@ def _kernels_config() -> type:
         return {k: v for k, v in asdict(self).items() if k != "attention_backend"}
 
     settings = [(f.name, type(f.default), f.default) for f in fields(KernelSettings)]
-    return make_dataclass("KernelsConfig", [("attention_backend", Optional[str], None), *settings],
-                          namespace={"kernel_settings": kernel_settings, "__module__": __name__})
+    return make_dataclass(
+        "KernelsConfig",
+        [("attention_backend", Optional[str], None), *settings],
+        namespace={"kernel_settings": kernel_settings, "__module__": __name__},
+    )
 
 
 KernelsConfig = _kernels_config()
@@ -298,7 +304,9 @@ def validate(cfg: DictConfig | dict) -> Config:
     _positive("data.eval_batch_size", d.eval_batch_size)
     _positive("data.num_workers", d.num_workers, allow_zero=True)
     if d.kind == "parquet" and not d.dir:
-        raise ConfigError("data.dir is required when data.kind=parquet; set data.dir=/path/to/dataset (with train/ val/ test/)")
+        raise ConfigError(
+            "data.dir is required when data.kind=parquet; set data.dir=/path/to/dataset (with train/ val/ test/)"
+        )
     if d.kind == "seqrec" and not d.dir:
         raise ConfigError("data.dir is required when data.kind=seqrec; set data.dir=/folder/with/<data.name>.txt")
     for split in ("train", "test"):
@@ -306,8 +314,11 @@ def validate(cfg: DictConfig | dict) -> Config:
             raise ConfigError(f"data.num_examples.{split} must be >= 1 for synthetic data")
     _one_of("sparse.backend", s.backend, ("torchrec", "native"))
     if s.sharding_type is not None:
-        _one_of("sparse.sharding_type", s.sharding_type,
-                ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"))
+        _one_of(
+            "sparse.sharding_type",
+            s.sharding_type,
+            ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"),
+        )
     _positive("sparse.embedding_dim", s.embedding_dim)
     _positive("sparse.init_scale", s.init_scale)
     # Untyped in the schema, so that `+sparse.ids.<table>.<key>=...` composes; typed here.
@@ -333,8 +344,10 @@ def validate(cfg: DictConfig | dict) -> Config:
     for name in t.loggers:
         _one_of("trainer.loggers[]", name, ("jsonl", "tensorboard"))
     if "tensorboard" in t.loggers and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("trainer.loggers has tensorboard but the tensorboard package is not installed; "
-                          "pip install tensorboard, or set trainer.loggers=[jsonl]")
+        raise ConfigError(
+            "trainer.loggers has tensorboard but the tensorboard package is not installed; "
+            "pip install tensorboard, or set trainer.loggers=[jsonl]"
+        )
     if not t.run_dir:
         raise ConfigError("trainer.run_dir must be set (the same path on every rank)")
     for key in ("dp_replicate", "dp_shard"):
@@ -360,8 +373,10 @@ def validate(cfg: DictConfig | dict) -> Config:
     _positive("checkpoint.keep_last", c.keep_last, allow_zero=True)
     _one_of("checkpoint.verify", c.verify, ("checksum", "size"))
     if c.init_from and not c.init_modules:
-        raise ConfigError(f"checkpoint.init_from={c.init_from!r} needs checkpoint.init_modules: the name prefixes to "
-                          "load, e.g. [sparse_arch.ebc.embedding_bags.t_ad_id] or [sparse_arch]")
+        raise ConfigError(
+            f"checkpoint.init_from={c.init_from!r} needs checkpoint.init_modules: the name prefixes to "
+            "load, e.g. [sparse_arch.ebc.embedding_bags.t_ad_id] or [sparse_arch]"
+        )
     if c.init_modules and not c.init_from:
         raise ConfigError("checkpoint.init_modules is set but checkpoint.init_from is not; give the teacher's step_<N>")
     dd = t.distill
@@ -370,10 +385,14 @@ def validate(cfg: DictConfig | dict) -> Config:
     _positive("trainer.distill.temperature", dd.temperature)
     _one_of("trainer.distill.source", dd.source, ("data", "model"))
     if dd.weight > 0 and dd.source == "model" and not dd.checkpoint:
-        raise ConfigError("trainer.distill.source=model needs trainer.distill.checkpoint=<the teacher's step_<N> folder>")
+        raise ConfigError(
+            "trainer.distill.source=model needs trainer.distill.checkpoint=<the teacher's step_<N> folder>"
+        )
     every = t.delta_export.every
     if every is not None and every != "partition" and not (every.isdigit() and int(every) > 0):
-        raise ConfigError(f"trainer.delta_export.every={every!r} must be partition, a number of steps > 0, or null (off)")
+        raise ConfigError(
+            f"trainer.delta_export.every={every!r} must be partition, a number of steps > 0, or null (off)"
+        )
     check_plan(config.plan)
     return config
 
@@ -390,8 +409,10 @@ def check_id_space(key: str, ids: IdSpaceConfig) -> None:
     """One ``sparse.ids.<table>`` entry; the table names are checked against the schema when the
     SparseArch is built (gem.sparse.ids.build_id_spaces)."""
     if not 1 <= ids.raw_space <= 2**63:
-        raise ConfigError(f"{key}.raw_space={ids.raw_space} must be in [1, 2**63] (ids are int64); "
-                          f"e.g. {key}.raw_space=9223372036854775808")
+        raise ConfigError(
+            f"{key}.raw_space={ids.raw_space} must be in [1, 2**63] (ids are int64); "
+            f"e.g. {key}.raw_space=9223372036854775808"
+        )
     _one_of(f"{key}.policy", ids.policy, ("mch", "hash", "modulo"))
     _one_of(f"{key}.eviction", ids.eviction, ("lru", "lfu", "none"))
     _positive(f"{key}.eviction_interval", ids.eviction_interval)
@@ -402,8 +423,10 @@ def check_plan(p: PlanConfig) -> None:
     _positive("plan.world_size", p.world_size)
     _positive("plan.gpus_per_node", p.gpus_per_node)
     if p.world_size > p.gpus_per_node and p.world_size % p.gpus_per_node:
-        raise ConfigError(f"plan.world_size={p.world_size} is not a whole number of nodes of plan.gpus_per_node="
-                          f"{p.gpus_per_node}; set plan.world_size={p.world_size // p.gpus_per_node * p.gpus_per_node}")
+        raise ConfigError(
+            f"plan.world_size={p.world_size} is not a whole number of nodes of plan.gpus_per_node="
+            f"{p.gpus_per_node}; set plan.world_size={p.world_size // p.gpus_per_node * p.gpus_per_node}"
+        )
     _one_of("plan.device", p.device, ("cuda", "cpu"))
     _one_of("plan.activations", p.activations, ("probe", "none"))
     for key in ("hbm_gb", "peak_tflops", "hbm_gbps", "intra_node_gbps", "inter_node_gbps"):
@@ -425,8 +448,15 @@ def check_plan(p: PlanConfig) -> None:
 
 # Sizes of gem's dense archs (configs/model/*.yaml), checked by name wherever a gem.models arch has them.
 _MODEL_POSITIVE = ("dim", "num_heads", "head_dim", "pffn_kv")  # widths and counts a division needs
-_MODEL_NON_NEGATIVE = ("num_layers", "num_summary", "num_pma", "num_recent", "num_seeds", "num_pooled",
-                       "in_batch_negatives")  # 0 builds (no layers / no such tokens / off)
+_MODEL_NON_NEGATIVE = (
+    "num_layers",
+    "num_summary",
+    "num_pma",
+    "num_recent",
+    "num_seeds",
+    "num_pooled",
+    "in_batch_negatives",
+)  # 0 builds (no layers / no such tokens / off)
 _MODEL_WIDTHS = ("bottom_mlp", "top_mlp", "tower_mlp")  # lists of hidden widths
 _WUKONG_POSITIVE = ("rank", "hidden", "num_experts")
 
@@ -470,8 +500,10 @@ def check_model_args(model: dict) -> None:
             raise ConfigError(f"model.{key} must be a list of layer widths, got {widths!r}; e.g. model.{key}=[128,64]")
         for i, width in enumerate(widths):
             if not _is_int(width) or width < 1:
-                raise ConfigError(f"model.{key}[{i}] must be a positive integer (a layer width), got {width!r}; "
-                                  f"model.{key}={list(widths)}")
+                raise ConfigError(
+                    f"model.{key}[{i}] must be a positive integer (a layer width), got {width!r}; "
+                    f"model.{key}={list(widths)}"
+                )
     wukong = model.get("wukong") or {}
     for key in _WUKONG_POSITIVE:
         if key in wukong:
@@ -481,7 +513,9 @@ def check_model_args(model: dict) -> None:
     streams = model.get("streams") or {}
     for name, stream in streams.items():
         if not isinstance(stream, dict):
-            raise ConfigError(f"model.streams.{name} must be a mapping such as {{num_heads: 4, head_dim: 32}}, got {stream!r}")
+            raise ConfigError(
+                f"model.streams.{name} must be a mapping such as {{num_heads: 4, head_dim: 32}}, got {stream!r}"
+            )
         for key in ("num_heads", "head_dim"):
             if key in stream:
                 _int_arg(f"model.streams.{name}.{key}", stream[key], 1)
@@ -490,8 +524,10 @@ def check_model_args(model: dict) -> None:
     for prefix, node in [("model", model)] + [(f"model.streams.{n}", st) for n, st in streams.items()]:
         head_dim = node.get("head_dim")
         if _is_int(head_dim) and head_dim % 2:
-            raise ConfigError(f"{prefix}.head_dim must be even (rotary position embeddings rotate pairs of channels), "
-                              f"got {head_dim}; set {prefix}.head_dim={head_dim + 1}")
+            raise ConfigError(
+                f"{prefix}.head_dim must be even (rotary position embeddings rotate pairs of channels), "
+                f"got {head_dim}; set {prefix}.head_dim={head_dim + 1}"
+            )
     if "temperature" in model:
         t = model["temperature"]
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
@@ -506,4 +542,6 @@ def check_schema_refs(config: Config, schema) -> None:
     """Checks that need the feature schema: task names in trainer.task_weights."""
     for task in config.trainer.task_weights:
         if task not in schema.tasks:
-            raise ConfigError(f"trainer.task_weights.{task}: unknown task; the schema (data.schema.tasks) has {list(schema.tasks)}")
+            raise ConfigError(
+                f"trainer.task_weights.{task}: unknown task; the schema (data.schema.tasks) has {list(schema.tasks)}"
+            )

@@ -147,8 +147,9 @@ class DeltaExporter:
         step: the step training starts (or resumes) at.
     """
 
-    def __init__(self, directory: Path, model: nn.Module, dense_opt, sparse_opt, every: str,
-                 optimizer_state: bool, step: int) -> None:
+    def __init__(
+        self, directory: Path, model: nn.Module, dense_opt, sparse_opt, every: str, optimizer_state: bool, step: int
+    ) -> None:
         from gem.train.checkpoint import sparse_module
 
         self.dir = Path(directory)
@@ -167,25 +168,36 @@ class DeltaExporter:
             shutil.rmtree(stale, ignore_errors=True)
         chain = read_chain(self.dir)
         kept = [m for m in chain if m["step"] <= step]
-        for m in chain[len(kept):]:
-            logger.info("delta export: dropping delta %06d (step %d, after the resumed step %d); it is written again",
-                        m["seq"], m["step"], step)
+        for m in chain[len(kept) :]:
+            logger.info(
+                "delta export: dropping delta %06d (step %d, after the resumed step %d); it is written again",
+                m["seq"],
+                m["step"],
+                step,
+            )
             shutil.rmtree(self.dir / f"{m['seq']:06d}")
         if not kept:
             return _Link(0, None, step, False)
         last = kept[-1]
         if last["step"] < step:
-            logger.warning("delta export: the newest delta %06d is of step %d but training resumes at step %d; the rows "
-                           "touched in between are unknown, so delta %06d carries every row (align "
-                           "trainer.delta_export.every with checkpoint.every_steps to avoid it)", last["seq"],
-                           last["step"], step, last["seq"] + 1)
+            logger.warning(
+                "delta export: the newest delta %06d is of step %d but training resumes at step %d; the rows "
+                "touched in between are unknown, so delta %06d carries every row (align "
+                "trainer.delta_export.every with checkpoint.every_steps to avoid it)",
+                last["seq"],
+                last["step"],
+                step,
+                last["seq"] + 1,
+            )
         return _Link(last["seq"] + 1, last["seq"], last["step"], last["step"] < step)
 
     def start(self, ckpt, progress) -> None:
         """A chain without deltas starts at a checkpoint of the current step: save one if there is none."""
         from gem.train.checkpoint import list_checkpoints
 
-        if self.link.previous is None and not any(p.name == f"step_{progress.step:09d}" for p in list_checkpoints(ckpt.dir)):
+        if self.link.previous is None and not any(
+            p.name == f"step_{progress.step:09d}" for p in list_checkpoints(ckpt.dir)
+        ):
             ckpt.save(progress)
             logger.info("delta export: the chain's base is the checkpoint of step %d", progress.step)
 
@@ -200,23 +212,42 @@ class DeltaExporter:
         if step == self.last_step and not self.link.full:
             return None
         if self.tracker.batches == 0 and step > self.last_step:
-            raise RuntimeError(f"delta export: {step - self.last_step} steps trained but the row tracker saw no batch "
-                               "(a training pipeline that bypasses the SparseArch's forward?); set sparse.pipeline=false")
+            raise RuntimeError(
+                f"delta export: {step - self.last_step} steps trained but the row tracker saw no batch "
+                "(a training pipeline that bypasses the SparseArch's forward?); set sparse.pipeline=false"
+            )
         tick = time.perf_counter()
         seq = self.link.seq
         final, tmp = self.dir / f"{seq:06d}", self.dir / f".tmp-{seq:06d}"
         tmp.mkdir(parents=True)
         tables = self._write_state(tmp)
-        manifest = {"format": FORMAT, "seq": seq, "previous": self.link.previous, "base_step": self.link.base_step,
-                    "step": step, "partition": partition, "full": self.link.full,
-                    "optimizer_state": self.optimizer_state, "tables": tables, "time": time.time(),
-                    "files": {p.name: {"size": p.stat().st_size, "crc32": _crc32(p)} for p in sorted(tmp.iterdir())}}
+        manifest = {
+            "format": FORMAT,
+            "seq": seq,
+            "previous": self.link.previous,
+            "base_step": self.link.base_step,
+            "step": step,
+            "partition": partition,
+            "full": self.link.full,
+            "optimizer_state": self.optimizer_state,
+            "tables": tables,
+            "time": time.time(),
+            "files": {p.name: {"size": p.stat().st_size, "crc32": _crc32(p)} for p in sorted(tmp.iterdir())},
+        }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         os.replace(tmp, final)
         rows = sum(t["rows"] for t in tables.values())
-        logger.info("delta %06d: steps %d..%d%s, %d rows of %d tables, to %s in %.2fs", seq, self.link.base_step + 1,
-                    step, f" (partition {partition})" if partition else "", rows, len(tables), final,
-                    time.perf_counter() - tick)
+        logger.info(
+            "delta %06d: steps %d..%d%s, %d rows of %d tables, to %s in %.2fs",
+            seq,
+            self.link.base_step + 1,
+            step,
+            f" (partition {partition})" if partition else "",
+            rows,
+            len(tables),
+            final,
+            time.perf_counter() - tick,
+        )
         self.link = _Link(seq + 1, seq, step, False)
         self.last_step = step
         self.tracker.reset()
@@ -227,11 +258,15 @@ class DeltaExporter:
         keys = {t.name: _table_key(t) for t in self.arch.tables}
         rows, tables = {}, {}
         for spec in self.arch.tables:
-            ids = (torch.arange(spec.num_embeddings) if self.link.full else self.tracker.touched(spec.name))
+            ids = torch.arange(spec.num_embeddings) if self.link.full else self.tracker.touched(spec.name)
             weight = _whole(sparse_state[keys[spec.name]])
             rows[keys[spec.name]] = {"ids": ids, "rows": weight.index_select(0, ids.to(weight.device)).cpu()}
-            tables[spec.name] = {"key": keys[spec.name], "rows": int(ids.numel()), "num_embeddings": spec.num_embeddings,
-                                 "dim": spec.embedding_dim}
+            tables[spec.name] = {
+                "key": keys[spec.name],
+                "rows": int(ids.numel()),
+                "num_embeddings": spec.num_embeddings,
+                "dim": spec.embedding_dim,
+            }
         torch.save(rows, folder / "sparse.pt")
         other = {k: _cpu(v) for k, v in sparse_state.items() if k not in keys.values()}
         torch.save(other, folder / "id_mapping.pt")
@@ -261,8 +296,9 @@ class DeltaExporter:
         self.tracker.close()
 
 
-def build_exporter(config, model: nn.Module, dense_opt, sparse_opt, run_dir: Path, world_size: int,
-                   step: int, partitions: bool = False) -> DeltaExporter | None:
+def build_exporter(
+    config, model: nn.Module, dense_opt, sparse_opt, run_dir: Path, world_size: int, step: int, partitions: bool = False
+) -> DeltaExporter | None:
     """The run's exporter for ``trainer.delta_export`` (None when it is off); ``partitions``: the data
     source streams partitions (``every: partition`` needs one)."""
     from gem.train.config import ConfigError
@@ -271,16 +307,23 @@ def build_exporter(config, model: nn.Module, dense_opt, sparse_opt, run_dir: Pat
     if not de.every:
         return None
     if de.every == "partition" and not partitions:
-        raise ConfigError("trainer.delta_export.every=partition needs a streamed data source (data.kind=stream); "
-                          "set trainer.delta_export.every=<N steps>")
+        raise ConfigError(
+            "trainer.delta_export.every=partition needs a streamed data source (data.kind=stream); "
+            "set trainer.delta_export.every=<N steps>"
+        )
     if world_size > 1:
-        raise ConfigError(f"trainer.delta_export runs in one process for now ({world_size} ranks here): a table's "
-                          "rows are spread over the ranks; set trainer.delta_export.every=null or train on one rank")
+        raise ConfigError(
+            f"trainer.delta_export runs in one process for now ({world_size} ranks here): a table's "
+            "rows are spread over the ranks; set trainer.delta_export.every=null or train on one rank"
+        )
     if not config.checkpoint.enabled:
-        raise ConfigError("trainer.delta_export needs checkpoint.enabled=true: a delta chain starts at a checkpoint "
-                          "(its base) and resumes with the run")
-    return DeltaExporter(Path(de.dir or run_dir / "deltas"), model, dense_opt, sparse_opt, de.every,
-                         de.optimizer_state, step)
+        raise ConfigError(
+            "trainer.delta_export needs checkpoint.enabled=true: a delta chain starts at a checkpoint "
+            "(its base) and resumes with the run"
+        )
+    return DeltaExporter(
+        Path(de.dir or run_dir / "deltas"), model, dense_opt, sparse_opt, de.every, de.optimizer_state, step
+    )
 
 
 def _table_key(spec) -> str:
@@ -324,11 +367,15 @@ def read_chain(directory: Path) -> list[dict]:
     consecutive, each naming its predecessor and patching the step its predecessor ended at."""
     directory = Path(directory)
     manifests = []
-    for folder in sorted(p for p in directory.iterdir() if p.is_dir() and p.name.isdigit()) if directory.is_dir() else []:
+    for folder in (
+        sorted(p for p in directory.iterdir() if p.is_dir() and p.name.isdigit()) if directory.is_dir() else []
+    ):
         file = folder / MANIFEST
         if not file.is_file():
-            raise DeltaChainError(f"delta {folder}: no {MANIFEST}, so it is not a complete delta; remove the folder "
-                                  "(the run writes it again on resume)")
+            raise DeltaChainError(
+                f"delta {folder}: no {MANIFEST}, so it is not a complete delta; remove the folder "
+                "(the run writes it again on resume)"
+            )
         m = json.loads(file.read_text())
         if m.get("format") != FORMAT or m.get("seq") != int(folder.name):
             raise DeltaChainError(f"delta {folder}: {MANIFEST} is not a {FORMAT} manifest of seq {int(folder.name)}")
@@ -336,13 +383,17 @@ def read_chain(directory: Path) -> list[dict]:
     for prev, m in zip(manifests, manifests[1:]):
         if m["seq"] != prev["seq"] + 1:
             missing = ", ".join(f"{s:06d}" for s in range(prev["seq"] + 1, m["seq"]))
-            raise DeltaChainError(f"delta chain in {directory} has a gap: seq {missing} missing between "
-                                  f"{prev['seq']:06d} (step {prev['step']}) and {m['seq']:06d} (step {m['step']}); "
-                                  "copy the missing deltas there, or start from a checkpoint of a later step")
+            raise DeltaChainError(
+                f"delta chain in {directory} has a gap: seq {missing} missing between "
+                f"{prev['seq']:06d} (step {prev['step']}) and {m['seq']:06d} (step {m['step']}); "
+                "copy the missing deltas there, or start from a checkpoint of a later step"
+            )
         if m["previous"] != prev["seq"] or m["base_step"] != prev["step"] or m["step"] <= prev["step"]:
-            raise DeltaChainError(f"delta {m['seq']:06d} in {directory} is out of order: it patches seq {m['previous']} "
-                                  f"at step {m['base_step']} (ends at step {m['step']}), but seq {prev['seq']:06d} "
-                                  f"ends at step {prev['step']}; the folder mixes deltas of different runs")
+            raise DeltaChainError(
+                f"delta {m['seq']:06d} in {directory} is out of order: it patches seq {m['previous']} "
+                f"at step {m['base_step']} (ends at step {m['step']}), but seq {prev['seq']:06d} "
+                f"ends at step {prev['step']}; the folder mixes deltas of different runs"
+            )
     return manifests
 
 
@@ -354,8 +405,10 @@ def load_checkpoint_state(path: Path) -> tuple[dict[str, Any], int]:
 
     manifest = Path(path) / CHECKPOINT_MANIFEST
     if not manifest.is_file():
-        raise DeltaChainError(f"--base {path}: no {CHECKPOINT_MANIFEST}, so it is not a complete gem checkpoint; "
-                              "give a step_<N> folder of the run's checkpoints/")
+        raise DeltaChainError(
+            f"--base {path}: no {CHECKPOINT_MANIFEST}, so it is not a complete gem checkpoint; "
+            "give a step_<N> folder of the run's checkpoints/"
+        )
     step = json.loads(manifest.read_text())["step"]
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(str(path), Path(tmp) / "state.pt")
@@ -373,10 +426,12 @@ def apply_chain(state: dict[str, Any], base_step: int, directory: Path) -> tuple
     if not chain:
         raise DeltaChainError(f"no delta in {directory} ends after the base's step {base_step}")
     if chain[0]["base_step"] > base_step:
-        raise DeltaChainError(f"delta {chain[0]['seq']:06d} patches the state of step {chain[0]['base_step']}, later "
-                              f"than the base's step {base_step}: the deltas of steps {base_step + 1}.."
-                              f"{chain[0]['base_step']} are missing from {directory}; use a checkpoint of step "
-                              f">= {chain[0]['base_step']} as --base")
+        raise DeltaChainError(
+            f"delta {chain[0]['seq']:06d} patches the state of step {chain[0]['base_step']}, later "
+            f"than the base's step {base_step}: the deltas of steps {base_step + 1}.."
+            f"{chain[0]['base_step']} are missing from {directory}; use a checkpoint of step "
+            f">= {chain[0]['base_step']} as --base"
+        )
     for m in chain:
         _apply_one(state, Path(directory) / f"{m['seq']:06d}", m)
     return state, [m["seq"] for m in chain]
@@ -386,8 +441,10 @@ def _apply_one(state: dict[str, Any], folder: Path, manifest: dict) -> None:
     for name, want in manifest["files"].items():
         file = folder / name
         if not file.is_file() or file.stat().st_size != want["size"] or _crc32(file) != want["crc32"]:
-            raise DeltaChainError(f"delta {folder}: file {name} is missing, truncated or corrupted (size / CRC-32 "
-                                  "differ from its manifest); copy it again from the training run")
+            raise DeltaChainError(
+                f"delta {folder}: file {name} is missing, truncated or corrupted (size / CRC-32 "
+                "differ from its manifest); copy it again from the training run"
+            )
     load = lambda name: torch.load(folder / name, weights_only=True)  # noqa: E731
     for key, part in load("sparse.pt").items():
         _set_rows(state, f"model.sparse.{key}", part, folder)
@@ -404,15 +461,17 @@ def _apply_one(state: dict[str, Any], folder: Path, manifest: dict) -> None:
 
 def _set(state: dict[str, Any], key: str, value: Any, folder: Path) -> None:
     if key not in state:
-        raise DeltaChainError(f"delta {folder}: {key} is not in the base checkpoint; the base and the deltas are of "
-                              "different models")
+        raise DeltaChainError(
+            f"delta {folder}: {key} is not in the base checkpoint; the base and the deltas are of different models"
+        )
     state[key] = value
 
 
 def _set_rows(state: dict[str, Any], key: str, part: dict, folder: Path) -> None:
     if key not in state:
-        raise DeltaChainError(f"delta {folder}: {key} is not in the base checkpoint; the base and the deltas are of "
-                              "different models")
+        raise DeltaChainError(
+            f"delta {folder}: {key} is not in the base checkpoint; the base and the deltas are of different models"
+        )
     target = state[key]  # [R, D] table, or momentum [R] / [R * D] whose rows came as [N, 1] / [N, D]
     target.view(-1, *part["rows"].shape[1:]).index_copy_(0, part["ids"], part["rows"].to(target.dtype))
 
@@ -426,8 +485,9 @@ def save_state(state: dict[str, Any], out: Path, base: Path, base_step: int, app
         raise DeltaChainError(f"--out {out} exists; give a new folder")
     tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and k.startswith(("model.", "optim."))}
     dcp.save(tensors, checkpoint_id=str(out), no_dist=True)
-    (out / "applied.json").write_text(json.dumps({"base": str(base), "base_step": base_step, "deltas": applied,
-                                                  "step": step}, indent=1))
+    (out / "applied.json").write_text(
+        json.dumps({"base": str(base), "base_step": base_step, "deltas": applied, "step": step}, indent=1)
+    )
 
 
 def _crc32(path: Path) -> int:
@@ -454,8 +514,10 @@ def main(argv: list[str] | None = None) -> int:
     except DeltaChainError as e:
         print(f"Error in the delta chain: {e}", file=sys.stderr)
         return 1
-    print(f"applied deltas {applied[0]:06d}..{applied[-1]:06d} to {args.base} (step {base_step}): step {step} in "
-          f"{args.out}")
+    print(
+        f"applied deltas {applied[0]:06d}..{applied[-1]:06d} to {args.base} (step {base_step}): step {step} in "
+        f"{args.out}"
+    )
     return 0
 
 

@@ -52,4 +52,3 @@ def mfu(flops: float, seconds: float, peak_tflops: float | None) -> float | None
     if not peak_tflops or flops is None or seconds <= 0:
         return None
     return flops / seconds / (peak_tflops * 1e12)
-

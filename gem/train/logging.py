@@ -50,8 +50,9 @@ class MetricsWriter:
     purged the same way (``SummaryWriter(purge_step=...)``).
     """
 
-    def __init__(self, path: Path | None, append: bool = False, resume_step: int = 0,
-                 tensorboard_dir: Path | None = None) -> None:
+    def __init__(
+        self, path: Path | None, append: bool = False, resume_step: int = 0, tensorboard_dir: Path | None = None
+    ) -> None:
         self.path = path
         if path is not None and not append:
             path.write_text("")
@@ -74,7 +75,9 @@ class MetricsWriter:
                 dropped += 1  # cut short by the kill
                 continue
             # a stream's partition is scored at the step before its first batch, so again on a resume there
-            if (kind in ("train", "val") and step > resume_step) or (kind in ("test", "stream") and step >= resume_step):
+            if (kind in ("train", "val") and step > resume_step) or (
+                kind in ("test", "stream") and step >= resume_step
+            ):
                 dropped += 1
             else:
                 kept.append(line + "\n")
@@ -82,8 +85,9 @@ class MetricsWriter:
             tmp = path.with_name(path.name + ".tmp")
             tmp.write_text("".join(kept))
             tmp.replace(path)
-            logger.info("%s: dropped %d rows after step %d (the run resumed from there)", path.name, dropped,
-                        resume_step)
+            logger.info(
+                "%s: dropped %d rows after step %d (the run resumed from there)", path.name, dropped, resume_step
+            )
 
     def write(self, kind: str, step: int, values: dict[str, Any]) -> None:
         if self.tensorboard is not None:
@@ -105,9 +109,12 @@ class MetricsWriter:
 def open_metrics(run_dir: Path, loggers: list[str], is_main: bool, resume_step: int) -> MetricsWriter:
     """The metrics writer of ``trainer.loggers`` (``jsonl``: metrics.jsonl; ``tensorboard``: events
     under ``<run_dir>/tensorboard``); writes nothing on ranks other than 0."""
-    return MetricsWriter(run_dir / "metrics.jsonl" if is_main and "jsonl" in loggers else None,
-                         append=resume_step > 0, resume_step=resume_step,
-                         tensorboard_dir=run_dir / "tensorboard" if is_main and "tensorboard" in loggers else None)
+    return MetricsWriter(
+        run_dir / "metrics.jsonl" if is_main and "jsonl" in loggers else None,
+        append=resume_step > 0,
+        resume_step=resume_step,
+        tensorboard_dir=run_dir / "tensorboard" if is_main and "tensorboard" in loggers else None,
+    )
 
 
 def plot_curves(run_dir: Path) -> Path | None:
@@ -147,8 +154,11 @@ def plot_curves(run_dir: Path) -> Path | None:
         axes[1].set(xlabel="step", title="validation")
         axes[1].legend(fontsize=8)
     if test is not None:
-        summary = ", ".join(f"{k} {test[k]:.4f}" for k in sorted(test) if k.endswith(("/auc", "/ne", "/hr@10"))
-                            and isinstance(test[k], float))
+        summary = ", ".join(
+            f"{k} {test[k]:.4f}"
+            for k in sorted(test)
+            if k.endswith(("/auc", "/ne", "/hr@10")) and isinstance(test[k], float)
+        )
         fig.suptitle(f"{run_dir.name}: test {summary}" if summary else run_dir.name, fontsize=9)
     out = run_dir / "curves.png"
     fig.savefig(out, dpi=100)

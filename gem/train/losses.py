@@ -7,11 +7,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 
-def multitask_bce(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, task_weights: torch.Tensor,
-                  example_weights: torch.Tensor | None = None,
-                  group: dist.ProcessGroup | None = None,
-                  teacher: torch.Tensor | None = None, distill_weight: torch.Tensor | float = 0.0,
-                  temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def multitask_bce(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    mask: torch.Tensor,
+    task_weights: torch.Tensor,
+    example_weights: torch.Tensor | None = None,
+    group: dist.ProcessGroup | None = None,
+    teacher: torch.Tensor | None = None,
+    distill_weight: torch.Tensor | float = 0.0,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked binary cross-entropy, optionally mixed with a teacher's soft labels (distillation).
 
     Args:
@@ -39,9 +45,10 @@ def multitask_bce(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor
         w = torch.as_tensor(distill_weight, dtype=torch.float32, device=bce.device).expand(bce.shape[1])
         used = w > 0
         t = torch.where(used, teacher.float(), torch.zeros((), device=bce.device))  # unused columns may be NaN
-        soft = F.binary_cross_entropy_with_logits(logits.float() / temperature, torch.sigmoid(t / temperature),
-                                                  reduction="none")
-        bce = (1 - w) * bce + w * temperature ** 2 * soft
+        soft = F.binary_cross_entropy_with_logits(
+            logits.float() / temperature, torch.sigmoid(t / temperature), reduction="none"
+        )
+        bce = (1 - w) * bce + w * temperature**2 * soft
     weight = mask.float()
     if example_weights is not None:
         weight = weight * example_weights.float().unsqueeze(1)

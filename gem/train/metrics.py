@@ -68,8 +68,14 @@ class TaskEvaluator:
 
     def gathered(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Everything seen so far, from every rank when torch.distributed is initialized."""
-        local = [torch.cat(x) if x else torch.zeros(0, len(self.tasks)) for x in (self._logits, self._labels, self._mask)]
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        local = [
+            torch.cat(x) if x else torch.zeros(0, len(self.tasks)) for x in (self._logits, self._labels, self._mask)
+        ]
+        if (
+            torch.distributed.is_available()
+            and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1
+        ):
             parts: list = [None] * torch.distributed.get_world_size()
             torch.distributed.all_gather_object(parts, local)
             local = [torch.cat([p[i] for p in parts]) for i in range(3)]
@@ -128,8 +134,11 @@ def ranking_metrics(ranks: torch.Tensor) -> dict[str, float]:
     """HR@{1,5,10}, NDCG@{5,10} and MRR from 0-based ranks (one positive per row)."""
     ranks = ranks.double()
     if ranks.numel() == 0:
-        return {**{f"hr@{k}": float("nan") for k in RANKING_KS["hr"]},
-                **{f"ndcg@{k}": float("nan") for k in RANKING_KS["ndcg"]}, "mrr": float("nan")}
+        return {
+            **{f"hr@{k}": float("nan") for k in RANKING_KS["hr"]},
+            **{f"ndcg@{k}": float("nan") for k in RANKING_KS["ndcg"]},
+            "mrr": float("nan"),
+        }
     out = {f"hr@{k}": (ranks < k).double().mean().item() for k in RANKING_KS["hr"]}
     gain = 1.0 / torch.log2(ranks + 2.0)
     out |= {f"ndcg@{k}": torch.where(ranks < k, gain, 0.0).mean().item() for k in RANKING_KS["ndcg"]}
@@ -160,7 +169,11 @@ class RankingEvaluator:
     def compute(self) -> dict[str, float]:
         logits, labels, mask = self._parts.gathered()
         ids = torch.cat(self._ids) if self._ids else torch.zeros(0, dtype=torch.long)
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        if (
+            torch.distributed.is_available()
+            and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1
+        ):
             parts: list = [None] * torch.distributed.get_world_size()
             torch.distributed.all_gather_object(parts, ids)
             ids = torch.cat(parts)

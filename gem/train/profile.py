@@ -34,17 +34,64 @@ from gem.train.logging import logger
 # reduction kernels, aten's elementwise, normalization, copies and casts).
 KINDS = ("communication", "memcpy", "attention", "gemm", "embedding", "optimizer", "elementwise")
 _PATTERNS = {
-    "communication": ("nccl", "all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter",
-                      "all_to_all", "alltoall", "c10d::", "gloo"),
+    "communication": (
+        "nccl",
+        "all_reduce",
+        "allreduce",
+        "all_gather",
+        "allgather",
+        "reduce_scatter",
+        "all_to_all",
+        "alltoall",
+        "c10d::",
+        "gloo",
+    ),
     "memcpy": ("memcpy", "memset"),
     # gem's Triton / Gluon attention kernels (and their order / work-list helpers), PyTorch's SDPA
-    "attention": ("_fwd_kernel", "_bwd_dkdv", "_bwd_dq", "_bwd_preprocess", "_batch_order_kernel",
-                  "_gdpa_", "_work_list_kernel", "gem_kernels::", "flash", "fmha", "attention", "sdpa",
-                  "cudnn_generated_fort_native_sdpa"),
-    "gemm": ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "aten::mm", "aten::addmm", "aten::bmm",
-             "aten::baddbmm", "triton_tem_fused", "_scaled_mm", "splitk"),
-    "embedding": ("embedding", "index_select", "indexselect", "index_add", "indexing_backward", "index_put",
-                  "gather", "scatter", "aten::index", "segment_reduce", "compute_grad_weight", "fbgemm"),
+    "attention": (
+        "_fwd_kernel",
+        "_bwd_dkdv",
+        "_bwd_dq",
+        "_bwd_preprocess",
+        "_batch_order_kernel",
+        "_gdpa_",
+        "_work_list_kernel",
+        "gem_kernels::",
+        "flash",
+        "fmha",
+        "attention",
+        "sdpa",
+        "cudnn_generated_fort_native_sdpa",
+    ),
+    "gemm": (
+        "gemm",
+        "nvjet",
+        "cutlass",
+        "xmma",
+        "cublas",
+        "matmul",
+        "aten::mm",
+        "aten::addmm",
+        "aten::bmm",
+        "aten::baddbmm",
+        "triton_tem_fused",
+        "_scaled_mm",
+        "splitk",
+    ),
+    "embedding": (
+        "embedding",
+        "index_select",
+        "indexselect",
+        "index_add",
+        "indexing_backward",
+        "index_put",
+        "gather",
+        "scatter",
+        "aten::index",
+        "segment_reduce",
+        "compute_grad_weight",
+        "fbgemm",
+    ),
     "optimizer": ("adam", "adagrad", "multi_tensor_apply", "optimizer", "_foreach_"),
 }
 
@@ -77,8 +124,11 @@ def breakdown(events, num_steps: int, wall_us: float | None = None, top: int = 3
         top: how many of the largest kernels (or operators) to list.
     """
     # (user annotations, e.g. ProfilerStep# or Optimizer.step, also appear on the GPU's timeline)
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA and e.time_range.elapsed_us() > 0
-               and not e.is_user_annotation]
+    kernels = [
+        e
+        for e in events
+        if e.device_type == DeviceType.CUDA and e.time_range.elapsed_us() > 0 and not e.is_user_annotation
+    ]
     on_gpu = bool(kernels)
     if on_gpu:
         timed = [(e.name, e.time_range.elapsed_us()) for e in kernels]
@@ -86,8 +136,11 @@ def breakdown(events, num_steps: int, wall_us: float | None = None, top: int = 3
         span = max(hi for _, hi in intervals) - min(lo for lo, _ in intervals)
         busy = _union_length(intervals)
     else:  # operators' self time; nested calls are not counted twice
-        timed = [(e.name, e.self_cpu_time_total) for e in events
-                 if e.device_type == DeviceType.CPU and e.self_cpu_time_total > 0 and not e.name.startswith("ProfilerStep")]
+        timed = [
+            (e.name, e.self_cpu_time_total)
+            for e in events
+            if e.device_type == DeviceType.CPU and e.self_cpu_time_total > 0 and not e.name.startswith("ProfilerStep")
+        ]
         busy = sum(t for _, t in timed)
         span = max(wall_us or 0.0, busy)
     by_kind = {k: 0.0 for k in KINDS}
@@ -108,8 +161,15 @@ def breakdown(events, num_steps: int, wall_us: float | None = None, top: int = 3
         "idle_frac": round(1 - busy / span, 4) if span > 0 else 0.0,
         "ms_per_step_by_kind": {k: per_step(v) for k, v in by_kind.items()} | {"idle": per_step(max(span - busy, 0.0))},
         "frac_of_busy_by_kind": {k: round(v / busy, 4) if busy > 0 else 0.0 for k, v in by_kind.items()},
-        "top": [{"name": name[:160], "kind": kind, "calls_per_step": round(calls / max(num_steps, 1), 2),
-                 "ms_per_step": per_step(us)} for name, (kind, calls, us) in largest],
+        "top": [
+            {
+                "name": name[:160],
+                "kind": kind,
+                "calls_per_step": round(calls / max(num_steps, 1), 2),
+                "ms_per_step": per_step(us),
+            }
+            for name, (kind, calls, us) in largest
+        ],
     }
 
 
@@ -135,15 +195,18 @@ class StepProfiler:
         self._last = begin + cfg.steps - 1  # the loop iteration that ends the recording
         self._iteration = 0
         if cfg.start > 0 and begin < 0:
-            logger.warning("trainer.profile.start=%d: training resumes after step %d, nothing is recorded",
-                           cfg.start, first_step)
+            logger.warning(
+                "trainer.profile.start=%d: training resumes after step %d, nothing is recorded", cfg.start, first_step
+            )
         if not self.enabled:
             return
         warmup = 1 if begin >= 1 else 0
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
-        self._prof = profile(activities=activities,
-                             schedule=schedule(wait=begin - warmup, warmup=warmup, active=cfg.steps, repeat=1),
-                             on_trace_ready=self._write)
+        self._prof = profile(
+            activities=activities,
+            schedule=schedule(wait=begin - warmup, warmup=warmup, active=cfg.steps, repeat=1),
+            on_trace_ready=self._write,
+        )
         self._prof.__enter__()
 
     def step(self) -> None:

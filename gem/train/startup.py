@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 
 def seconds_since_process_start() -> float | None:
@@ -106,5 +106,7 @@ def configure_threads(requested: int | None, num_workers: int, local_world_size:
     cpus, how = available_cpus()
     threads = max(1, cpus // max(1, local_world_size) - num_workers)
     torch.set_num_threads(threads)
-    return (f"cpu threads: {threads} intra-op ({cpus} CPUs available: {how}; {local_world_size} rank(s) on this "
-            f"node, {num_workers} DataLoader worker(s) per rank; trainer.num_threads=N to override)")
+    return (
+        f"cpu threads: {threads} intra-op ({cpus} CPUs available: {how}; {local_world_size} rank(s) on this "
+        f"node, {num_workers} DataLoader worker(s) per rank; trainer.num_threads=N to override)"
+    )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -31,8 +31,9 @@ class OptimizerSet:
     """The dense and the unfused table optimizers, with dense gradient clipping, behind the
     ``zero_grad()`` / ``step()`` interface that TorchRec's pipelines drive."""
 
-    def __init__(self, optimizers: Iterable[torch.optim.Optimizer | None], clip_params: list[nn.Parameter],
-                 grad_clip: float) -> None:
+    def __init__(
+        self, optimizers: Iterable[torch.optim.Optimizer | None], clip_params: list[nn.Parameter], grad_clip: float
+    ) -> None:
         self.optimizers = [o for o in optimizers if o is not None]
         self.clip_params = clip_params
         self.grad_clip = grad_clip
@@ -61,7 +62,7 @@ class TimedIterator:
         self.count_flops = count_flops
         self.flops: int | None = 0 if count_flops is not None else None
 
-    def __iter__(self) -> "TimedIterator":
+    def __iter__(self) -> TimedIterator:
         return self
 
     def __next__(self) -> Batch:
@@ -90,8 +91,15 @@ class TrainStep:
             loss is computed in float32 on float32 logits.
     """
 
-    def __init__(self, model: nn.Module, loss_fn: Callable, optimizers: OptimizerSet, device: torch.device,
-                 pipelined: bool, autocast: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: Callable,
+        optimizers: OptimizerSet,
+        device: torch.device,
+        pipelined: bool,
+        autocast: torch.dtype | None = None,
+    ) -> None:
         self.model, self.loss_fn, self.optimizers, self.device = model, loss_fn, optimizers, device
         self.autocast = autocast
         self.pipelined = pipelined
@@ -116,8 +124,9 @@ class TrainStep:
             if self.pipeline is None:
                 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-                self.pipeline = TrainPipelineSparseDist(self.model, self.optimizers, self.device,
-                                                        custom_model_fwd=self._forward)
+                self.pipeline = TrainPipelineSparseDist(
+                    self.model, self.optimizers, self.device, custom_model_fwd=self._forward
+                )
             if batches is not self._base:
                 self._source, self._base = itertools.chain(self._pending, batches), batches
                 self._pending = []

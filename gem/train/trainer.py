@@ -41,7 +41,6 @@ from gem.train.profile import StepProfiler
 from gem.train.startup import StartupTimer, configure_threads
 from gem.train.step import OptimizerSet, TimedIterator, TrainStep, autocast
 
-
 StepHook = Callable[[int, int, Batch], None]  # (step, rank, the batch it trained on), after each training step
 
 
@@ -91,8 +90,13 @@ def _restart_store(rank: int, world_size: int) -> dict:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
-                          timeout=timedelta(minutes=10))
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=False,
+        timeout=timedelta(minutes=10),
+    )
     return {"store": dist.PrefixStore(f"gem_attempt_{attempt}/", store), "rank": rank, "world_size": world_size}
 
 
@@ -134,17 +138,35 @@ def build_model(config: Config, schema: FeatureSchema, env: DistEnv, timer: Star
     s, p = config.sparse, config.parallelism
     dims = parallel_dims(config, env)
     shard = s.backend == "torchrec" and s.shard
-    sparse = SparseArch.from_config(schema, s.embedding_dim, s.init_scale, s.dims, s.backend,
-                                    device="meta" if shard else env.device, ids=s.ids, ids_device=env.device)
+    sparse = SparseArch.from_config(
+        schema,
+        s.embedding_dim,
+        s.init_scale,
+        s.dims,
+        s.backend,
+        device="meta" if shard else env.device,
+        ids=s.ids,
+        ids_device=env.device,
+    )
     if shard:
         from gem.distributed.sharding import shard_sparse_arch
 
         try:
             with timer.phase("sharding"):
-                sparse = shard_sparse_arch(sparse, env.device, config.optim.sparse.lr, config.optim.sparse.eps,
-                                           s.sharding_type, plan=s.plan, hbm_gb=s.hbm_gb, constraints=s.constraints,
-                                           optimizer=config.optim.sparse.name, sharding_group_size=s.sharding_group_size,
-                                           plan_file=s.plan_file, frozen_tables=_frozen_tables(config, sparse))
+                sparse = shard_sparse_arch(
+                    sparse,
+                    env.device,
+                    config.optim.sparse.lr,
+                    config.optim.sparse.eps,
+                    s.sharding_type,
+                    plan=s.plan,
+                    hbm_gb=s.hbm_gb,
+                    constraints=s.constraints,
+                    optimizer=config.optim.sparse.name,
+                    sharding_group_size=s.sharding_group_size,
+                    plan_file=s.plan_file,
+                    frozen_tables=_frozen_tables(config, sparse),
+                )
         except ValueError as e:  # plan errors name the sparse.* key; every rank raises the same one
             raise ConfigError(str(e)) from None
     else:
@@ -164,17 +186,27 @@ def build_model(config: Config, schema: FeatureSchema, env: DistEnv, timer: Star
     model = GEMModel(sparse, dense)
     use_fsdp = p.fully_shard if p.fully_shard is not None else env.world_size > 1
     if env.world_size > 1 and not use_fsdp:
-        raise ConfigError(f"parallelism.fully_shard=false with {env.world_size} ranks would leave the dense gradients "
-                          f"unsynchronized; for whole copies on every rank use parallelism=replicate")
+        raise ConfigError(
+            f"parallelism.fully_shard=false with {env.world_size} ranks would leave the dense gradients "
+            f"unsynchronized; for whole copies on every rank use parallelism=replicate"
+        )
     mesh = dims.build_mesh(env.device.type) if use_fsdp else None
-    logger.info("dense: %s%s%s", dims.describe() if use_fsdp else "not sharded",
-                f", compute {p.param_dtype}, reduce {p.reduce_dtype}" if use_fsdp else "",
-                f", float8 projections of width >= {p.float8_min_features}" if p.float8 else "")
-    return parallelize_gem(model, mesh, param_dtype=dtype_from_name("parallelism.param_dtype", p.param_dtype),
-                           reduce_dtype=dtype_from_name("parallelism.reduce_dtype", p.reduce_dtype),
-                           activation_checkpointing=p.activation_checkpointing, compile=p.compile,
-                           reshard_after_forward=p.reshard_after_forward,
-                           float8_min_features=p.float8_min_features if p.float8 else None)
+    logger.info(
+        "dense: %s%s%s",
+        dims.describe() if use_fsdp else "not sharded",
+        f", compute {p.param_dtype}, reduce {p.reduce_dtype}" if use_fsdp else "",
+        f", float8 projections of width >= {p.float8_min_features}" if p.float8 else "",
+    )
+    return parallelize_gem(
+        model,
+        mesh,
+        param_dtype=dtype_from_name("parallelism.param_dtype", p.param_dtype),
+        reduce_dtype=dtype_from_name("parallelism.reduce_dtype", p.reduce_dtype),
+        activation_checkpointing=p.activation_checkpointing,
+        compile=p.compile,
+        reshard_after_forward=p.reshard_after_forward,
+        float8_min_features=p.float8_min_features if p.float8 else None,
+    )
 
 
 def _frozen_tables(config: Config, sparse: SparseArch) -> list[str]:
@@ -203,8 +235,9 @@ def apply_transfer(config: Config, model: nn.Module, ckpt_dir: Path) -> None:
     freeze(model, c.init_frozen)
 
 
-def distill_loss(config: Config, schema: FeatureSchema, env: DistEnv, source: DataSource, task_weights: torch.Tensor,
-                 group):
+def distill_loss(
+    config: Config, schema: FeatureSchema, env: DistEnv, source: DataSource, task_weights: torch.Tensor, group
+):
     """The loss function with ``trainer.distill`` (None when it is off): true labels mixed with a
     teacher's logits, from the batch's ``teacher_<task>`` columns or from a frozen teacher model."""
     dd = config.trainer.distill
@@ -222,9 +255,11 @@ def distill_loss(config: Config, schema: FeatureSchema, env: DistEnv, source: Da
             names = pq.read_schema(path).names
             missing = [f"teacher_{k}" for k in tasks if f"teacher_{k}" not in names]
             if missing:
-                raise DataError(f"trainer.distill.source=data: {path} has no column(s) {missing}; write the teacher's "
-                                f"outputs with `python -m gem.transfer.export ... transfer.checkpoint=<teacher step_N> "
-                                f"transfer.out=<dir>` and train on data.dir=<dir>, or use trainer.distill.source=model")
+                raise DataError(
+                    f"trainer.distill.source=data: {path} has no column(s) {missing}; write the teacher's "
+                    f"outputs with `python -m gem.transfer.export ... transfer.checkpoint=<teacher step_N> "
+                    f"transfer.out=<dir>` and train on data.dir=<dir>, or use trainer.distill.source=model"
+                )
 
         def teacher_of(b):
             return b.teacher
@@ -233,26 +268,55 @@ def distill_loss(config: Config, schema: FeatureSchema, env: DistEnv, source: Da
 
         teacher = load_teacher(dd.checkpoint, schema, tuple(tasks), env.device)
         index = torch.tensor([schema.tasks.index(k) for k in tasks], device=env.device)
-        logger.info("trainer.distill: online teacher %s (%s) for %s", dd.checkpoint,
-                    type(teacher.model.dense_arch).__name__, ", ".join(tasks))
+        logger.info(
+            "trainer.distill: online teacher %s (%s) for %s",
+            dd.checkpoint,
+            type(teacher.model.dense_arch).__name__,
+            ", ".join(tasks),
+        )
 
         def teacher_of(b):
             out = torch.zeros(b.batch_size, len(schema.tasks), device=env.device)
             return out.index_copy_(1, index, teacher.logits(b))
-    logger.info("trainer.distill: weight %g, temperature %g, tasks %s, teacher outputs from %s", dd.weight,
-                dd.temperature, tasks, dd.source)
-    return lambda logits, b: multitask_bce(logits, b.labels, b.label_mask, task_weights, b.weights, group=group,  # noqa: E731
-                                           teacher=teacher_of(b), distill_weight=weights, temperature=dd.temperature)
+
+    logger.info(
+        "trainer.distill: weight %g, temperature %g, tasks %s, teacher outputs from %s",
+        dd.weight,
+        dd.temperature,
+        tasks,
+        dd.source,
+    )
+    return lambda logits, b: multitask_bce(
+        logits,
+        b.labels,
+        b.label_mask,
+        task_weights,
+        b.weights,
+        group=group,  # noqa: E731
+        teacher=teacher_of(b),
+        distill_weight=weights,
+        temperature=dd.temperature,
+    )
 
 
-def split_loader(config: Config, env: DistEnv, source: DataSource, split: str,
-                 batch_size: int | None = None) -> BatchLoader:
+def split_loader(
+    config: Config, env: DistEnv, source: DataSource, split: str, batch_size: int | None = None
+) -> BatchLoader:
     """This rank's loader over ``split``: ``train`` shuffled, balanced, whole batches; others in order."""
     d, train = config.data, split == "train"
     batch_size = batch_size or (d.batch_size if train else d.eval_batch_size)
-    return source.loader(split, batch_size, shuffle=train and d.shuffle, seed=d.seed, drop_last=train, rank=env.rank,
-                         world_size=env.world_size, num_workers=d.num_workers, pin_memory=env.device.type == "cuda",
-                         options=d.loader if train else {**d.loader, "balance": False})  # eval: groups stay contiguous
+    return source.loader(
+        split,
+        batch_size,
+        shuffle=train and d.shuffle,
+        seed=d.seed,
+        drop_last=train,
+        rank=env.rank,
+        world_size=env.world_size,
+        num_workers=d.num_workers,
+        pin_memory=env.device.type == "cuda",
+        options=d.loader if train else {**d.loader, "balance": False},
+    )  # eval: groups stay contiguous
 
 
 def check_eval_splits(config: Config, make_loader, data_dir: Path) -> None:
@@ -264,16 +328,27 @@ def check_eval_splits(config: Config, make_loader, data_dir: Path) -> None:
         except FileNotFoundError as e:
             rows, why = 0, f"is missing ({e})"
         if rows == 0:
-            logger.warning("trainer.eval_every=%d but the validation split %s %s: training without validation; add "
-                           "examples there or set trainer.eval_every=0", config.trainer.eval_every, data_dir / "val", why)
+            logger.warning(
+                "trainer.eval_every=%d but the validation split %s %s: training without validation; add "
+                "examples there or set trainer.eval_every=0",
+                config.trainer.eval_every,
+                data_dir / "val",
+                why,
+            )
             config.trainer.eval_every = 0  # this run's typed copy of the config
     if make_loader("test").num_rows() == 0:
         raise DataError(f"the test split {data_dir / 'test'} has no examples; the run would end on NaN metrics")
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: BatchLoader, env: DistEnv, tasks: tuple[str, ...],
-             max_batches: int = -1, autocast_dtype: torch.dtype | None = None) -> dict[str, float]:
+def evaluate(
+    model: nn.Module,
+    loader: BatchLoader,
+    env: DistEnv,
+    tasks: tuple[str, ...],
+    max_batches: int = -1,
+    autocast_dtype: torch.dtype | None = None,
+) -> dict[str, float]:
     """Per-task AUC / NE over a split, plus ranking metrics (HR, NDCG, MRR) when it has candidate
     groups (request ids). Every rank runs the same number of forward passes (sharded tables need
     all ranks in each step); a rank out of batches repeats its last one unrecorded."""
@@ -281,8 +356,10 @@ def evaluate(model: nn.Module, loader: BatchLoader, env: DistEnv, tasks: tuple[s
     evaluator, ranking = TaskEvaluator(tasks), RankingEvaluator(tasks)
     steps = max(loader.reader.num_batches(r) for r in range(env.world_size))
     if steps == 0:
-        raise DataError(f"evaluation split {loader.reader.files[0].parent if loader.reader.files else ''} has no "
-                        "examples: AUC and NE would be NaN")
+        raise DataError(
+            f"evaluation split {loader.reader.files[0].parent if loader.reader.files else ''} has no "
+            "examples: AUC and NE would be NaN"
+        )
     if max_batches > 0:
         steps = min(steps, max_batches)
     batch = None
@@ -303,8 +380,15 @@ def evaluate(model: nn.Module, loader: BatchLoader, env: DistEnv, tasks: tuple[s
     return evaluator.compute() | (ranking.compute() if ranking.has_groups() else {})
 
 
-def score_partition(model: nn.Module, loader: BatchLoader, env: DistEnv, tasks: tuple[str, ...], partition: str,
-                    max_batches: int, autocast_dtype: torch.dtype | None) -> dict[str, float]:
+def score_partition(
+    model: nn.Module,
+    loader: BatchLoader,
+    env: DistEnv,
+    tasks: tuple[str, ...],
+    partition: str,
+    max_batches: int,
+    autocast_dtype: torch.dtype | None,
+) -> dict[str, float]:
     """Progressive evaluation of a stream: ``partition``'s metrics before the model trains on it."""
     values = evaluate(model, loader, env, tasks, max_batches, autocast_dtype)
     logger.info("partition %s, scored before training on it: %s", partition, format_metrics(values))
@@ -316,8 +400,11 @@ def stream_summary(run_dir: Path, scores: dict[str, dict[str, float]]) -> dict[s
     the earlier ones from metrics.jsonl), and ``<run_dir>/stream_metrics.json`` with each partition's."""
     path = run_dir / "metrics.jsonl"
     earlier = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-    every = {r["partition"]: {k: v for k, v in r.items() if k not in ("kind", "step", "time", "partition")}
-             for r in earlier if r.get("kind") == "stream"} | scores
+    every = {
+        r["partition"]: {k: v for k, v in r.items() if k not in ("kind", "step", "time", "partition")}
+        for r in earlier
+        if r.get("kind") == "stream"
+    } | scores
     keys = sorted({k for v in every.values() for k, x in v.items() if isinstance(x, (int, float))})
     mean = {k: float(np.nanmean([v.get(k, float("nan")) for v in every.values()])) for k in keys}
     (run_dir / "stream_metrics.json").write_text(json.dumps({"mean": mean, "partitions": every}, indent=1))
@@ -336,8 +423,11 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
     config = validate(cfg)
     t = config.trainer
     with timer.phase("process group"):
-        env = init_distributed(t.device, need_process_group=(config.sparse.backend == "torchrec" and config.sparse.shard)
-                               or bool(config.parallelism.fully_shard))
+        env = init_distributed(
+            t.device,
+            need_process_group=(config.sparse.backend == "torchrec" and config.sparse.shard)
+            or bool(config.parallelism.fully_shard),
+        )
     parallel_dims(config, env)  # an impossible layout fails here, on every rank, before any work
     threads = configure_threads(t.num_threads, config.data.num_workers, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     run_dir = Path(t.run_dir)
@@ -352,7 +442,9 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
         source = build_source(config.data, is_writer=env.is_main)
     schema, data_dir = source.schema, source.dir
     check_schema_refs(config, schema)
-    logger.info("data: %s (%s), device %s, world size %d", data_dir, ", ".join(schema.tasks), env.device, env.world_size)
+    logger.info(
+        "data: %s (%s), device %s, world size %d", data_dir, ", ".join(schema.tasks), env.device, env.world_size
+    )
     logger.info(threads)
     with timer.phase("model build"):
         model = build_model(config, schema, env, timer)
@@ -362,28 +454,42 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
     train_loader = loader("train", d.batch_size, True)  # state_dict() / load_state_dict() resume it exactly
     steps_per_epoch = train_loader.steps_per_epoch
     if steps_per_epoch == 0:
-        raise ConfigError(f"data.batch_size={d.batch_size} x {env.world_size} ranks exceeds the training split "
-                          f"({train_loader.num_rows()} rows); lower data.batch_size")
+        raise ConfigError(
+            f"data.batch_size={d.batch_size} x {env.world_size} ranks exceeds the training split "
+            f"({train_loader.num_rows()} rows); lower data.batch_size"
+        )
     stream = train_loader if isinstance(train_loader, StreamLoader) else None  # data.kind=stream: one pass
     total_steps = t.max_steps if t.max_steps > 0 else (stream.total_steps() if stream else t.epochs * steps_per_epoch)
     if stream is None:
         check_eval_splits(config, lambda split: loader(split, d.eval_batch_size, False), data_dir)
     elif t.eval_every:
-        raise ConfigError("trainer.eval_every: a stream has no validation split, each partition is scored before "
-                          "training on it (progressive evaluation); set trainer.eval_every=0")
+        raise ConfigError(
+            "trainer.eval_every: a stream has no validation split, each partition is scored before "
+            "training on it (progressive evaluation); set trainer.eval_every=0"
+        )
     apply_transfer(config, model, Path(config.checkpoint.dir or run_dir / "checkpoints"))
     dense_opt, sparse_opt, scheduler = build_optimizers(model, config.optim, total_steps)
     progress, ckpt = Progress(), None
     if config.checkpoint.enabled:
         with timer.phase("checkpoint load"):
-            ckpt = Checkpointer(config.checkpoint, Path(config.checkpoint.dir or run_dir / "checkpoints"), model,
-                                dense_opt, sparse_opt, scheduler, config_yaml, env.rank, env.world_size,
-                                loader=train_loader)
+            ckpt = Checkpointer(
+                config.checkpoint,
+                Path(config.checkpoint.dir or run_dir / "checkpoints"),
+                model,
+                dense_opt,
+                sparse_opt,
+                scheduler,
+                config_yaml,
+                env.rank,
+                env.world_size,
+                loader=train_loader,
+            )
             progress = ckpt.restore() or progress
     if stream is not None:
         stream.check_resume()  # a partition dated before the checkpoint's appeared: stop, naming it
-    deltas = build_exporter(config, model, dense_opt, sparse_opt, run_dir, env.world_size, progress.step,
-                             partitions=stream is not None)
+    deltas = build_exporter(
+        config, model, dense_opt, sparse_opt, run_dir, env.world_size, progress.step, partitions=stream is not None
+    )
     if deltas is not None:
         deltas.start(ckpt, progress)  # the chain's base: a checkpoint of this step
     task_weights = torch.tensor([t.task_weights.get(k, 1.0) for k in schema.tasks], device=env.device)
@@ -391,23 +497,34 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
     num_dense = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("sparse_arch."))
     fused = getattr(model.sparse_arch, "fused_optimizer", None)  # present when TorchRec sharded the tables
     num_fused = len(fused.params) if fused is not None else 0
-    logger.info("model: %s, %.2fM dense parameters; sparse backend %s, %d tables with the fused optimizer; "
-                "%d steps", config.model["_target_"], num_dense / 1e6, config.sparse.backend, num_fused, total_steps)
+    logger.info(
+        "model: %s, %.2fM dense parameters; sparse backend %s, %d tables with the fused optimizer; %d steps",
+        config.model["_target_"],
+        num_dense / 1e6,
+        config.sparse.backend,
+        num_fused,
+        total_steps,
+    )
 
     group = dist.group.WORLD if env.world_size > 1 else None
     if getattr(model.dense_arch, "returns_loss", False):  # e.g. gem.models.generative: its own objective
         loss_fn = lambda loss, b: (loss.sum(), loss.detach().reshape(1).expand(len(schema.tasks)))  # noqa: E731
     else:
         loss_fn = distill_loss(config, schema, env, source, task_weights, group) or (
-            lambda logits, b: multitask_bce(logits, b.labels, b.label_mask, task_weights, b.weights, group=group))
+            lambda logits, b: multitask_bce(logits, b.labels, b.label_mask, task_weights, b.weights, group=group)
+        )
     # (the fused table optimizer's zero_grad / step only hand the scheduled learning rate to FBGEMM)
-    optimizers = OptimizerSet((dense_opt, sparse_opt, fused), list(model.dense_arch.parameters()), config.optim.grad_clip)
+    optimizers = OptimizerSet(
+        (dense_opt, sparse_opt, fused), list(model.dense_arch.parameters()), config.optim.grad_clip
+    )
     want = config.sparse.pipeline if config.sparse.pipeline is not None else env.device.type == "cuda"
     shared = bool(getattr(model.sparse_arch, "module", model.sparse_arch).routed_id_features)
     pipelined = want and fused is not None and not shared
     reason = "needs TorchRec-sharded tables" if fused is None else "an id feature shares a sequence table"
-    logger.info("sparse-dist training pipeline (input all-to-all of batch i+1 overlaps dense compute of batch i): %s",
-                "active" if pipelined else f"off ({reason})" if want else "off")
+    logger.info(
+        "sparse-dist training pipeline (input all-to-all of batch i+1 overlaps dense compute of batch i): %s",
+        "active" if pipelined else f"off ({reason})" if want else "off",
+    )
     autocast_dtype = getattr(torch, t.autocast) if t.autocast else None  # validated: "bfloat16"
     train_step = TrainStep(model, loss_fn, optimizers, env.device, pipelined, autocast_dtype)
 
@@ -416,18 +533,27 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
     on_cuda = env.device.type == "cuda"
     step, window = progress.step, _Window(peak_tflops, on_cuda)
     profiler = StepProfiler(t.profile, run_dir / "profile", env.rank, progress.step, on_cuda)
-    bar = tqdm(total=total_steps, initial=step, disable=not (t.progress_bar and env.is_main), desc="train",
-               dynamic_ncols=True)
+    bar = tqdm(
+        total=total_steps, initial=step, disable=not (t.progress_bar and env.is_main), desc="train", dynamic_ncols=True
+    )
     scores = {}  # a stream's progressive metrics, by partition
     for epoch in range(progress.epoch, stream.num_partitions if stream else t.epochs if t.max_steps <= 0 else 1 << 30):
         train_loader.set_epoch(epoch)  # keeps a restored position in the epoch we resume in
         steps_left = train_loader.steps_per_epoch - sum(train_loader.consumed)  # a stream's partitions differ
         if stream is not None and not any(train_loader.consumed) and step < total_steps:
             train_step.detach()
-            scores[stream.partition] = score_partition(model, loader(stream.partition, d.eval_batch_size, False), env,
-                                                       schema.tasks, stream.partition, t.eval_max_batches, autocast_dtype)
-            metrics.write("stream", step, {"partition": stream.partition, "partition_index": epoch,
-                                           **scores[stream.partition]})
+            scores[stream.partition] = score_partition(
+                model,
+                loader(stream.partition, d.eval_batch_size, False),
+                env,
+                schema.tasks,
+                stream.partition,
+                t.eval_max_batches,
+                autocast_dtype,
+            )
+            metrics.write(
+                "stream", step, {"partition": stream.partition, "partition_index": epoch, **scores[stream.partition]}
+            )
         batches = TimedIterator(itertools.islice(iter(train_loader), steps_left), count_flops)
         for _ in range(steps_left):
             if step >= total_steps:
@@ -443,15 +569,25 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
                 hook(step, env.rank, train_step.last_batch)
             profiler.step()
             if deltas is not None:  # before the checkpoint: a restart from it never misses this delta
-                deltas.maybe_export(step, total_steps, partition_done=stream.partition if stream is not None and
-                                    sum(train_loader.consumed) == train_loader.steps_per_epoch else None)
+                deltas.maybe_export(
+                    step,
+                    total_steps,
+                    partition_done=stream.partition
+                    if stream is not None and sum(train_loader.consumed) == train_loader.steps_per_epoch
+                    else None,
+                )
             if ckpt is not None:
                 seen = progress.examples + (step - progress.step) * d.batch_size * env.world_size
                 in_epoch = sum(train_loader.consumed) * d.batch_size * env.world_size
                 ckpt.maybe_save(Progress(step, epoch, in_epoch, seen), total_steps)
             bar.update()
-            window.add((per_task * task_weights).sum(), per_task, batch_size * env.world_size, batches.waited - waited,
-                       None if None in (flops, batches.flops) else batches.flops - flops)
+            window.add(
+                (per_task * task_weights).sum(),
+                per_task,
+                batch_size * env.world_size,
+                batches.waited - waited,
+                None if None in (flops, batches.flops) else batches.flops - flops,
+            )
             if step % t.log_every == 0 or step == total_steps:
                 values = window.summary(schema.tasks, step) | {"lr": scheduler.get_last_lr()[0], "epoch": epoch}
                 values |= {f"data/{k}": v for k, v in train_loader.stats.items() if k.startswith(("skipped", "trunc"))}
@@ -463,8 +599,14 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
             if t.eval_every and (step % t.eval_every == 0 or step == total_steps):  # and after the last step
                 eval_start = time.perf_counter()
                 train_step.detach()
-                values = evaluate(model, loader("val", d.eval_batch_size, False), env, schema.tasks, t.eval_max_batches,
-                                  autocast_dtype)
+                values = evaluate(
+                    model,
+                    loader("val", d.eval_batch_size, False),
+                    env,
+                    schema.tasks,
+                    t.eval_max_batches,
+                    autocast_dtype,
+                )
                 logger.info("val step %d %s", step, format_metrics(values))
                 metrics.write("val", step, values)
                 window.start += time.perf_counter() - eval_start  # throughput counts training time only
@@ -475,16 +617,22 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
     profiler.close()
     if profiler.result is not None:
         kinds = profiler.result["frac_of_busy_by_kind"]
-        logger.info("profile of steps %s: %.1f ms per step, idle %.0f%%; busy time %s (%s)",
-                    profiler.result["recorded_steps"], profiler.result["ms_per_step"], 100 * profiler.result["idle_frac"],
-                    ", ".join(f"{k} {100 * v:.0f}%" for k, v in kinds.items() if v >= 0.005), run_dir / "profile")
+        logger.info(
+            "profile of steps %s: %.1f ms per step, idle %.0f%%; busy time %s (%s)",
+            profiler.result["recorded_steps"],
+            profiler.result["ms_per_step"],
+            100 * profiler.result["idle_frac"],
+            ", ".join(f"{k} {100 * v:.0f}%" for k, v in kinds.items() if v >= 0.005),
+            run_dir / "profile",
+        )
     if ckpt is not None:
         ckpt.wait()
     if deltas is not None:
         deltas.close()
     if stream is None:
-        result = evaluate(model, loader("test", d.eval_batch_size, False), env, schema.tasks, t.eval_max_batches,
-                          autocast_dtype)
+        result = evaluate(
+            model, loader("test", d.eval_batch_size, False), env, schema.tasks, t.eval_max_batches, autocast_dtype
+        )
     else:  # the progressive metrics, averaged over the partitions
         result = stream_summary(run_dir, scores) if env.is_main else {}
     result["train_seconds"] = time.perf_counter() - start
@@ -503,8 +651,11 @@ def _log_startup(timer: StartupTimer, first_step_s: float, metrics: MetricsWrite
     """Time to the end of the first step, by phase; the first step itself includes any compile and warm-up."""
     timer.phases["first step"] = first_step_s
     values = timer.summary()
-    logger.info("time to first step %.2fs: %s", values["total"],
-                ", ".join(f"{k} {v:.2f}s" for k, v in values.items() if k != "total"))
+    logger.info(
+        "time to first step %.2fs: %s",
+        values["total"],
+        ", ".join(f"{k} {v:.2f}s" for k, v in values.items() if k != "total"),
+    )
     metrics.write("startup", 0, values)
     if env.is_main:
         (run_dir / "startup.json").write_text(json.dumps(values, indent=2))
@@ -523,7 +674,9 @@ class _Window:
         self.loss: torch.Tensor | None = None
         self.per_task: torch.Tensor | None = None
 
-    def add(self, loss: torch.Tensor, per_task: torch.Tensor, examples: int, waited: float, flops: int | None = None) -> None:
+    def add(
+        self, loss: torch.Tensor, per_task: torch.Tensor, examples: int, waited: float, flops: int | None = None
+    ) -> None:
         self.steps += 1
         self.flops = None if flops is None or self.flops is None else self.flops + flops
         self.examples += examples
@@ -534,13 +687,18 @@ class _Window:
     def summary(self, tasks: tuple[str, ...], step: int) -> dict[str, float]:
         loss = self.loss.item() / self.steps
         if not math.isfinite(loss):
-            raise FloatingPointError(f"steps {step - self.steps + 1}..{step}: mean loss is {loss}; lower optim.dense.lr "
-                                     "or set optim.grad_clip")
+            raise FloatingPointError(
+                f"steps {step - self.steps + 1}..{step}: mean loss is {loss}; lower optim.dense.lr "
+                "or set optim.grad_clip"
+            )
         seconds = time.perf_counter() - self.start
         out = {"loss": loss}
         out |= {f"{k}/loss": v / self.steps for k, v in zip(tasks, self.per_task.tolist())}
-        out |= {"examples_per_s": self.examples / seconds, "step_ms": 1000 * seconds / self.steps,
-                "data_wait_frac": min(1.0, self.waited / seconds)}
+        out |= {
+            "examples_per_s": self.examples / seconds,
+            "step_ms": 1000 * seconds / self.steps,
+            "data_wait_frac": min(1.0, self.waited / seconds),
+        }
         if self.flops is not None:  # per rank: TFLOP/s on the true jagged lengths, MFU against the peak
             out |= {"tflops": self.flops / seconds / 1e12, "mfu": mfu(self.flops, seconds, self.peak_tflops)}
         if self.cuda:  # this rank's, since the start

@@ -53,7 +53,9 @@ def parse(argv: list[str]) -> tuple[ExportConfig, list[str]]:
     try:
         cfg = OmegaConf.merge(base, OmegaConf.from_dotlist([a.removeprefix("transfer.") for a in mine]))
     except Exception as e:
-        raise SystemExit(f"gem.transfer.export: bad transfer.* override ({e}); keys: {list(ExportConfig.__dataclass_fields__)}")
+        raise SystemExit(
+            f"gem.transfer.export: bad transfer.* override ({e}); keys: {list(ExportConfig.__dataclass_fields__)}"
+        ) from None
     cfg = ExportConfig(**OmegaConf.to_container(cfg))
     for key in ("checkpoint", "out"):
         if not getattr(cfg, key):
@@ -61,8 +63,16 @@ def parse(argv: list[str]) -> tuple[ExportConfig, list[str]]:
     return cfg, rest
 
 
-def export_file(teacher, src: Path, dst: Path, schema: FeatureSchema, tasks: tuple[str, ...], batch_size: int,
-                representation: bool, device: torch.device) -> int:
+def export_file(
+    teacher,
+    src: Path,
+    dst: Path,
+    schema: FeatureSchema,
+    tasks: tuple[str, ...],
+    batch_size: int,
+    representation: bool,
+    device: torch.device,
+) -> int:
     """Score every row of ``src`` with ``teacher``; write the copy with teacher columns to ``dst``."""
     from gem.data.format.checks import check_rows
     from gem.data.format.reader import table_to_batch
@@ -77,14 +87,18 @@ def export_file(teacher, src: Path, dst: Path, schema: FeatureSchema, tasks: tup
         logits.append(out.cpu().numpy())
         if representation:
             if rep is None:
-                raise ValueError("transfer.representation=true: the teacher's dense arch has no `heads` module whose "
-                                 "input could be kept")
+                raise ValueError(
+                    "transfer.representation=true: the teacher's dense arch has no `heads` module whose "
+                    "input could be kept"
+                )
             reps.append(rep.cpu().numpy())
     logits = np.concatenate(logits) if logits else np.zeros((0, len(tasks)), np.float32)
     if not np.isfinite(logits).all():
         bad = np.argwhere(~np.isfinite(logits))[0]
-        raise ValueError(f"{src}: the teacher's {tasks[bad[1]]} logit of row {bad[0]} is {logits[tuple(bad)]}; "
-                         "the checkpoint is broken (trained into NaN?)")
+        raise ValueError(
+            f"{src}: the teacher's {tasks[bad[1]]} logit of row {bad[0]} is {logits[tuple(bad)]}; "
+            "the checkpoint is broken (trained into NaN?)"
+        )
     for k, task in enumerate(tasks):
         name = f"teacher_{task}"
         if name in table.column_names:
@@ -95,8 +109,10 @@ def export_file(teacher, src: Path, dst: Path, schema: FeatureSchema, tasks: tup
             table = table.drop_columns(["teacher_repr"])
         rep = np.concatenate(reps).astype(np.float32) if reps else np.zeros((0, 1), np.float32)
         width = rep.shape[1]
-        table = table.append_column(pa.field("teacher_repr", pa.list_(pa.float32())), pa.ListArray.from_arrays(
-            np.arange(table.num_rows + 1, dtype=np.int32) * width, rep.reshape(-1)))
+        table = table.append_column(
+            pa.field("teacher_repr", pa.list_(pa.float32())),
+            pa.ListArray.from_arrays(np.arange(table.num_rows + 1, dtype=np.int32) * width, rep.reshape(-1)),
+        )
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
     pq.write_table(table, tmp, row_group_size=8192)
@@ -137,8 +153,15 @@ def run(cfg: ExportConfig, overrides: list[str]) -> dict:
             done["rows"] += export_file(teacher, src, dst, schema, tasks, cfg.batch_size, cfg.representation, device)
             done["written"].append(str(dst))
             logger.info("transfer.export: %s -> %s", src, dst)
-    logger.info("transfer.export: rank %d/%d wrote %d files (%d rows), skipped %d already written, in %.1fs", rank,
-                world, len(done["written"]), done["rows"], len(done["skipped"]), time.perf_counter() - tick)
+    logger.info(
+        "transfer.export: rank %d/%d wrote %d files (%d rows), skipped %d already written, in %.1fs",
+        rank,
+        world,
+        len(done["written"]),
+        done["rows"],
+        len(done["skipped"]),
+        time.perf_counter() - tick,
+    )
     return done
 
 

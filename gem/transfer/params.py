@@ -18,8 +18,8 @@ momentum still accumulates, unused).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -35,13 +35,17 @@ def resolve_checkpoint(path: str | Path, key: str = "checkpoint.init_from") -> P
     """A committed ``step_<N>`` folder: ``path`` itself, or the newest one inside it."""
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"{key}={str(path)!r} does not exist; give a step_<N> folder written by a gem run "
-                              f"(or a folder of them, e.g. <run_dir>/checkpoints)")
+        raise CheckpointError(
+            f"{key}={str(path)!r} does not exist; give a step_<N> folder written by a gem run "
+            f"(or a folder of them, e.g. <run_dir>/checkpoints)"
+        )
     if not (path / MANIFEST).is_file():
         found = list_checkpoints(path)
         if not found:
-            raise CheckpointError(f"{key}={str(path)!r} is neither a finished gem checkpoint (no {MANIFEST}) nor a "
-                                  f"folder of step_<N> checkpoints")
+            raise CheckpointError(
+                f"{key}={str(path)!r} is neither a finished gem checkpoint (no {MANIFEST}) nor a "
+                f"folder of step_<N> checkpoints"
+            )
         path = found[-1]
     return path
 
@@ -67,7 +71,7 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def checkpoint_key(name: str) -> str:
     for model_prefix, ckpt_prefix in _SECTIONS:
         if name.startswith(model_prefix):
-            return ckpt_prefix + name[len(model_prefix):]
+            return ckpt_prefix + name[len(model_prefix) :]
     raise ValueError(name)
 
 
@@ -80,8 +84,10 @@ def _unmatched(prefixes: Sequence[str], names: Iterable[str], key: str) -> None:
     for p in prefixes:
         if not any(matches(n, [p]) for n in names):
             near = sorted({".".join(n.split(".")[:4]) for n in names})[:12]
-            raise CheckpointError(f"{key}: {p!r} matches no tensor of this model; names start with "
-                                  f"sparse_arch. or dense_arch., e.g. {near}")
+            raise CheckpointError(
+                f"{key}: {p!r} matches no tensor of this model; names start with "
+                f"sparse_arch. or dense_arch., e.g. {near}"
+            )
 
 
 def init_from_checkpoint(model: nn.Module, path: str | Path, modules: Sequence[str]) -> list[str]:
@@ -94,8 +100,10 @@ def init_from_checkpoint(model: nn.Module, path: str | Path, modules: Sequence[s
 
     path = resolve_checkpoint(path)
     if not modules:
-        raise CheckpointError(f"checkpoint.init_from={str(path)!r} needs checkpoint.init_modules: the name prefixes "
-                              "to load, e.g. [sparse_arch.ebc.embedding_bags.t_ad_id, dense_arch]")
+        raise CheckpointError(
+            f"checkpoint.init_from={str(path)!r} needs checkpoint.init_modules: the name prefixes "
+            "to load, e.g. [sparse_arch.ebc.embedding_bags.t_ad_id, dense_arch]"
+        )
     saved = manifest_shapes(path)
     state = model_state(model)
     _unmatched(modules, state, "checkpoint.init_modules")
@@ -104,19 +112,28 @@ def init_from_checkpoint(model: nn.Module, path: str | Path, modules: Sequence[s
     for name in chosen:
         key, want = checkpoint_key(name), _shape(state[name])
         if key not in saved:
-            problems.append(f"  {name}: not in the checkpoint (key {key}; it holds "
-                            f"{sorted(k for k in saved if k.startswith('model.'))[:6]} ...)")
+            problems.append(
+                f"  {name}: not in the checkpoint (key {key}; it holds "
+                f"{sorted(k for k in saved if k.startswith('model.'))[:6]} ...)"
+            )
         elif list(saved[key]) != list(want):
-            problems.append(f"  {name}: {saved[key][0]} {saved[key][1]} in the checkpoint, {want[0]} {want[1]} in "
-                            f"this model")
+            problems.append(
+                f"  {name}: {saved[key][0]} {saved[key][1]} in the checkpoint, {want[0]} {want[1]} in this model"
+            )
     if problems:
-        raise CheckpointError(f"checkpoint.init_from={path}: cannot load checkpoint.init_modules={list(modules)}:\n"
-                              + "\n".join(problems[:10]) + ("\n  ..." if len(problems) > 10 else "")
-                              + "\n  share only tensors of equal shape (the same table cardinality and "
-                              "sparse.embedding_dim / sparse.dims, the same dense layer sizes)")
+        raise CheckpointError(
+            f"checkpoint.init_from={path}: cannot load checkpoint.init_modules={list(modules)}:\n"
+            + "\n".join(problems[:10])
+            + ("\n  ..." if len(problems) > 10 else "")
+            + "\n  share only tensors of equal shape (the same table cardinality and "
+            "sparse.embedding_dim / sparse.dims, the same dense layer sizes)"
+        )
     flat = {checkpoint_key(n): state[n] for n in chosen}
-    dcp.load(flat, checkpoint_id=str(path),
-             planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+    dcp.load(
+        flat,
+        checkpoint_id=str(path),
+        planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+    )
     # The loaded tensors are the state dicts' own (in place); load them back as the checkpointer does,
     # for modules whose state_dict() hands out copies.
     sparse_state = {k.removeprefix("sparse_arch."): v for k, v in state.items() if k.startswith("sparse_arch.")}
@@ -174,9 +191,11 @@ def freeze(model: nn.Module, prefixes: Sequence[str]) -> list[str]:
         if not frozen:
             continue
         if len(frozen) != len(names):
-            raise CheckpointError(f"checkpoint.init_frozen: {frozen} share one FBGEMM kernel with {sorted(set(names) - set(frozen))}, "
-                                  "which are not frozen; the sharding must give frozen tables their own group "
-                                  "(shard_sparse_arch(frozen_tables=...))")
+            raise CheckpointError(
+                f"checkpoint.init_frozen: {frozen} share one FBGEMM kernel with {sorted(set(names) - set(frozen))}, "
+                "which are not frozen; the sharding must give frozen tables their own group "
+                "(shard_sparse_arch(frozen_tables=...))"
+            )
         for group in leaf.param_groups:
             group["lr"] = 0.0
             group.pop("initial_lr", None)

@@ -43,10 +43,15 @@ def check_inputs(teacher: FeatureSchema, student: FeatureSchema, where: str) -> 
     """The teacher reads the student's batches: the same id / sequence features, dense width and domains."""
     a, b = _inputs(teacher), _inputs(student)
     if a != b:
-        diff = [f"{k}: {a.get(k)!r} (teacher) vs {b.get(k)!r} (student)" for k in sorted(set(a) | set(b))
-                if a.get(k) != b.get(k)]
-        raise CheckpointError(f"{where}: the teacher was trained on another feature schema than the student's data "
-                              f"(tasks may differ, inputs may not): " + "; ".join(d[:300] for d in diff))
+        diff = [
+            f"{k}: {a.get(k)!r} (teacher) vs {b.get(k)!r} (student)"
+            for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k)
+        ]
+        raise CheckpointError(
+            f"{where}: the teacher was trained on another feature schema than the student's data "
+            f"(tasks may differ, inputs may not): " + "; ".join(d[:300] for d in diff)
+        )
 
 
 class Teacher(nn.Module):
@@ -56,13 +61,16 @@ class Teacher(nn.Module):
     ``representation(batch) -> [B, R]``: the input of the teacher's heads (the shared top MLP's
     output: one vector per example, user + history + candidate)."""
 
-    def __init__(self, model: nn.Module, teacher_tasks: tuple[str, ...], tasks: tuple[str, ...],
-                 device: torch.device, where: str) -> None:
+    def __init__(
+        self, model: nn.Module, teacher_tasks: tuple[str, ...], tasks: tuple[str, ...], device: torch.device, where: str
+    ) -> None:
         super().__init__()
         unknown = [t for t in tasks if t not in teacher_tasks]
         if unknown:
-            raise CheckpointError(f"{where}: the teacher never learned task(s) {unknown}; it has {list(teacher_tasks)}; "
-                                  f"distil only those (trainer.distill.tasks) or use a teacher trained on them")
+            raise CheckpointError(
+                f"{where}: the teacher never learned task(s) {unknown}; it has {list(teacher_tasks)}; "
+                f"distil only those (trainer.distill.tasks) or use a teacher trained on them"
+            )
         self.tasks = tuple(tasks)
         self.where = where
         self.model = model.eval().requires_grad_(False)
@@ -81,7 +89,7 @@ class Teacher(nn.Module):
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def train(self, mode: bool = True) -> "Teacher":
+    def train(self, mode: bool = True) -> Teacher:
         return super().train(False)  # always eval
 
     @torch.no_grad()
@@ -100,14 +108,21 @@ class Teacher(nn.Module):
             finite = torch.isfinite(out).all(0)
             if not bool(finite.all()):
                 bad = [t for t, ok in zip(self.tasks, finite.tolist()) if not ok]
-                raise FloatingPointError(f"{self.where}: the teacher's {bad} logits are NaN or inf on this batch; "
-                                         "its checkpoint is broken (trained into NaN?) or the batch is outside "
-                                         "what it can read")
+                raise FloatingPointError(
+                    f"{self.where}: the teacher's {bad} logits are NaN or inf on this batch; "
+                    "its checkpoint is broken (trained into NaN?) or the batch is outside "
+                    "what it can read"
+                )
         return out
 
 
-def load_teacher(path: str | Path, student: FeatureSchema, tasks: tuple[str, ...] | None, device: torch.device,
-                 key: str = "trainer.distill.checkpoint") -> Teacher:
+def load_teacher(
+    path: str | Path,
+    student: FeatureSchema,
+    tasks: tuple[str, ...] | None,
+    device: torch.device,
+    key: str = "trainer.distill.checkpoint",
+) -> Teacher:
     """Rebuild and load the model of checkpoint ``path`` as a frozen :class:`Teacher` over the
     student's ``tasks`` (None: every task the teacher has)."""
     import torch.distributed.checkpoint as dcp
@@ -135,10 +150,17 @@ def load_teacher(path: str | Path, student: FeatureSchema, tasks: tuple[str, ...
     state = {f"model.sparse.{k}": v for k, v in sparse.state_dict().items()}
     state |= {f"model.dense.{k}": v for k, v in dense.state_dict().items()}
     try:
-        dcp.load(state, checkpoint_id=str(path),
-                 planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+        dcp.load(
+            state,
+            checkpoint_id=str(path),
+            planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+        )
     except Exception as e:
-        raise CheckpointError(f"{key}={path}: could not load the teacher ({type(e).__name__}: {str(e)[:500]})") from None
-    sparse.load_state_dict({k.removeprefix("model.sparse."): v for k, v in state.items() if k.startswith("model.sparse.")})
+        raise CheckpointError(
+            f"{key}={path}: could not load the teacher ({type(e).__name__}: {str(e)[:500]})"
+        ) from None
+    sparse.load_state_dict(
+        {k.removeprefix("model.sparse."): v for k, v in state.items() if k.startswith("model.sparse.")}
+    )
     dense.load_state_dict({k.removeprefix("model.dense."): v for k, v in state.items() if k.startswith("model.dense.")})
     return Teacher(model, schema.tasks, tuple(tasks) if tasks is not None else schema.tasks, device, f"{key}={path}")

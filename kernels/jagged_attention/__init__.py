@@ -164,8 +164,18 @@ def jagged_attention(
         backend = "triton" if q.is_cuda else "reference"
     if backend == "reference":
         return jagged_attention_reference(
-            q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, activation=activation,
-            scale=scale, post_scale=post_scale, causal=causal, window=window,
+            q,
+            k,
+            v,
+            q_offsets,
+            kv_offsets,
+            max_q_len,
+            max_kv_len,
+            activation=activation,
+            scale=scale,
+            post_scale=post_scale,
+            causal=causal,
+            window=window,
             block_size=block_size,
         )
     if backend != "triton":
@@ -182,9 +192,19 @@ def jagged_attention(
         q_offsets = torch.arange(num_batches + 1, device=q.device, dtype=torch.int32) * q.shape[0]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out = op.jagged_attention_triton(
-        q, k, v, q_offsets, kv_offsets, int(max_q_len), int(max_kv_len),
-        activation, scale, 1.0 if post_scale is None else float(post_scale), bool(causal),
-        -1 if window is None else int(window), 0 if block_size is None else int(block_size),
+        q,
+        k,
+        v,
+        q_offsets,
+        kv_offsets,
+        int(max_q_len),
+        int(max_kv_len),
+        activation,
+        scale,
+        1.0 if post_scale is None else float(post_scale),
+        bool(causal),
+        -1 if window is None else int(window),
+        0 if block_size is None else int(block_size),
         q_broadcast,
     )
     if q_broadcast:
@@ -192,13 +212,16 @@ def jagged_attention(
     return out
 
 
-def check_offsets(name: str, offsets: torch.Tensor, rows_of: str, rows: int, max_name: str, max_len: int,
-                   on_device: bool) -> None:
+def check_offsets(
+    name: str, offsets: torch.Tensor, rows_of: str, rows: int, max_name: str, max_len: int, on_device: bool
+) -> None:
     """Raises a ValueError naming ``name`` where ``offsets`` break the contract of
     :func:`jagged_attention` (rows of ``rows_of``, bound ``max_name``); reads the values only where
     that costs no sync (CPU offsets, not tracing) or ``on_device``."""
     if offsets.dim() != 1 or offsets.numel() < 1:
-        raise ValueError(f"{name} must be [B+1] (one dimension, at least one element), got shape {tuple(offsets.shape)}")
+        raise ValueError(
+            f"{name} must be [B+1] (one dimension, at least one element), got shape {tuple(offsets.shape)}"
+        )
     if torch.compiler.is_compiling() or isinstance(offsets, torch._subclasses.FakeTensor) or offsets.is_meta:
         return  # no values to look at while tracing
     if offsets.device.type != "cpu" and not on_device:
@@ -210,14 +233,18 @@ def check_offsets(name: str, offsets: torch.Tensor, rows_of: str, rows: int, max
     lengths = o[1:] - o[:-1]
     if lengths.numel() and bool((lengths < 0).any()):
         i = int((lengths < 0).nonzero()[0])
-        raise ValueError(f"{name} must be nondecreasing: {name}[{i}]={int(o[i])} > {name}[{i + 1}]={int(o[i + 1])}; {fix}")
+        raise ValueError(
+            f"{name} must be nondecreasing: {name}[{i}]={int(o[i])} > {name}[{i + 1}]={int(o[i + 1])}; {fix}"
+        )
     if int(o[-1]) != rows:
         raise ValueError(f"{name}[-1]={int(o[-1])} must equal the number of rows of {rows_of} ({rows})")
     if lengths.numel():
         longest, b = (int(x) for x in lengths.max(0))
         if longest > max_len:
-            raise ValueError(f"{max_name}={max_len} is less than the longest sequence in {name} ({longest} rows, "
-                             f"example {b}); pass an upper bound on the lengths (larger is correct, only slower)")
+            raise ValueError(
+                f"{max_name}={max_len} is less than the longest sequence in {name} ({longest} rows, "
+                f"example {b}); pass an upper bound on the lengths (larger is correct, only slower)"
+            )
 
 
 # Registers the ops and their FLOP formulas at import: a FlopCounterMode copies the formula

@@ -15,6 +15,7 @@ import triton
 from kernels.jagged_attention.settings import KernelSettings
 from kernels.jagged_attention.triton_common import INTERPRET, SOFTMAX
 
+
 def _default_config(kind: str, block_d: int, elem_bytes: int = 2) -> dict:
     """Block sizes, warps and stages per kernel kind and padded head dim (and the forward's
     plain loop, ``LATE_PV=0``), used when autotuning is off (the autotune setting) and for head
@@ -64,16 +65,25 @@ _TUNE_SPACE = {
 # GEM_KERNELS_TUNE_SPACE=wide: a larger search for benchmarks and for choosing the list above
 # (about three times the tuning time at each new shape bucket).
 _WIDE_EXTRA = {
-    "fwd": [(128, 64, 8, 2), (128, 128, 8, 3), (128, 128, 8, 2), (64, 128, 4, 3), (128, 64, 4, 3),
-            (64, 64, 4, 4)],
+    "fwd": [(128, 64, 8, 2), (128, 128, 8, 3), (128, 128, 8, 2), (64, 128, 4, 3), (128, 64, 4, 3), (64, 64, 4, 4)],
     "dkdv": [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 2)],
     "dq": [(128, 64, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 2), (128, 64, 4, 2)],
     "dq_ds": [(128, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 2), (64, 32, 4, 3)],
 }
 
 # (keys a kernel lacks are skipped)
-_TUNE_KEY = ["max_q_bucket", "max_kv_bucket", "BLOCK_D", "ACTIVATION", "CAUSAL", "HAS_WINDOW",
-             "HAS_BLOCK", "Q_BROADCAST", "PACKED_ACT", "STORE_DS"]
+_TUNE_KEY = [
+    "max_q_bucket",
+    "max_kv_bucket",
+    "BLOCK_D",
+    "ACTIVATION",
+    "CAUSAL",
+    "HAS_WINDOW",
+    "HAS_BLOCK",
+    "Q_BROADCAST",
+    "PACKED_ACT",
+    "STORE_DS",
+]
 # Test-facing: launch-config entries that replace the defaults' (``testing.forced_config``).
 _FORCED: dict[str, dict] = {}
 
@@ -109,8 +119,7 @@ def _tuned(kernel, kind: str, space: str):
         warps, stages = launch.pop("num_warps"), launch.pop("num_stages")
         return [triton.Config(launch, num_warps=warps, num_stages=stages)]
 
-    tuned = triton.autotune(configs=configs, key=_TUNE_KEY,
-                            prune_configs_by={"early_config_prune": prune})(kernel)
+    tuned = triton.autotune(configs=configs, key=_TUNE_KEY, prune_configs_by={"early_config_prune": prune})(kernel)
     _AUTOTUNERS[kind, space] = tuned
     return tuned
 
@@ -120,8 +129,7 @@ _AUTOTUNERS: dict[tuple[str, str], triton.runtime.Autotuner] = {}
 
 def late_pv_applies(meta: dict) -> bool:
     """Whether _fwd_kernel runs its LATE_PV loop: GDPA without a causal, window or block mask."""
-    return (meta["ACTIVATION"] != SOFTMAX
-            and not (meta["CAUSAL"] or meta["HAS_WINDOW"] or meta["HAS_BLOCK"]))
+    return meta["ACTIVATION"] != SOFTMAX and not (meta["CAUSAL"] or meta["HAS_WINDOW"] or meta["HAS_BLOCK"])
 
 
 def kernel_and_config(kernel, kind: str, block_d: int, elem_bytes: int, config: KernelSettings):
@@ -137,5 +145,6 @@ def tuned_configs() -> dict:
     chosen = {}
     for (kind, _), tuned in _AUTOTUNERS.items():
         chosen.setdefault(kind, {}).update(
-            {str(key): str(config) for key, config in getattr(tuned, "cache", {}).items()})
+            {str(key): str(config) for key, config in getattr(tuned, "cache", {}).items()}
+        )
     return chosen

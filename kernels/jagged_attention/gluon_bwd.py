@@ -19,13 +19,18 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels.jagged_attention import triton_common as tc
 from kernels.jagged_attention.gluon_common import (
-    CONSUMER_REGS, SILU, barriers, sm_count, store_tile, work_tile, work_list,
+    CONSUMER_REGS,
+    SILU,
+    barriers,
+    sm_count,
+    store_tile,
+    work_list,
+    work_tile,
 )
 
 BWD_BLOCK_M = 32  # query rows per step
@@ -43,17 +48,23 @@ def _grads(st, dpt, j, q_len, scale, ACTIVATION: gl.constexpr):
     dp = dpt.to(gl.bfloat16)
     if ACTIVATION == SILU:
         h = gl.full(x.shape, 0.5 * scale, gl.bfloat16, layout)
-        p, ds = gl.inline_asm_elementwise(tc.SILU_GRAD_BF16X2, "=r,=r,r,r,r", [x, dp, h],
-                                          dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=2)
+        p, ds = gl.inline_asm_elementwise(
+            tc.SILU_GRAD_BF16X2, "=r,=r,r,r,r", [x, dp, h], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=2
+        )
     else:
         a = scale * 0.7978845608028654
         b = a * 0.044715 * scale * scale
         a2 = gl.full(x.shape, a, gl.bfloat16, layout)
         b2 = gl.full(x.shape, b, gl.bfloat16, layout)
         b3 = gl.full(x.shape, 3.0 * b, gl.bfloat16, layout)
-        p, ds = gl.inline_asm_elementwise(tc.FAST_GELU_GRAD_BF16X2, "=r,=r,r,r,r,r,r",
-                                          [x, dp, a2, b2, b3], dtype=(gl.bfloat16, gl.bfloat16),
-                                          is_pure=True, pack=2)
+        p, ds = gl.inline_asm_elementwise(
+            tc.FAST_GELU_GRAD_BF16X2,
+            "=r,=r,r,r,r,r,r",
+            [x, dp, a2, b2, b3],
+            dtype=(gl.bfloat16, gl.bfloat16),
+            is_pure=True,
+            pack=2,
+        )
     if (j + 1) * BLOCK_M > q_len:
         cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))
         keep = (cols < q_len - j * BLOCK_M)[None, :]
@@ -63,8 +74,9 @@ def _grads(st, dpt, j, q_len, scale, ACTIVATION: gl.constexpr):
 
 
 @gluon.jit
-def _dkdv_loader(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready,
-                 kv_free, ready, free, WORK, TOTAL):
+def _dkdv_loader(
+    k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, ready, free, WORK, TOTAL
+):
     """The backward's loader warp: for each of the program's tiles, its K and V halves into one
     of two buffers (once both consumers released it), then its Q and dO tiles into the ring."""
     STAGES: gl.constexpr = q_smem.shape[0]
@@ -80,28 +92,48 @@ def _dkdv_loader(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_sme
         bar = kv_ready.index(b)
         mbarrier.expect(bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
         for half in gl.static_range(2):
-            tma.async_copy_global_to_shared(k_desc, [row0 + half * 64, h * HEAD_D], bar,
-                                            k_smem.index(2 * b + half))
-            tma.async_copy_global_to_shared(v_desc, [row0 + half * 64, h * HEAD_D], bar,
-                                            v_smem.index(2 * b + half))
+            tma.async_copy_global_to_shared(k_desc, [row0 + half * 64, h * HEAD_D], bar, k_smem.index(2 * b + half))
+            tma.async_copy_global_to_shared(v_desc, [row0 + half * 64, h * HEAD_D], bar, v_smem.index(2 * b + half))
         for j in range(gl.cdiv(q_len, BLOCK_M)):
             slot = it % STAGES
             mbarrier.wait(free.index(slot), phase=((it // STAGES) + 1) & 1, pred=it >= STAGES)
             bar = ready.index(slot)
             mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [q_start + j * BLOCK_M, h * HEAD_D], bar,
-                                            q_smem.index(slot))
-            tma.async_copy_global_to_shared(do_desc, [q_start + j * BLOCK_M, h * HEAD_D], bar,
-                                            do_smem.index(slot))
+            tma.async_copy_global_to_shared(q_desc, [q_start + j * BLOCK_M, h * HEAD_D], bar, q_smem.index(slot))
+            tma.async_copy_global_to_shared(do_desc, [q_start + j * BLOCK_M, h * HEAD_D], bar, do_smem.index(slot))
             it += 1
         done += 1
 
 
 @gluon.jit
-def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, kv_free, ready, free,
-                   DK, DV, DS, dk_desc, dv_desc, ds_desc, stride_dkt, stride_dvt, stride_dst,
-                   kv_rows, WORK, TOTAL, scale, dk_scale, dv_scale, ACTIVATION: gl.constexpr,
-                   HALF: gl.constexpr):
+def _dkdv_consumer(
+    k_smem,
+    v_smem,
+    q_smem,
+    do_smem,
+    ds_smem,
+    kv_ready,
+    kv_free,
+    ready,
+    free,
+    DK,
+    DV,
+    DS,
+    dk_desc,
+    dv_desc,
+    ds_desc,
+    stride_dkt,
+    stride_dvt,
+    stride_dst,
+    kv_rows,
+    WORK,
+    TOTAL,
+    scale,
+    dk_scale,
+    dv_scale,
+    ACTIVATION: gl.constexpr,
+    HALF: gl.constexpr,
+):
     """A 4-warp consumer: keys ``HALF * 64`` to ``HALF * 64 + 63`` of each of the program's work
     tiles. Per step it issues ``S^T = K Q^T`` and ``dP^T = V dO^T``, then the previous step's
     ``dV += P^T dO`` and ``dK += dS^T Q``, and computes this step's P and dS (and stores dS)
@@ -110,10 +142,12 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, kv_free, 
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     HEAD_D: gl.constexpr = q_smem.shape[2]
     dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_D, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_D, 16]
+    )
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     s_zero = gl.zeros([64, BLOCK_M], gl.float32, s_layout)
     o_zero = gl.zeros([64, HEAD_D], gl.float32, o_layout)
@@ -122,8 +156,7 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, kv_free, 
     step = gl.num_programs(0)
     it = 0
     done = 0
-    next_row0, next_keys, next_h, _, next_q_len = work_tile(WORK, gl.program_id(0),
-                                                        gl.program_id(0) < total)
+    next_row0, next_keys, next_h, _, next_q_len = work_tile(WORK, gl.program_id(0), gl.program_id(0) < total)
     for t in range(gl.program_id(0), total, step):
         row0 = next_row0 + HALF * 64
         num_keys = next_keys - HALF * 64
@@ -141,10 +174,8 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, kv_free, 
         if n_steps > 0:
             slot = it % STAGES
             mbarrier.wait(ready.index(slot), phase=(it // STAGES) & 1)
-            st = warpgroup_mma(k, q_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
-                               is_async=True)
-            dpt = warpgroup_mma(v, do_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
-                                is_async=True)
+            st = warpgroup_mma(k, q_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dpt = warpgroup_mma(v, do_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
             p, ds = _grads(st, dpt, 0, q_len, scale, ACTIVATION)
             store_tile(ds, DS, ds_desc, ds_buf, ds_row0, 0, num_keys, stride_dst)
@@ -155,18 +186,15 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, kv_free, 
                 slot = c % STAGES
                 prev = (c - 1) % STAGES
                 mbarrier.wait(ready.index(slot), phase=(c // STAGES) & 1)
-                st = warpgroup_mma(k, q_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
-                                   is_async=True)
-                dpt = warpgroup_mma(v, do_smem.index(slot).permute((1, 0)), s_zero,
-                                    use_acc=False, is_async=True)
+                st = warpgroup_mma(k, q_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                dpt = warpgroup_mma(v, do_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 dv = warpgroup_mma(p, do_smem.index(prev), dv, is_async=True)
                 dk = warpgroup_mma(ds, q_smem.index(prev), dk, is_async=True)
                 st, dpt = warpgroup_mma_wait(2, deps=(st, dpt))
                 p_next, ds_next = _grads(st, dpt, j, q_len, scale, ACTIVATION)
                 dv, dk, p, ds = warpgroup_mma_wait(0, deps=(dv, dk, p, ds))
                 mbarrier.arrive(free.index(prev), count=1)
-                store_tile(ds_next, DS + j * BLOCK_M, ds_desc, ds_buf, ds_row0, j * BLOCK_M,
-                            num_keys, stride_dst)
+                store_tile(ds_next, DS + j * BLOCK_M, ds_desc, ds_buf, ds_row0, j * BLOCK_M, num_keys, stride_dst)
                 p = gl.convert_layout(p_next, a_layout)
                 ds = gl.convert_layout(ds_next, a_layout)
             last = (it + n_steps - 1) % STAGES
@@ -176,38 +204,156 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, kv_free, 
             mbarrier.arrive(free.index(last), count=1)
             it += n_steps
         # every product that read this tile's K and V is complete: they take dK and dV
-        store_tile((dk * dk_scale).to(dtype), DK + h * HEAD_D, dk_desc, k, row0, h * HEAD_D,
-                    num_keys, stride_dkt)
-        store_tile((dv * dv_scale).to(dtype), DV + h * HEAD_D, dv_desc, v, row0, h * HEAD_D,
-                    num_keys, stride_dvt)
+        store_tile((dk * dk_scale).to(dtype), DK + h * HEAD_D, dk_desc, k, row0, h * HEAD_D, num_keys, stride_dkt)
+        store_tile((dv * dv_scale).to(dtype), DV + h * HEAD_D, dv_desc, v, row0, h * HEAD_D, num_keys, stride_dvt)
         tma.store_wait(0)
         mbarrier.arrive(kv_free.index(b), count=1)
         done += 1
 
 
 @gluon.jit
-def _dkdv_consumer0(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, kv_free, ready, free,
-                    DK, DV, DS, dk_desc, dv_desc, ds_desc, stride_dkt, stride_dvt, stride_dst,
-                    kv_rows, WORK, TOTAL, scale, dk_scale, dv_scale, ACTIVATION: gl.constexpr):
-    _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, kv_free, ready, free,
-                   DK, DV, DS, dk_desc, dv_desc, ds_desc, stride_dkt, stride_dvt, stride_dst,
-                   kv_rows, WORK, TOTAL, scale, dk_scale, dv_scale, ACTIVATION, 0)
+def _dkdv_consumer0(
+    k_smem,
+    v_smem,
+    q_smem,
+    do_smem,
+    ds_smem,
+    kv_ready,
+    kv_free,
+    ready,
+    free,
+    DK,
+    DV,
+    DS,
+    dk_desc,
+    dv_desc,
+    ds_desc,
+    stride_dkt,
+    stride_dvt,
+    stride_dst,
+    kv_rows,
+    WORK,
+    TOTAL,
+    scale,
+    dk_scale,
+    dv_scale,
+    ACTIVATION: gl.constexpr,
+):
+    _dkdv_consumer(
+        k_smem,
+        v_smem,
+        q_smem,
+        do_smem,
+        ds_smem,
+        kv_ready,
+        kv_free,
+        ready,
+        free,
+        DK,
+        DV,
+        DS,
+        dk_desc,
+        dv_desc,
+        ds_desc,
+        stride_dkt,
+        stride_dvt,
+        stride_dst,
+        kv_rows,
+        WORK,
+        TOTAL,
+        scale,
+        dk_scale,
+        dv_scale,
+        ACTIVATION,
+        0,
+    )
 
 
 @gluon.jit
-def _dkdv_consumer1(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, kv_free, ready, free,
-                    DK, DV, DS, dk_desc, dv_desc, ds_desc, stride_dkt, stride_dvt, stride_dst,
-                    kv_rows, WORK, TOTAL, scale, dk_scale, dv_scale, ACTIVATION: gl.constexpr):
-    _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, kv_free, ready, free,
-                   DK, DV, DS, dk_desc, dv_desc, ds_desc, stride_dkt, stride_dvt, stride_dst,
-                   kv_rows, WORK, TOTAL, scale, dk_scale, dv_scale, ACTIVATION, 1)
+def _dkdv_consumer1(
+    k_smem,
+    v_smem,
+    q_smem,
+    do_smem,
+    ds_smem,
+    kv_ready,
+    kv_free,
+    ready,
+    free,
+    DK,
+    DV,
+    DS,
+    dk_desc,
+    dv_desc,
+    ds_desc,
+    stride_dkt,
+    stride_dvt,
+    stride_dst,
+    kv_rows,
+    WORK,
+    TOTAL,
+    scale,
+    dk_scale,
+    dv_scale,
+    ACTIVATION: gl.constexpr,
+):
+    _dkdv_consumer(
+        k_smem,
+        v_smem,
+        q_smem,
+        do_smem,
+        ds_smem,
+        kv_ready,
+        kv_free,
+        ready,
+        free,
+        DK,
+        DV,
+        DS,
+        dk_desc,
+        dv_desc,
+        ds_desc,
+        stride_dkt,
+        stride_dvt,
+        stride_dst,
+        kv_rows,
+        WORK,
+        TOTAL,
+        scale,
+        dk_scale,
+        dv_scale,
+        ACTIVATION,
+        1,
+    )
 
 
 @gluon.jit
-def _gdpa_dkdv_kernel(k_desc, v_desc, q_desc, do_desc, dk_desc, dv_desc, ds_desc, DK, DV, DS,
-                      WORK, TOTAL, stride_dkt, stride_dvt, stride_dst, kv_rows, scale, dk_scale,
-                      dv_scale, ACTIVATION: gl.constexpr, HEAD_D: gl.constexpr,
-                      BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+def _gdpa_dkdv_kernel(
+    k_desc,
+    v_desc,
+    q_desc,
+    do_desc,
+    dk_desc,
+    dv_desc,
+    ds_desc,
+    DK,
+    DV,
+    DS,
+    WORK,
+    TOTAL,
+    stride_dkt,
+    stride_dvt,
+    stride_dst,
+    kv_rows,
+    scale,
+    dk_scale,
+    dv_scale,
+    ACTIVATION: gl.constexpr,
+    HEAD_D: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    STAGES: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+):
     dtype: gl.constexpr = q_desc.dtype
     k_smem = gl.allocate_shared_memory(dtype, [4, 64, HEAD_D], k_desc.layout)  # 2 tiles x halves
     v_smem = gl.allocate_shared_memory(dtype, [4, 64, HEAD_D], v_desc.layout)
@@ -218,20 +364,83 @@ def _gdpa_dkdv_kernel(k_desc, v_desc, q_desc, do_desc, dk_desc, dv_desc, ds_desc
     kv_free = barriers(2, 2)
     ready = barriers(STAGES, 1)
     free = barriers(STAGES, 2)
-    consumer_args = (k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, kv_free, ready, free,
-                     DK, DV, DS, dk_desc, dv_desc, ds_desc, stride_dkt, stride_dvt, stride_dst,
-                     kv_rows, WORK, TOTAL, scale, dk_scale, dv_scale, ACTIVATION)
-    gl.warp_specialize([
-        (_dkdv_consumer0, consumer_args),
-        (_dkdv_consumer1, consumer_args),
-        (_dkdv_loader, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem,
-                        kv_ready, kv_free, ready, free, WORK, TOTAL)),
-    ], [4, 1], [CONSUMER_REGS, 24])
+    consumer_args = (
+        k_smem,
+        v_smem,
+        q_smem,
+        do_smem,
+        ds_smem,
+        kv_ready,
+        kv_free,
+        ready,
+        free,
+        DK,
+        DV,
+        DS,
+        dk_desc,
+        dv_desc,
+        ds_desc,
+        stride_dkt,
+        stride_dvt,
+        stride_dst,
+        kv_rows,
+        WORK,
+        TOTAL,
+        scale,
+        dk_scale,
+        dv_scale,
+        ACTIVATION,
+    )
+    gl.warp_specialize(
+        [
+            (_dkdv_consumer0, consumer_args),
+            (_dkdv_consumer1, consumer_args),
+            (
+                _dkdv_loader,
+                (
+                    k_desc,
+                    v_desc,
+                    q_desc,
+                    do_desc,
+                    k_smem,
+                    v_smem,
+                    q_smem,
+                    do_smem,
+                    kv_ready,
+                    kv_free,
+                    ready,
+                    free,
+                    WORK,
+                    TOTAL,
+                ),
+            ),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, 24],
+    )
 
 
-def dkdv(q, k, v, grad_out, dk, dv, ds, q_offsets, kv_offsets, batch_order, max_kv_len,
-         activation_code, scale, dk_scale, dv_scale, wrap=lambda kernel: kernel, num_sms=None,
-         block_m=BWD_BLOCK_M, stages=BWD_STAGES) -> None:
+def dkdv(
+    q,
+    k,
+    v,
+    grad_out,
+    dk,
+    dv,
+    ds,
+    q_offsets,
+    kv_offsets,
+    batch_order,
+    max_kv_len,
+    activation_code,
+    scale,
+    dk_scale,
+    dv_scale,
+    wrap=lambda kernel: kernel,
+    num_sms=None,
+    block_m=BWD_BLOCK_M,
+    stages=BWD_STAGES,
+) -> None:
     """Writes dK, dV and the stored dS (``ds``: ``[H, K/V rows, padded queries]``, as ``op.py``'s
     stored-dS buffer) of the GDPA backward for bf16 silu / fast_gelu; arguments as
     :func:`forward`, ``dk_scale`` and ``dv_scale`` as the Triton dK/dV launcher's."""
@@ -244,18 +453,36 @@ def dkdv(q, k, v, grad_out, dk, dv, ds, q_offsets, kv_offsets, batch_order, max_
     ds_layout = gl.NVMMASharedLayout.get_default_for([64, block_m], element)
 
     def descriptor(t, block_rows, layout):
-        return TensorDescriptor(t, [t.shape[0], num_heads * head_dim], [t.stride(0), 1],
-                                [block_rows, head_dim], layout)
+        return TensorDescriptor(t, [t.shape[0], num_heads * head_dim], [t.stride(0), 1], [block_rows, head_dim], layout)
 
     ds_rows = ds.view(-1, ds.shape[2])
-    ds_desc = TensorDescriptor(ds_rows, list(ds_rows.shape), [ds_rows.stride(0), 1], [64, block_m],
-                               ds_layout)
+    ds_desc = TensorDescriptor(ds_rows, list(ds_rows.shape), [ds_rows.stride(0), 1], [64, block_m], ds_layout)
     if num_sms is None:
         num_sms = sm_count(torch.cuda.current_device() if q.device.index is None else q.device.index)
     wrap(_gdpa_dkdv_kernel)[(max(1, min(work.shape[0], num_sms)),)](
-        descriptor(k, 64, kv_layout), descriptor(v, 64, kv_layout), descriptor(q, block_m, q_layout),
-        descriptor(grad_out, block_m, q_layout), descriptor(dk, 64, kv_layout),
-        descriptor(dv, 64, kv_layout), ds_desc, dk, dv, ds, work, total, dk.stride(0),
-        dv.stride(0), ds.stride(1), k.shape[0], scale, dk_scale, dv_scale,
-        ACTIVATION=activation_code, HEAD_D=head_dim, BLOCK_M=block_m, STAGES=stages,
-        CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
+        descriptor(k, 64, kv_layout),
+        descriptor(v, 64, kv_layout),
+        descriptor(q, block_m, q_layout),
+        descriptor(grad_out, block_m, q_layout),
+        descriptor(dk, 64, kv_layout),
+        descriptor(dv, 64, kv_layout),
+        ds_desc,
+        dk,
+        dv,
+        ds,
+        work,
+        total,
+        dk.stride(0),
+        dv.stride(0),
+        ds.stride(1),
+        k.shape[0],
+        scale,
+        dk_scale,
+        dv_scale,
+        ACTIVATION=activation_code,
+        HEAD_D=head_dim,
+        BLOCK_M=block_m,
+        STAGES=stages,
+        CONSUMER_REGS=CONSUMER_REGS,
+        num_warps=4,
+    )

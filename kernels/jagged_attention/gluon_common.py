@@ -42,20 +42,34 @@ def applies(q, k, v, activation, causal, window, block_size, q_broadcast) -> boo
         return False
     if tc.capability(q.device.index)[0] != 9:
         return False
-    return q.shape[2] in HEAD_DIMS and all(
-        t.dtype == q.dtype and addressable(t) for t in (q, k, v))
+    return q.shape[2] in HEAD_DIMS and all(t.dtype == q.dtype and addressable(t) for t in (q, k, v))
 
 
 def addressable(t) -> bool:
     """Whether a 2-D descriptor over ``[rows, H * D]`` can address the ``[rows, H, D]`` tensor t:
     heads adjacent, 16-byte aligned base and row stride, 1 to 2^31 - 1 rows."""
-    return (t.stride(2) == 1 and t.stride(1) == t.shape[2] and t.data_ptr() % 16 == 0
-            and t.stride(0) * t.element_size() % 16 == 0 and 0 < t.shape[0] < 2**31)
+    return (
+        t.stride(2) == 1
+        and t.stride(1) == t.shape[2]
+        and t.data_ptr() % 16 == 0
+        and t.stride(0) * t.element_size() % 16 == 0
+        and 0 < t.shape[0] < 2**31
+    )
 
 
 @triton.jit
-def _work_list_kernel(q_offsets, kv_offsets, batch_order, WORK, TOTAL, num_batches, num_heads,
-                      BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, FIELDS: tl.constexpr):
+def _work_list_kernel(
+    q_offsets,
+    kv_offsets,
+    batch_order,
+    WORK,
+    TOTAL,
+    num_batches,
+    num_heads,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    FIELDS: tl.constexpr,
+):
     """Program (m, h) writes the work tiles of query block m and head h of every example:
     ``WORK[e]`` = (first Q row, valid rows, head, K/V start, K/V length, 0, 0, 0) for tile
     ``e`` = (blocks of the examples before it in ``batch_order`` + m) * heads + h, one 32-byte
@@ -75,27 +89,34 @@ def _work_list_kernel(q_offsets, kv_offsets, batch_order, WORK, TOTAL, num_batch
         kv_len = tl.load(kv_offsets + b + 1, mask=valid, other=0).to(tl.int32) - kv_start
         blocks = tl.where(valid, tl.cdiv(q_len, BLOCK_M), 0)
         tile = (carry + tl.cumsum(blocks, 0) - blocks + m) * num_heads + h
-        entry = tl.where(field == 0, (q_start + m * BLOCK_M)[:, None],
-                tl.where(field == 1, (q_len - m * BLOCK_M)[:, None],
-                tl.where(field == 2, h,
-                tl.where(field == 3, kv_start[:, None],
-                tl.where(field == 4, kv_len[:, None], 0)))))
-        tl.store(WORK + tile.to(tl.int64)[:, None] * FIELDS + field, entry,
-                 mask=(m < blocks)[:, None])
+        entry = tl.where(
+            field == 0,
+            (q_start + m * BLOCK_M)[:, None],
+            tl.where(
+                field == 1,
+                (q_len - m * BLOCK_M)[:, None],
+                tl.where(
+                    field == 2, h, tl.where(field == 3, kv_start[:, None], tl.where(field == 4, kv_len[:, None], 0))
+                ),
+            ),
+        )
+        tl.store(WORK + tile.to(tl.int64)[:, None] * FIELDS + field, entry, mask=(m < blocks)[:, None])
         carry += tl.sum(blocks, 0)
     if m == 0 and h == 0:
         tl.store(TOTAL, carry * num_heads)
-
 
 
 @gluon.jit
 def work_tile(WORK, t, valid):
     """Work tile t of the list (zeros where not ``valid``)."""
     row = WORK + t.to(gl.int64) * WORK_FIELDS
-    return (gl.load(row, mask=valid, other=0), gl.load(row + 1, mask=valid, other=0),
-            gl.load(row + 2, mask=valid, other=0), gl.load(row + 3, mask=valid, other=0),
-            gl.load(row + 4, mask=valid, other=0))
-
+    return (
+        gl.load(row, mask=valid, other=0),
+        gl.load(row + 1, mask=valid, other=0),
+        gl.load(row + 2, mask=valid, other=0),
+        gl.load(row + 3, mask=valid, other=0),
+        gl.load(row + 4, mask=valid, other=0),
+    )
 
 
 @gluon.jit
@@ -116,14 +137,12 @@ def store_tile(tile, X, desc, buf, row0, col0, num_rows, stride_row):
     if num_rows >= tile.shape[0]:
         tma.async_copy_shared_to_global(desc, [row0, col0], buf)
     else:
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_C // 8), BLOCK_C // 8],
-                                                [4, 1], [1, 0])
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_C // 8), BLOCK_C // 8], [4, 1], [1, 0])
         values = buf.load(layout)
         rows = gl.arange(0, tile.shape[0], layout=gl.SliceLayout(1, layout))
         cols = gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, layout))
         offs = (row0 + rows).to(gl.int64)[:, None] * stride_row + cols[None, :]
         gl.store(X + offs, values, mask=(rows < num_rows)[:, None] & (cols < BLOCK_C)[None, :])
-
 
 
 @gluon.jit
@@ -134,14 +153,14 @@ def barriers(n: gl.constexpr, count: gl.constexpr):
     return bars
 
 
-
 @functools.cache
 def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def work_list(q_offsets, kv_offsets, batch_order, num_heads, max_q_len,
-              wrap=lambda kernel: kernel) -> tuple[torch.Tensor, torch.Tensor]:
+def work_list(
+    q_offsets, kv_offsets, batch_order, num_heads, max_q_len, wrap=lambda kernel: kernel
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward's work tiles, computed on the device without a host sync: ``work[:total]``
     (``[bound, 8]`` int32; ``bound`` counts ``max_q_len``'s blocks for every example) and
     ``total`` (one int32), see :func:`_work_list_kernel`."""
@@ -152,7 +171,15 @@ def work_list(q_offsets, kv_offsets, batch_order, num_heads, max_q_len,
     total = torch.zeros(1, dtype=torch.int32, device=q_offsets.device)
     if max_q_blocks > 0 and num_heads > 0:
         wrap(_work_list_kernel)[(max_q_blocks, num_heads)](
-            q_offsets, kv_offsets, batch_order, work, total, num_batches, num_heads,
-            BLOCK_M=BLOCK_M, CHUNK=1024, FIELDS=WORK_FIELDS)
+            q_offsets,
+            kv_offsets,
+            batch_order,
+            work,
+            total,
+            num_batches,
+            num_heads,
+            BLOCK_M=BLOCK_M,
+            CHUNK=1024,
+            FIELDS=WORK_FIELDS,
+        )
     return work, total
-

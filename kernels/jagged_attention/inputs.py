@@ -37,8 +37,7 @@ class JaggedAttentionInputs:
     kv_lengths: torch.Tensor  # [B], on the CPU
 
     def args(self) -> tuple:
-        return (self.q, self.k, self.v, self.q_offsets, self.kv_offsets, self.max_q_len,
-                self.max_kv_len)
+        return (self.q, self.k, self.v, self.q_offsets, self.kv_offsets, self.max_q_len, self.max_kv_len)
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.q, self.k, self.v
@@ -101,5 +100,4 @@ def make_inputs(
         k, v = randn(total, num_heads, head_dim), randn(total, num_heads, head_dim)
         kv_offsets = lengths_to_offsets(kv_lengths, offsets_dtype).to(device)
         max_kv_len = max_len(kv_lengths)
-    return JaggedAttentionInputs(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len,
-                                 q_lengths, kv_lengths)
+    return JaggedAttentionInputs(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, q_lengths, kv_lengths)

@@ -36,7 +36,13 @@ from kernels.jagged_attention.reference import num_visible_pairs
 from kernels.jagged_attention.settings import KernelSettings
 from kernels.jagged_attention.settings import current as current_settings
 from kernels.jagged_attention.triton_common import (
-    ACT_UNIT, INTERPRET, LOG2E, identity, launch_meta, no_launch, packed_act,
+    ACT_UNIT,
+    INTERPRET,
+    LOG2E,
+    identity,
+    launch_meta,
+    no_launch,
+    packed_act,
 )
 
 # Test-facing (``testing.record_paths``): where not None, each launch appends the kernels it
@@ -63,9 +69,25 @@ def _gluon_applies(q, k, v, activation, causal, window, block_size, q_broadcast)
 
 
 def launch_forward(
-    q, k, v, q_offsets, kv_offsets, batch_order, max_q_len, max_kv_len, activation, scale,
-    post_scale, causal, window, block_size, q_broadcast, *, wrap=identity,
-    config: KernelSettings | None = None, arch: tuple[int, int] | None = None,
+    q,
+    k,
+    v,
+    q_offsets,
+    kv_offsets,
+    batch_order,
+    max_q_len,
+    max_kv_len,
+    activation,
+    scale,
+    post_scale,
+    causal,
+    window,
+    block_size,
+    q_broadcast,
+    *,
+    wrap=identity,
+    config: KernelSettings | None = None,
+    arch: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of the forward; arguments as ``triton_fwd.forward``'s. ``config`` (default:
     the settings in force) and ``arch`` (a compute capability standing in for q's device's, e.g.
@@ -76,21 +98,53 @@ def launch_forward(
     num_batches = kv_offsets.numel() - 1
     num_rows = num_batches * q.shape[0] if q_broadcast else q.shape[0]
     empty = num_rows == 0 or q.shape[1] == 0 or num_batches == 0  # the Triton launcher's zeros
-    if (not empty and config.gluon and activation != "softmax" and max_q_len > config.gluon_min_q_len
-            and _gluon_applies(q, k, v, activation, causal, window, block_size, q_broadcast)):
+    if (
+        not empty
+        and config.gluon
+        and activation != "softmax"
+        and max_q_len > config.gluon_min_q_len
+        and _gluon_applies(q, k, v, activation, causal, window, block_size, q_broadcast)
+    ):
         from kernels.jagged_attention import gluon_fwd
 
         _took("gluon_fwd")
         out = q.new_empty(q.shape)
         lse = q.new_empty((1,), dtype=torch.float32)
-        gluon_fwd.forward(q, k, v, out, q_offsets, kv_offsets, batch_order, max_q_len,
-                          meta["ACTIVATION"], scale, triton_fwd.output_scale(activation, scale, post_scale),
-                          packed)
+        gluon_fwd.forward(
+            q,
+            k,
+            v,
+            out,
+            q_offsets,
+            kv_offsets,
+            batch_order,
+            max_q_len,
+            meta["ACTIVATION"],
+            scale,
+            triton_fwd.output_scale(activation, scale, post_scale),
+            packed,
+        )
         return out, lse
     _took("triton_fwd")
-    return triton_fwd.forward(q, k, v, q_offsets, kv_offsets, batch_order, max_q_len, max_kv_len,
-                              activation, scale, post_scale, window, block_size, q_broadcast,
-                              meta, config, wrap)
+    return triton_fwd.forward(
+        q,
+        k,
+        v,
+        q_offsets,
+        kv_offsets,
+        batch_order,
+        max_q_len,
+        max_kv_len,
+        activation,
+        scale,
+        post_scale,
+        window,
+        block_size,
+        q_broadcast,
+        meta,
+        config,
+        wrap,
+    )
 
 
 def store_ds_row(max_q_len: int) -> int:
@@ -120,12 +174,14 @@ def _store_ds_buffer(q, k, max_q_len) -> torch.Tensor | None:
             f"jagged attention backward: no memory for the stored-dS buffer ({mib} MiB); dQ is "
             f"recomputed instead. Set kernels.store_ds_max_mib (GEM_KERNELS_STORE_DS_MAX_MIB) below "
             f"{mib} to skip the attempt, or kernels.store_ds=false (GEM_KERNELS_STORE_DS=0).",
-            stacklevel=2)
+            stacklevel=2,
+        )
         return None
 
 
-def _gluon_dkdv(q, k, v, grad_out, activation, causal, window, block_size, q_broadcast, store_ds,
-                packed, config) -> bool:
+def _gluon_dkdv(
+    q, k, v, grad_out, activation, causal, window, block_size, q_broadcast, store_ds, packed, config
+) -> bool:
     """Whether gluon_bwd's dK/dV kernel runs the backward's dK/dV (and stores dS): with
     ``config.gluon_bwd``, the stored-dS backward in bf16 silu / fast_gelu (the bf16x2 path),
     where the Gluon kernels apply to q, k, v and dO's rows can be addressed as q's."""
@@ -139,9 +195,28 @@ def _gluon_dkdv(q, k, v, grad_out, activation, causal, window, block_size, q_bro
 
 
 def launch_backward(
-    grad_out, q, k, v, out, lse, q_offsets, kv_offsets, batch_order, max_q_len, max_kv_len,
-    activation, scale, post_scale, causal, window, block_size, q_broadcast, *, wrap=identity,
-    config: KernelSettings | None = None, arch: tuple[int, int] | None = None,
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    q_offsets,
+    kv_offsets,
+    batch_order,
+    max_q_len,
+    max_kv_len,
+    activation,
+    scale,
+    post_scale,
+    causal,
+    window,
+    block_size,
+    q_broadcast,
+    *,
+    wrap=identity,
+    config: KernelSettings | None = None,
+    arch: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dq, dk, dv`` shaped like ``q, k, v``; arguments as :func:`launch_forward`, ``grad_out``
     shaped like ``out``. With ``q_broadcast``, dQ is computed per example in float32 and summed
@@ -172,34 +247,91 @@ def launch_backward(
         unit = ACT_UNIT[activation]
         qk_scale, grad_scale, dv_scale = scale, scale * post_scale * unit, post_scale * unit * scale
 
-    store_ds = config.store_ds and 0 < store_ds_bytes(
-        q, k, max_q_len, causal, window, block_size, q_broadcast) <= config.store_ds_max_bytes
+    store_ds = (
+        config.store_ds
+        and 0 < store_ds_bytes(q, k, max_q_len, causal, window, block_size, q_broadcast) <= config.store_ds_max_bytes
+    )
     # dS[h, kv row, query of its example], rows padded (dk stands in, unused, without a buffer)
     ds = _store_ds_buffer(q, k, max_q_len) if store_ds else None
     store_ds = ds is not None
     if ds is None:
         ds = dk
-    if _gluon_dkdv(q, k, v, grad_out, activation, causal, window, block_size, q_broadcast,
-                   store_ds, packed, config):
+    if _gluon_dkdv(q, k, v, grad_out, activation, causal, window, block_size, q_broadcast, store_ds, packed, config):
         from kernels.jagged_attention import gluon_bwd
 
         _took("gluon_dkdv")
-        gluon_bwd.dkdv(q, k, v, grad_out, dk, dv, ds, q_offsets, kv_offsets, batch_order,
-                       max_kv_len, meta["ACTIVATION"], qk_scale, grad_scale, dv_scale)
+        gluon_bwd.dkdv(
+            q,
+            k,
+            v,
+            grad_out,
+            dk,
+            dv,
+            ds,
+            q_offsets,
+            kv_offsets,
+            batch_order,
+            max_kv_len,
+            meta["ACTIVATION"],
+            qk_scale,
+            grad_scale,
+            dv_scale,
+        )
     else:
         _took("triton_dkdv")
-        triton_bwd.dkdv(q, k, v, grad_out, lse, delta, dk, dv, ds, q_offsets, kv_offsets,
-                        batch_order, max_q_len, max_kv_len, qk_scale, grad_scale, dv_scale, window,
-                        block_size, store_ds, meta, config, wrap)
+        triton_bwd.dkdv(
+            q,
+            k,
+            v,
+            grad_out,
+            lse,
+            delta,
+            dk,
+            dv,
+            ds,
+            q_offsets,
+            kv_offsets,
+            batch_order,
+            max_q_len,
+            max_kv_len,
+            qk_scale,
+            grad_scale,
+            dv_scale,
+            window,
+            block_size,
+            store_ds,
+            meta,
+            config,
+            wrap,
+        )
     if store_ds:
         _took("dq_from_ds")
-        triton_bwd.dq_from_ds(ds, k, dq_rows, q_offsets, kv_offsets, batch_order, max_q_len,
-                              max_kv_len, grad_scale, meta, config, wrap)
+        triton_bwd.dq_from_ds(
+            ds, k, dq_rows, q_offsets, kv_offsets, batch_order, max_q_len, max_kv_len, grad_scale, meta, config, wrap
+        )
         return dq_rows, dk, dv
     _took("dq")
-    triton_bwd.dq(q, k, v, grad_out, lse, delta, dq_rows, q_offsets, kv_offsets, batch_order,
-                  max_q_len, max_kv_len, qk_scale, grad_scale, window, block_size, meta, config,
-                  wrap)
+    triton_bwd.dq(
+        q,
+        k,
+        v,
+        grad_out,
+        lse,
+        delta,
+        dq_rows,
+        q_offsets,
+        kv_offsets,
+        batch_order,
+        max_q_len,
+        max_kv_len,
+        qk_scale,
+        grad_scale,
+        window,
+        block_size,
+        meta,
+        config,
+        wrap,
+    )
     if q_broadcast:
         dq = dq_rows.view(num_batches, q.shape[0], num_heads, head_dim).sum(0).to(q.dtype)
         return dq, dk, dv
@@ -219,6 +351,7 @@ if INTERPRET:
 
     _wrap = identity  # launch the interpreted kernels directly
 else:
+
     def _define(name):
         return triton_op(name, mutates_args=())
 
@@ -231,44 +364,69 @@ else:
 def _unpack(sizes: list[int], activation: str, scales: list[float]) -> tuple:
     """The launchers' scalar arguments (``max_q_len`` to ``q_broadcast``) from the packed ones."""
     max_q_len, max_kv_len, causal, window, block_size, q_broadcast = sizes
-    return (max_q_len, max_kv_len, activation, scales[0], scales[1], bool(causal), window,
-            block_size, bool(q_broadcast))
+    return (
+        max_q_len,
+        max_kv_len,
+        activation,
+        scales[0],
+        scales[1],
+        bool(causal),
+        window,
+        block_size,
+        bool(q_broadcast),
+    )
 
 
 def _forward(q, k, v, q_offsets, kv_offsets, sizes, activation, scales, wrap):
     """(out, lse, batch_order): the forward, and the order its programs took the examples in
     (longest first), which the backward's take too."""
     order = batch_order(q_offsets, kv_offsets, wrap=wrap)
-    out, lse = launch_forward(q, k, v, q_offsets, kv_offsets, order,
-                              *_unpack(sizes, activation, scales), wrap=wrap)
+    out, lse = launch_forward(q, k, v, q_offsets, kv_offsets, order, *_unpack(sizes, activation, scales), wrap=wrap)
     return out, lse, order
 
 
 @_define("gem_kernels::jagged_attention_fwd")
 def _fwd_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor,
-    kv_offsets: torch.Tensor, sizes: list[int], activation: str, scales: list[float],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    sizes: list[int],
+    activation: str,
+    scales: list[float],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _forward(q, k, v, q_offsets, kv_offsets, sizes, activation, scales, _wrap)
 
 
-def _backward_kernels(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, order, sizes,
-                      activation, scales, wrap):
-    return launch_backward(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, order,
-                           *_unpack(sizes, activation, scales), wrap=wrap)
+def _backward_kernels(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, order, sizes, activation, scales, wrap):
+    return launch_backward(
+        grad_out, q, k, v, out, lse, q_offsets, kv_offsets, order, *_unpack(sizes, activation, scales), wrap=wrap
+    )
 
 
 @_define("gem_kernels::jagged_attention_bwd")
 def _bwd_op(
-    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    out: torch.Tensor, lse: torch.Tensor, q_offsets: torch.Tensor, kv_offsets: torch.Tensor,
-    batch_order: torch.Tensor, sizes: list[int], activation: str, scales: list[float],
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    batch_order: torch.Tensor,
+    sizes: list[int],
+    activation: str,
+    scales: list[float],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward_kernels(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, batch_order,
-                             sizes, activation, scales, _wrap)
+    return _backward_kernels(
+        grad_out, q, k, v, out, lse, q_offsets, kv_offsets, batch_order, sizes, activation, scales, _wrap
+    )
 
 
 if INTERPRET:
+
     @_fwd_op.register_fake
     def _fwd_fake(*args):
         return _forward(*args, wrap=no_launch)
@@ -293,9 +451,7 @@ def _backward(ctx, grad_out, grad_lse, grad_order):
     return dq, dk, dv, None, None, *([None] * len(ctx.params))
 
 
-torch.library.register_autograd(
-    "gem_kernels::jagged_attention_fwd", _backward, setup_context=_setup_context
-)
+torch.library.register_autograd("gem_kernels::jagged_attention_fwd", _backward, setup_context=_setup_context)
 
 
 def _forward_flops(q, kv_offsets, q_offsets, sizes) -> int:
@@ -306,35 +462,52 @@ def _forward_flops(q, kv_offsets, q_offsets, sizes) -> int:
     try:
         q_lengths = q_offsets[1:] - q_offsets[:-1]
         kv_lengths = kv_offsets[1:] - kv_offsets[:-1]
-        pairs = num_visible_pairs(q_lengths, kv_lengths, causal,
-                                  window if window >= 0 else None,
-                                  block_size if block_size > 0 else None)
+        pairs = num_visible_pairs(
+            q_lengths, kv_lengths, causal, window if window >= 0 else None, block_size if block_size > 0 else None
+        )
     except Exception:  # fake / meta tensors carry no lengths: count the padded bound
         pairs = num_batches * max_q_len * max_kv_len
     return 4 * num_heads * head_dim * pairs
 
 
 @register_flop_formula(torch.ops.gem_kernels.jagged_attention_fwd, get_raw=True)
-def _fwd_flop_formula(q, k, v, q_offsets, kv_offsets, sizes, *args, out_val=None,
-                      **kwargs) -> int:
+def _fwd_flop_formula(q, k, v, q_offsets, kv_offsets, sizes, *args, out_val=None, **kwargs) -> int:
     return _forward_flops(q, kv_offsets, q_offsets, sizes)
 
 
 @register_flop_formula(torch.ops.gem_kernels.jagged_attention_bwd, get_raw=True)
-def _bwd_flop_formula(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, batch_order, sizes,
-                      *args, out_val=None, **kwargs) -> int:
+def _bwd_flop_formula(
+    grad_out, q, k, v, out, lse, q_offsets, kv_offsets, batch_order, sizes, *args, out_val=None, **kwargs
+) -> int:
     # dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q (+ S recomputed): 2.5 x forward.
     return 5 * _forward_flops(q, kv_offsets, q_offsets, sizes) // 2
 
 
 def jagged_attention_triton(
-    q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, activation, scale, post_scale,
-    causal, window, block_size, q_broadcast,
+    q,
+    k,
+    v,
+    q_offsets,
+    kv_offsets,
+    max_q_len,
+    max_kv_len,
+    activation,
+    scale,
+    post_scale,
+    causal,
+    window,
+    block_size,
+    q_broadcast,
 ) -> torch.Tensor:
     """Calls the registered forward op (differentiable); arguments as in ``triton_fwd.forward``."""
     out, _, _ = torch.ops.gem_kernels.jagged_attention_fwd(
-        q, k, v, q_offsets, kv_offsets,
-        [max_q_len, max_kv_len, int(causal), window, block_size, int(q_broadcast)], activation,
+        q,
+        k,
+        v,
+        q_offsets,
+        kv_offsets,
+        [max_q_len, max_kv_len, int(causal), window, block_size, int(q_broadcast)],
+        activation,
         [scale, post_scale],
     )
     return out

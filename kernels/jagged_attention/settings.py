@@ -82,8 +82,9 @@ def _parse(name: str, text: str, kind: str, label: str):
         try:
             return int(value)
         except ValueError:
-            raise ValueError(f"{label}={text!r}: expected a whole number, e.g. "
-                             f"{getattr(KernelSettings, name)}") from None
+            raise ValueError(
+                f"{label}={text!r}: expected a whole number, e.g. {getattr(KernelSettings, name)}"
+            ) from None
     return value
 
 

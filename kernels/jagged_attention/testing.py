@@ -23,8 +23,17 @@ from kernels.jagged_attention import autotune, op, settings
 from kernels.jagged_attention.op import launch_backward, launch_forward, store_ds_row
 from kernels.jagged_attention.triton_common import ACTIVATION_CODES, packed_act
 
-__all__ = ["ACTIVATION_CODES", "forced_config", "launch_backward", "launch_forward", "override",
-           "packed_act", "preserved", "record_paths", "store_ds_row"]
+__all__ = [
+    "ACTIVATION_CODES",
+    "forced_config",
+    "launch_backward",
+    "launch_forward",
+    "override",
+    "packed_act",
+    "preserved",
+    "record_paths",
+    "store_ds_row",
+]
 
 
 @contextlib.contextmanager

@@ -17,9 +17,22 @@ import triton.language as tl
 from kernels.jagged_attention import autotune
 from kernels.jagged_attention.settings import KernelSettings
 from kernels.jagged_attention.triton_common import (
-    BOUNDS, UNMASKED, VISIBLE, dot, example_rows, gdpa_act_and_grad,
-    gdpa_act_and_grad_packed, key_interval, load_rows, load_tile, program_block,
-    query_interval, split_blocks, visible_mask, bucket, identity,
+    BOUNDS,
+    UNMASKED,
+    VISIBLE,
+    bucket,
+    dot,
+    example_rows,
+    gdpa_act_and_grad,
+    gdpa_act_and_grad_packed,
+    identity,
+    key_interval,
+    load_rows,
+    load_tile,
+    program_block,
+    query_interval,
+    split_blocks,
+    visible_mask,
 )
 
 # ---------------------------------------------------------------------------------------
@@ -29,8 +42,18 @@ from kernels.jagged_attention.triton_common import (
 
 @triton.jit
 def _bwd_preprocess_kernel(
-    O, DO, DELTA, num_rows, stride_ot, stride_oh, stride_dot, stride_doh, stride_delta_h,
-    head_dim, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    O,
+    DO,
+    DELTA,
+    num_rows,
+    stride_ot,
+    stride_oh,
+    stride_dot,
+    stride_doh,
+    stride_delta_h,
+    head_dim,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """delta[h, t] = sum_d dO[t, h, d] * O[t, h, d] (softmax only)."""
     h = tl.program_id(1)
@@ -46,11 +69,37 @@ def _bwd_preprocess_kernel(
 
 @triton.jit
 def _bwd_dkdv_inner(
-    dk, dv, k, v, Q, DO, LSE, DELTA, DS, stride_qt, stride_dot, stride_dst, cols, offs_d, dmask,
-    start, end, q_len, kv_len, qk_scale, window, block_size,
-    MASK: tl.constexpr, ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PACKED_ACT: tl.constexpr,
+    dk,
+    dv,
+    k,
+    v,
+    Q,
+    DO,
+    LSE,
+    DELTA,
+    DS,
+    stride_qt,
+    stride_dot,
+    stride_dst,
+    cols,
+    offs_d,
+    dmask,
+    start,
+    end,
+    q_len,
+    kv_len,
+    qk_scale,
+    window,
+    block_size,
+    MASK: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PACKED_ACT: tl.constexpr,
     STORE_DS: tl.constexpr,
 ):
     offs_m = tl.arange(0, BLOCK_M)
@@ -80,14 +129,15 @@ def _bwd_dkdv_inner(
                 p_t, g_t = gdpa_act_and_grad(x_t, qk_scale, ACTIVATION, DOT_PRECISION != "ieee")
                 ds_t = dp_t * g_t
             if MASK == VISIBLE:
-                vis_t = tl.trans(visible_mask(rows, cols, q_len, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK))
+                vis_t = tl.trans(
+                    visible_mask(rows, cols, q_len, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK)
+                )
                 p_t = tl.where(vis_t, p_t, 0.0)
                 ds_t = tl.where(vis_t, ds_t, 0.0)
         ds_t = ds_t.to(q.dtype)
         if STORE_DS:  # [keys, queries] of this example and head (see _bwd_dq_from_ds_kernel);
             # rows past q_len hold zeros (no row mask, so the stores vectorize)
-            tl.store(DS + cols.to(tl.int64)[:, None] * stride_dst + rows[None, :], ds_t,
-                     mask=(cols < kv_len)[:, None])
+            tl.store(DS + cols.to(tl.int64)[:, None] * stride_dst + rows[None, :], ds_t, mask=(cols < kv_len)[:, None])
         dv = dot(p_t.to(do.dtype), do, dv, DOT_PRECISION)
         dk = dot(ds_t, q, dk, DOT_PRECISION)
     return dk, dv
@@ -95,15 +145,55 @@ def _bwd_dkdv_inner(
 
 @triton.jit(do_not_specialize=["max_kv_len", "window", "block_size"])
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DS, q_offsets, kv_offsets, batch_order,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lse_h, stride_dsh, stride_dst,
-    num_heads, head_dim, max_kv_len, qk_scale, dk_scale, dv_scale, window, block_size,
-    max_q_bucket, max_kv_bucket,
-    ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_BLOCK: tl.constexpr, Q_BROADCAST: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PACKED_ACT: tl.constexpr,
-    STORE_DS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    DS,
+    q_offsets,
+    kv_offsets,
+    batch_order,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_dot,
+    stride_doh,
+    stride_dkt,
+    stride_dkh,
+    stride_dvt,
+    stride_dvh,
+    stride_lse_h,
+    stride_dsh,
+    stride_dst,
+    num_heads,
+    head_dim,
+    max_kv_len,
+    qk_scale,
+    dk_scale,
+    dv_scale,
+    window,
+    block_size,
+    max_q_bucket,
+    max_kv_bucket,
+    ACTIVATION: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_BLOCK: tl.constexpr,
+    Q_BROADCAST: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PACKED_ACT: tl.constexpr,
+    STORE_DS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     qk_scale = tl.cast(qk_scale, tl.float32)  # fp64 under Inductor, as in _fwd_kernel
     dk_scale = tl.cast(dk_scale, tl.float32)
@@ -111,7 +201,8 @@ def _bwd_dkdv_kernel(
     n_block, rank, h = program_block(tl.program_id(0), max_kv_len, BLOCK_N, num_heads)
     b = tl.load(batch_order + rank)
     o_start, q_len, kv_start, kv_len = example_rows(
-        tl.load(q_offsets + b), tl.load(q_offsets + b + 1), tl.load(kv_offsets + b), tl.load(kv_offsets + b + 1))
+        tl.load(q_offsets + b), tl.load(q_offsets + b + 1), tl.load(kv_offsets + b), tl.load(kv_offsets + b + 1)
+    )
     n0 = n_block * BLOCK_N
     if n0 >= kv_len:
         return
@@ -137,29 +228,146 @@ def _bwd_dkdv_kernel(
     if CAUSAL or HAS_WINDOW or HAS_BLOCK:
         j_last = tl.minimum(n0 + BLOCK_N, kv_len) - 1
         lo_any, lo_all, hi_all, hi_any = query_interval(
-            n0, j_last, q_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK)
+            n0, j_last, q_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
+        )
         first, full_start, full_end, last = split_blocks(lo_any, lo_all, hi_all, hi_any, BLOCK_M)
         dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, Q, DO, LSE, DELTA, DS, stride_qt, stride_dot, stride_dst, cols, offs_d,
-            dmask, first, full_start, q_len, kv_len, qk_scale, window, block_size, VISIBLE,
-            ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, BLOCK_M, EVEN_D, DOT_PRECISION, PACKED_ACT,
-            False)
+            dk,
+            dv,
+            k,
+            v,
+            Q,
+            DO,
+            LSE,
+            DELTA,
+            DS,
+            stride_qt,
+            stride_dot,
+            stride_dst,
+            cols,
+            offs_d,
+            dmask,
+            first,
+            full_start,
+            q_len,
+            kv_len,
+            qk_scale,
+            window,
+            block_size,
+            VISIBLE,
+            ACTIVATION,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_BLOCK,
+            BLOCK_M,
+            EVEN_D,
+            DOT_PRECISION,
+            PACKED_ACT,
+            False,
+        )
         dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, Q, DO, LSE, DELTA, DS, stride_qt, stride_dot, stride_dst, cols, offs_d,
-            dmask, full_start, full_end, q_len, kv_len, qk_scale, window, block_size, UNMASKED,
-            ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, BLOCK_M, EVEN_D, DOT_PRECISION, PACKED_ACT,
-            False)
+            dk,
+            dv,
+            k,
+            v,
+            Q,
+            DO,
+            LSE,
+            DELTA,
+            DS,
+            stride_qt,
+            stride_dot,
+            stride_dst,
+            cols,
+            offs_d,
+            dmask,
+            full_start,
+            full_end,
+            q_len,
+            kv_len,
+            qk_scale,
+            window,
+            block_size,
+            UNMASKED,
+            ACTIVATION,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_BLOCK,
+            BLOCK_M,
+            EVEN_D,
+            DOT_PRECISION,
+            PACKED_ACT,
+            False,
+        )
         dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, Q, DO, LSE, DELTA, DS, stride_qt, stride_dot, stride_dst, cols, offs_d,
-            dmask, full_end, last, q_len, kv_len, qk_scale, window, block_size, VISIBLE,
-            ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, BLOCK_M, EVEN_D, DOT_PRECISION, PACKED_ACT,
-            False)
+            dk,
+            dv,
+            k,
+            v,
+            Q,
+            DO,
+            LSE,
+            DELTA,
+            DS,
+            stride_qt,
+            stride_dot,
+            stride_dst,
+            cols,
+            offs_d,
+            dmask,
+            full_end,
+            last,
+            q_len,
+            kv_len,
+            qk_scale,
+            window,
+            block_size,
+            VISIBLE,
+            ACTIVATION,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_BLOCK,
+            BLOCK_M,
+            EVEN_D,
+            DOT_PRECISION,
+            PACKED_ACT,
+            False,
+        )
     else:  # dS is stored on this path only (STORE_DS)
         dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, Q, DO, LSE, DELTA, DS, stride_qt, stride_dot, stride_dst, cols, offs_d,
-            dmask, 0, q_len, q_len, kv_len, qk_scale, window, block_size, BOUNDS, ACTIVATION,
-            CAUSAL, HAS_WINDOW, HAS_BLOCK, BLOCK_M, EVEN_D, DOT_PRECISION, PACKED_ACT,
-            STORE_DS)
+            dk,
+            dv,
+            k,
+            v,
+            Q,
+            DO,
+            LSE,
+            DELTA,
+            DS,
+            stride_qt,
+            stride_dot,
+            stride_dst,
+            cols,
+            offs_d,
+            dmask,
+            0,
+            q_len,
+            q_len,
+            kv_len,
+            qk_scale,
+            window,
+            block_size,
+            BOUNDS,
+            ACTIVATION,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_BLOCK,
+            BLOCK_M,
+            EVEN_D,
+            DOT_PRECISION,
+            PACKED_ACT,
+            STORE_DS,
+        )
 
     col_mask = (cols < kv_len)[:, None] & dmask[None, :]
     DK += kv_start * stride_dkt + h * stride_dkh
@@ -170,11 +378,34 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_inner(
-    dq, q, do, lse, delta, K, V, stride_kt, stride_vt, rows, offs_d, dmask,
-    start, end, q_len, kv_len, qk_scale, window, block_size,
-    MASK: tl.constexpr, ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PACKED_ACT: tl.constexpr,
+    dq,
+    q,
+    do,
+    lse,
+    delta,
+    K,
+    V,
+    stride_kt,
+    stride_vt,
+    rows,
+    offs_d,
+    dmask,
+    start,
+    end,
+    q_len,
+    kv_len,
+    qk_scale,
+    window,
+    block_size,
+    MASK: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PACKED_ACT: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
@@ -202,22 +433,55 @@ def _bwd_dq_inner(
 
 @triton.jit(do_not_specialize=["max_q_len", "window", "block_size"])
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, q_offsets, kv_offsets, batch_order,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_dqt, stride_dqh, stride_lse_h,
-    num_heads, head_dim, max_q_len, qk_scale, dq_scale, window, block_size,
-    max_q_bucket, max_kv_bucket,
-    ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_BLOCK: tl.constexpr, Q_BROADCAST: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PACKED_ACT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    q_offsets,
+    kv_offsets,
+    batch_order,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_dot,
+    stride_doh,
+    stride_dqt,
+    stride_dqh,
+    stride_lse_h,
+    num_heads,
+    head_dim,
+    max_q_len,
+    qk_scale,
+    dq_scale,
+    window,
+    block_size,
+    max_q_bucket,
+    max_kv_bucket,
+    ACTIVATION: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_BLOCK: tl.constexpr,
+    Q_BROADCAST: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PACKED_ACT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     qk_scale = tl.cast(qk_scale, tl.float32)  # fp64 under Inductor, as in _fwd_kernel
     dq_scale = tl.cast(dq_scale, tl.float32)
     m_block, rank, h = program_block(tl.program_id(0), max_q_len, BLOCK_M, num_heads)
     b = tl.load(batch_order + rank)
     o_start, q_len, kv_start, kv_len = example_rows(
-        tl.load(q_offsets + b), tl.load(q_offsets + b + 1), tl.load(kv_offsets + b), tl.load(kv_offsets + b + 1))
+        tl.load(q_offsets + b), tl.load(q_offsets + b + 1), tl.load(kv_offsets + b), tl.load(kv_offsets + b + 1)
+    )
     m0 = m_block * BLOCK_M
     if m0 >= q_len:
         return
@@ -246,25 +510,130 @@ def _bwd_dq_kernel(
     if CAUSAL or HAS_WINDOW or HAS_BLOCK:
         i_last = tl.minimum(m0 + BLOCK_M, q_len) - 1
         lo_any, lo_all, hi_all, hi_any = key_interval(
-            m0, i_last, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK)
+            m0, i_last, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
+        )
         first, full_start, full_end, last = split_blocks(lo_any, lo_all, hi_all, hi_any, BLOCK_N)
         dq = _bwd_dq_inner(
-            dq, q, do, lse, delta, K, V, stride_kt, stride_vt, rows, offs_d, dmask, first,
-            full_start, q_len, kv_len, qk_scale, window, block_size, VISIBLE, ACTIVATION, CAUSAL,
-            HAS_WINDOW, HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT)
+            dq,
+            q,
+            do,
+            lse,
+            delta,
+            K,
+            V,
+            stride_kt,
+            stride_vt,
+            rows,
+            offs_d,
+            dmask,
+            first,
+            full_start,
+            q_len,
+            kv_len,
+            qk_scale,
+            window,
+            block_size,
+            VISIBLE,
+            ACTIVATION,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_BLOCK,
+            BLOCK_N,
+            EVEN_D,
+            DOT_PRECISION,
+            PACKED_ACT,
+        )
         dq = _bwd_dq_inner(
-            dq, q, do, lse, delta, K, V, stride_kt, stride_vt, rows, offs_d, dmask, full_start,
-            full_end, q_len, kv_len, qk_scale, window, block_size, UNMASKED, ACTIVATION, CAUSAL,
-            HAS_WINDOW, HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT)
+            dq,
+            q,
+            do,
+            lse,
+            delta,
+            K,
+            V,
+            stride_kt,
+            stride_vt,
+            rows,
+            offs_d,
+            dmask,
+            full_start,
+            full_end,
+            q_len,
+            kv_len,
+            qk_scale,
+            window,
+            block_size,
+            UNMASKED,
+            ACTIVATION,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_BLOCK,
+            BLOCK_N,
+            EVEN_D,
+            DOT_PRECISION,
+            PACKED_ACT,
+        )
         dq = _bwd_dq_inner(
-            dq, q, do, lse, delta, K, V, stride_kt, stride_vt, rows, offs_d, dmask, full_end,
-            last, q_len, kv_len, qk_scale, window, block_size, VISIBLE, ACTIVATION, CAUSAL,
-            HAS_WINDOW, HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT)
+            dq,
+            q,
+            do,
+            lse,
+            delta,
+            K,
+            V,
+            stride_kt,
+            stride_vt,
+            rows,
+            offs_d,
+            dmask,
+            full_end,
+            last,
+            q_len,
+            kv_len,
+            qk_scale,
+            window,
+            block_size,
+            VISIBLE,
+            ACTIVATION,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_BLOCK,
+            BLOCK_N,
+            EVEN_D,
+            DOT_PRECISION,
+            PACKED_ACT,
+        )
     else:
         dq = _bwd_dq_inner(
-            dq, q, do, lse, delta, K, V, stride_kt, stride_vt, rows, offs_d, dmask, 0,
-            kv_len, q_len, kv_len, qk_scale, window, block_size, BOUNDS, ACTIVATION, CAUSAL,
-            HAS_WINDOW, HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT)
+            dq,
+            q,
+            do,
+            lse,
+            delta,
+            K,
+            V,
+            stride_kt,
+            stride_vt,
+            rows,
+            offs_d,
+            dmask,
+            0,
+            kv_len,
+            q_len,
+            kv_len,
+            qk_scale,
+            window,
+            block_size,
+            BOUNDS,
+            ACTIVATION,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_BLOCK,
+            BLOCK_N,
+            EVEN_D,
+            DOT_PRECISION,
+            PACKED_ACT,
+        )
 
     DQ += o_start * stride_dqt + h * stride_dqh
     dq_ptrs = DQ + rows[:, None] * stride_dqt + offs_d[None, :]
@@ -273,11 +642,29 @@ def _bwd_dq_kernel(
 
 @triton.jit(do_not_specialize=["max_q_len"])
 def _bwd_dq_from_ds_kernel(
-    DS, K, DQ, q_offsets, kv_offsets, batch_order,
-    stride_dsh, stride_dst, stride_kt, stride_kh, stride_dqt, stride_dqh,
-    num_heads, head_dim, max_q_len, dq_scale, max_q_bucket, max_kv_bucket,
-    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DS,
+    K,
+    DQ,
+    q_offsets,
+    kv_offsets,
+    batch_order,
+    stride_dsh,
+    stride_dst,
+    stride_kt,
+    stride_kh,
+    stride_dqt,
+    stride_dqh,
+    num_heads,
+    head_dim,
+    max_q_len,
+    dq_scale,
+    max_q_bucket,
+    max_kv_bucket,
+    BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """dQ = dS K (STORE_DS): one program per (example, head, query block), as _bwd_dq_kernel,
     but reading the dS that _bwd_dkdv_kernel stored (``DS[h, kv row, query]``: a key's row of
@@ -288,7 +675,8 @@ def _bwd_dq_from_ds_kernel(
     m_block, rank, h = program_block(tl.program_id(0), max_q_len, BLOCK_M, num_heads)
     b = tl.load(batch_order + rank)
     o_start, q_len, kv_start, kv_len = example_rows(
-        tl.load(q_offsets + b), tl.load(q_offsets + b + 1), tl.load(kv_offsets + b), tl.load(kv_offsets + b + 1))
+        tl.load(q_offsets + b), tl.load(q_offsets + b + 1), tl.load(kv_offsets + b), tl.load(kv_offsets + b + 1)
+    )
     m0 = m_block * BLOCK_M
     if m0 >= q_len:
         return
@@ -303,10 +691,10 @@ def _bwd_dq_from_ds_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for n0 in range(0, kv_len, BLOCK_N):
         cols = n0 + offs_n
-        ds_t = tl.load(DS + cols.to(tl.int64)[:, None] * stride_dst + rows[None, :],
-                       mask=(cols < kv_len)[:, None], other=0.0)
-        k = load_rows(K + cols[:, None] * stride_kt + offs_d[None, :], cols, kv_len, dmask,
-                       True, EVEN_D)
+        ds_t = tl.load(
+            DS + cols.to(tl.int64)[:, None] * stride_dst + rows[None, :], mask=(cols < kv_len)[:, None], other=0.0
+        )
+        k = load_rows(K + cols[:, None] * stride_kt + offs_d[None, :], cols, kv_len, dmask, True, EVEN_D)
         dq = dot(tl.trans(ds_t), k, dq, DOT_PRECISION)
 
     DQ += o_start * stride_dqt + h * stride_dqh
@@ -319,78 +707,217 @@ def _bwd_dq_from_ds_kernel(
 # ---------------------------------------------------------------------------------------
 
 
-def preprocess(out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor, block_d: int,
-               wrap=identity) -> torch.Tensor:
+def preprocess(
+    out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor, block_d: int, wrap=identity
+) -> torch.Tensor:
     """Softmax only: ``delta [H, To]`` float32, the row sums of ``dO * O``."""
     num_rows, num_heads, head_dim = out.shape
     delta = torch.empty_like(lse)
     block_t = 64
     wrap(_bwd_preprocess_kernel)[(triton.cdiv(num_rows, block_t), num_heads)](
-        out, grad_out, delta, num_rows, out.stride(0), out.stride(1), grad_out.stride(0),
-        grad_out.stride(1), delta.stride(0), head_dim, BLOCK_T=block_t, BLOCK_D=block_d,
+        out,
+        grad_out,
+        delta,
+        num_rows,
+        out.stride(0),
+        out.stride(1),
+        grad_out.stride(0),
+        grad_out.stride(1),
+        delta.stride(0),
+        head_dim,
+        BLOCK_T=block_t,
+        BLOCK_D=block_d,
     )
     return delta
 
 
-def dkdv(q, k, v, grad_out, lse, delta, dk, dv, ds, q_offsets, kv_offsets, batch_order,
-         max_q_len, max_kv_len, qk_scale, grad_scale, dv_scale, window, block_size, store_ds,
-         meta, config: KernelSettings, wrap=identity) -> None:
+def dkdv(
+    q,
+    k,
+    v,
+    grad_out,
+    lse,
+    delta,
+    dk,
+    dv,
+    ds,
+    q_offsets,
+    kv_offsets,
+    batch_order,
+    max_q_len,
+    max_kv_len,
+    qk_scale,
+    grad_scale,
+    dv_scale,
+    window,
+    block_size,
+    store_ds,
+    meta,
+    config: KernelSettings,
+    wrap=identity,
+) -> None:
     """Writes dK and dV (and, where ``store_ds``, dS into ``ds``: ``[H, K/V rows, padded
     queries]``; without it ``ds`` is any tensor, unused)."""
     num_batches, num_heads, head_dim = kv_offsets.numel() - 1, q.shape[1], q.shape[2]
     lse_stride = lse.stride(0) if meta["ACTIVATION"] == 0 else 0
-    kernel, launch = autotune.kernel_and_config(_bwd_dkdv_kernel, "dkdv", meta["BLOCK_D"],
-                                                q.element_size(), config)
+    kernel, launch = autotune.kernel_and_config(_bwd_dkdv_kernel, "dkdv", meta["BLOCK_D"], q.element_size(), config)
 
     def grid(cfg):
         return (triton.cdiv(max_kv_len, cfg["BLOCK_N"]) * num_batches * num_heads,)
 
     wrap(kernel)[grid](
-        q, k, v, grad_out, lse, delta, dk, dv, ds, q_offsets, kv_offsets, batch_order,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        grad_out.stride(0), grad_out.stride(1), dk.stride(0), dk.stride(1), dv.stride(0),
-        dv.stride(1), lse_stride, ds.stride(0), ds.stride(1), num_heads, head_dim, max_kv_len,
-        qk_scale, grad_scale, dv_scale, window, block_size, bucket(max_q_len),
-        bucket(max_kv_len), **meta, STORE_DS=store_ds, **launch,
+        q,
+        k,
+        v,
+        grad_out,
+        lse,
+        delta,
+        dk,
+        dv,
+        ds,
+        q_offsets,
+        kv_offsets,
+        batch_order,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        grad_out.stride(0),
+        grad_out.stride(1),
+        dk.stride(0),
+        dk.stride(1),
+        dv.stride(0),
+        dv.stride(1),
+        lse_stride,
+        ds.stride(0),
+        ds.stride(1),
+        num_heads,
+        head_dim,
+        max_kv_len,
+        qk_scale,
+        grad_scale,
+        dv_scale,
+        window,
+        block_size,
+        bucket(max_q_len),
+        bucket(max_kv_len),
+        **meta,
+        STORE_DS=store_ds,
+        **launch,
     )
 
 
-def dq(q, k, v, grad_out, lse, delta, dq_rows, q_offsets, kv_offsets, batch_order, max_q_len,
-       max_kv_len, qk_scale, grad_scale, window, block_size, meta, config: KernelSettings,
-       wrap=identity) -> None:
+def dq(
+    q,
+    k,
+    v,
+    grad_out,
+    lse,
+    delta,
+    dq_rows,
+    q_offsets,
+    kv_offsets,
+    batch_order,
+    max_q_len,
+    max_kv_len,
+    qk_scale,
+    grad_scale,
+    window,
+    block_size,
+    meta,
+    config: KernelSettings,
+    wrap=identity,
+) -> None:
     """Writes dQ into ``dq_rows`` (``[To, H, D]``), recomputing S and dP."""
     num_batches, num_heads, head_dim = kv_offsets.numel() - 1, q.shape[1], q.shape[2]
     lse_stride = lse.stride(0) if meta["ACTIVATION"] == 0 else 0
-    kernel, launch = autotune.kernel_and_config(_bwd_dq_kernel, "dq", meta["BLOCK_D"],
-                                                q.element_size(), config)
+    kernel, launch = autotune.kernel_and_config(_bwd_dq_kernel, "dq", meta["BLOCK_D"], q.element_size(), config)
 
     def grid(cfg):
         return (triton.cdiv(max_q_len, cfg["BLOCK_M"]) * num_batches * num_heads,)
 
     wrap(kernel)[grid](
-        q, k, v, grad_out, lse, delta, dq_rows, q_offsets, kv_offsets, batch_order,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        grad_out.stride(0), grad_out.stride(1), dq_rows.stride(0), dq_rows.stride(1),
-        lse_stride, num_heads, head_dim, max_q_len, qk_scale, grad_scale,
-        window, block_size, bucket(max_q_len), bucket(max_kv_len),
-        **meta, **launch,
+        q,
+        k,
+        v,
+        grad_out,
+        lse,
+        delta,
+        dq_rows,
+        q_offsets,
+        kv_offsets,
+        batch_order,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        grad_out.stride(0),
+        grad_out.stride(1),
+        dq_rows.stride(0),
+        dq_rows.stride(1),
+        lse_stride,
+        num_heads,
+        head_dim,
+        max_q_len,
+        qk_scale,
+        grad_scale,
+        window,
+        block_size,
+        bucket(max_q_len),
+        bucket(max_kv_len),
+        **meta,
+        **launch,
     )
 
 
-def dq_from_ds(ds, k, dq_rows, q_offsets, kv_offsets, batch_order, max_q_len, max_kv_len,
-               grad_scale, meta, config: KernelSettings, wrap=identity) -> None:
+def dq_from_ds(
+    ds,
+    k,
+    dq_rows,
+    q_offsets,
+    kv_offsets,
+    batch_order,
+    max_q_len,
+    max_kv_len,
+    grad_scale,
+    meta,
+    config: KernelSettings,
+    wrap=identity,
+) -> None:
     """Writes dQ = dS K into ``dq_rows`` from the dS that the dK/dV kernel stored."""
     num_batches, num_heads, head_dim = kv_offsets.numel() - 1, k.shape[1], k.shape[2]
-    kernel, launch = autotune.kernel_and_config(_bwd_dq_from_ds_kernel, "dq_ds", meta["BLOCK_D"],
-                                                k.element_size(), config)
+    kernel, launch = autotune.kernel_and_config(
+        _bwd_dq_from_ds_kernel, "dq_ds", meta["BLOCK_D"], k.element_size(), config
+    )
 
     def grid(cfg):
         return (triton.cdiv(max_q_len, cfg["BLOCK_M"]) * num_batches * num_heads,)
 
     wrap(kernel)[grid](
-        ds, k, dq_rows, q_offsets, kv_offsets, batch_order, ds.stride(0), ds.stride(1),
-        k.stride(0), k.stride(1), dq_rows.stride(0), dq_rows.stride(1), num_heads, head_dim,
-        max_q_len, grad_scale, bucket(max_q_len), bucket(max_kv_len),
-        BLOCK_D=meta["BLOCK_D"], EVEN_D=meta["EVEN_D"], DOT_PRECISION=meta["DOT_PRECISION"],
+        ds,
+        k,
+        dq_rows,
+        q_offsets,
+        kv_offsets,
+        batch_order,
+        ds.stride(0),
+        ds.stride(1),
+        k.stride(0),
+        k.stride(1),
+        dq_rows.stride(0),
+        dq_rows.stride(1),
+        num_heads,
+        head_dim,
+        max_q_len,
+        grad_scale,
+        bucket(max_q_len),
+        bucket(max_kv_len),
+        BLOCK_D=meta["BLOCK_D"],
+        EVEN_D=meta["EVEN_D"],
+        DOT_PRECISION=meta["DOT_PRECISION"],
         **launch,
     )

@@ -74,8 +74,7 @@ def dot(a, b, acc, DOT_PRECISION: tl.constexpr):
 def _tanh(x, FAST: tl.constexpr):
     """tanh; FAST uses the hardware approximation (MUFU.TANH, rel. error ~5e-4, 16-bit inputs)."""
     if FAST and not UPCAST_DOTS:
-        return tl.inline_asm_elementwise(
-            "tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
     return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
 
@@ -106,12 +105,13 @@ def gdpa_act(x, scale, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
 # The bf16x2 PTX of gdpa_act_packed (also used by gluon.py): two scores per 32-bit register.
 # silu: $0 = x + x tanh(h x) for x = $1, h = $2 (scale / 2).
 SILU_BF16X2 = tl.constexpr(
-    "{ .reg .b32 h, t; mul.rn.bf16x2 h, $1, $2; tanh.approx.bf16x2 t, h; "
-    "fma.rn.bf16x2 $0, $1, t, $1; }")
+    "{ .reg .b32 h, t; mul.rn.bf16x2 h, $1, $2; tanh.approx.bf16x2 t, h; fma.rn.bf16x2 $0, $1, t, $1; }"
+)
 # fast_gelu: $0 = x + x tanh(x (a + b x^2)) for x = $1, a = $2, b = $3.
 FAST_GELU_BF16X2 = tl.constexpr(
     "{ .reg .b32 sq, u, t; mul.rn.bf16x2 sq, $1, $1; fma.rn.bf16x2 u, sq, $3, $2; "
-    "mul.rn.bf16x2 u, $1, u; tanh.approx.bf16x2 t, u; fma.rn.bf16x2 $0, $1, t, $1; }")
+    "mul.rn.bf16x2 u, $1, u; tanh.approx.bf16x2 t, u; fma.rn.bf16x2 $0, $1, t, $1; }"
+)
 
 
 @triton.jit
@@ -121,19 +121,18 @@ def gdpa_act_packed(x, scale, ACTIVATION: tl.constexpr):
     ``tanh.approx.bf16x2``) needs sm_90; ``packed_act`` checks that."""
     if ACTIVATION == 1:
         h = tl.full(x.shape, 0.5 * scale, x.dtype)
-        return tl.inline_asm_elementwise(SILU_BF16X2, "=r,r,r", [x, h], dtype=x.dtype,
-                                         is_pure=True, pack=2)
+        return tl.inline_asm_elementwise(SILU_BF16X2, "=r,r,r", [x, h], dtype=x.dtype, is_pure=True, pack=2)
     else:
         a = scale * 0.7978845608028654
         a2 = tl.full(x.shape, a, x.dtype)
         b2 = tl.full(x.shape, a * 0.044715 * scale * scale, x.dtype)
-        return tl.inline_asm_elementwise(FAST_GELU_BF16X2, "=r,r,r,r", [x, a2, b2],
-                                         dtype=x.dtype, is_pure=True, pack=2)
+        return tl.inline_asm_elementwise(FAST_GELU_BF16X2, "=r,r,r,r", [x, a2, b2], dtype=x.dtype, is_pure=True, pack=2)
 
 
 @triton.jit
-def gdpa_p(x, scale, dtype: tl.constexpr, ACTIVATION: tl.constexpr, PACKED_ACT: tl.constexpr,
-            DOT_PRECISION: tl.constexpr):
+def gdpa_p(
+    x, scale, dtype: tl.constexpr, ACTIVATION: tl.constexpr, PACKED_ACT: tl.constexpr, DOT_PRECISION: tl.constexpr
+):
     """The forward's P = :func:`gdpa_act` of the float32 scores x, in ``dtype`` (bf16x2 math
     where PACKED_ACT)."""
     if PACKED_ACT:
@@ -148,7 +147,8 @@ SILU_GRAD_BF16X2 = tl.constexpr(
     "{ .reg .b32 h, t, one, opt, omt, g; mov.b32 one, 0x3F803F80; "
     "mul.rn.bf16x2 h, $2, $4; tanh.approx.bf16x2 t, h; fma.rn.bf16x2 $0, $2, t, $2; "
     "add.rn.bf16x2 opt, one, t; sub.rn.bf16x2 omt, one, t; fma.rn.bf16x2 g, h, omt, one; "
-    "mul.rn.bf16x2 g, opt, g; mul.rn.bf16x2 $1, $3, g; }")
+    "mul.rn.bf16x2 g, opt, g; mul.rn.bf16x2 $1, $3, g; }"
+)
 # fast_gelu: a = $4, b = $5, 3 b = $6 (as in FAST_GELU_BF16X2).
 FAST_GELU_GRAD_BF16X2 = tl.constexpr(
     "{ .reg .b32 sq, u, t, w, one, opt, omt; mov.b32 one, 0x3F803F80; "
@@ -156,7 +156,8 @@ FAST_GELU_GRAD_BF16X2 = tl.constexpr(
     "tanh.approx.bf16x2 t, u; fma.rn.bf16x2 $0, $2, t, $2; "
     "fma.rn.bf16x2 w, sq, $6, $4; mul.rn.bf16x2 w, $2, w; "
     "add.rn.bf16x2 opt, one, t; sub.rn.bf16x2 omt, one, t; mul.rn.bf16x2 omt, omt, opt; "
-    "fma.rn.bf16x2 w, w, omt, opt; mul.rn.bf16x2 $1, $3, w; }")
+    "fma.rn.bf16x2 w, w, omt, opt; mul.rn.bf16x2 $1, $3, w; }"
+)
 
 
 @triton.jit
@@ -165,17 +166,23 @@ def gdpa_act_and_grad_packed(x, dp, scale, ACTIVATION: tl.constexpr):
     fast_gelu), two at a time in bf16x2 (sm_90). Returns bf16."""
     if ACTIVATION == 1:
         h = tl.full(x.shape, 0.5 * scale, x.dtype)
-        return tl.inline_asm_elementwise(SILU_GRAD_BF16X2, "=r,=r,r,r,r", [x, dp, h],
-                                         dtype=(x.dtype, x.dtype), is_pure=True, pack=2)
+        return tl.inline_asm_elementwise(
+            SILU_GRAD_BF16X2, "=r,=r,r,r,r", [x, dp, h], dtype=(x.dtype, x.dtype), is_pure=True, pack=2
+        )
     else:
         a = scale * 0.7978845608028654
         b = a * 0.044715 * scale * scale
         a2 = tl.full(x.shape, a, x.dtype)
         b2 = tl.full(x.shape, b, x.dtype)
         b3 = tl.full(x.shape, 3.0 * b, x.dtype)
-        return tl.inline_asm_elementwise(FAST_GELU_GRAD_BF16X2, "=r,=r,r,r,r,r,r",
-                                         [x, dp, a2, b2, b3], dtype=(x.dtype, x.dtype),
-                                         is_pure=True, pack=2)
+        return tl.inline_asm_elementwise(
+            FAST_GELU_GRAD_BF16X2,
+            "=r,=r,r,r,r,r,r",
+            [x, dp, a2, b2, b3],
+            dtype=(x.dtype, x.dtype),
+            is_pure=True,
+            pack=2,
+        )
 
 
 @triton.jit
@@ -206,8 +213,15 @@ def gdpa_act_and_grad(x, scale, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
 
 @triton.jit
 def visible_mask(
-    rows, cols, num_rows, num_cols, window, block_size,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
+    rows,
+    cols,
+    num_rows,
+    num_cols,
+    window,
+    block_size,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_BLOCK: tl.constexpr,
 ):
     """[len(rows), len(cols)] mask of visible (query row, key col) pairs."""
     i = rows[:, None]
@@ -224,8 +238,14 @@ def visible_mask(
 
 @triton.jit
 def key_interval(
-    i_first, i_last, num_keys, window, block_size,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
+    i_first,
+    i_last,
+    num_keys,
+    window,
+    block_size,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_BLOCK: tl.constexpr,
 ):
     """Keys visible to queries i_first..i_last: [lo_any, hi_any) to some, [lo_all, hi_all) to all."""
     lo_any = num_keys * 0
@@ -250,8 +270,14 @@ def key_interval(
 
 @triton.jit
 def query_interval(
-    j_first, j_last, num_queries, window, block_size,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
+    j_first,
+    j_last,
+    num_queries,
+    window,
+    block_size,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_BLOCK: tl.constexpr,
 ):
     """Queries that see keys j_first..j_last: [lo_any, hi_any) see some, [lo_all, hi_all) all."""
     lo_any = num_queries * 0
@@ -300,8 +326,12 @@ def example_rows(q_start, q_end, kv_start, kv_end):
     """(first output row, query rows, first K/V row, keys) of an example from its loaded offsets.
     The kernels load the offsets themselves: a pointer passed to a helper whose result feeds a
     store address counts as written for Inductor, which then clones it (compile_mutations.py)."""
-    return (q_start.to(tl.int64), (q_end - q_start).to(tl.int32), kv_start.to(tl.int64),
-            (kv_end - kv_start).to(tl.int32))
+    return (
+        q_start.to(tl.int64),
+        (q_end - q_start).to(tl.int32),
+        kv_start.to(tl.int64),
+        (kv_end - kv_start).to(tl.int32),
+    )
 
 
 @triton.jit
@@ -315,14 +345,11 @@ def load_rows(ptrs, rows, num_rows, dmask, MASK_ROWS: tl.constexpr, EVEN_D: tl.c
     return tl.load(ptrs, mask=dmask[None, :], other=0.0)
 
 
-
 @triton.jit
-def load_tile(X, stride, start, rows, num_rows, offs_d, dmask, MASKED: tl.constexpr,
-               EVEN_D: tl.constexpr):
+def load_tile(X, stride, start, rows, num_rows, offs_d, dmask, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
     """Rows ``start + [0, BLOCK)`` of one example's ``[num_rows, D]`` operand; X points at its
     first row, ``rows = start + arange(BLOCK)``, masked loads where MASKED."""
-    return load_rows(X + rows[:, None] * stride + offs_d[None, :], rows, num_rows, dmask, MASKED,
-                      EVEN_D)
+    return load_rows(X + rows[:, None] * stride + offs_d[None, :], rows, num_rows, dmask, MASKED, EVEN_D)
 
 
 # ---------------------------------------------------------------------------------------
@@ -358,14 +385,18 @@ def device_capability(t: torch.Tensor) -> tuple[int, int]:
     return capability(t.device.index) if t.is_cuda else (0, 0)
 
 
-def packed_act(q: torch.Tensor, activation: str, config: KernelSettings,
-               arch: tuple[int, int] | None = None) -> bool:
+def packed_act(q: torch.Tensor, activation: str, config: KernelSettings, arch: tuple[int, int] | None = None) -> bool:
     """Whether the kernels take the bf16x2 activation path: ``config.packed_act``, bf16 silu or
     fast_gelu, on a GPU with the sm_90 bf16x2 instructions (Hopper or newer). ``arch`` (a compute
     capability) stands in for q's device, e.g. to compile for sm_90 without one."""
     arch = arch or device_capability(q)
-    return (config.packed_act and not INTERPRET and q.dtype == torch.bfloat16
-            and activation in ("silu", "fast_gelu") and arch[0] >= 9)
+    return (
+        config.packed_act
+        and not INTERPRET
+        and q.dtype == torch.bfloat16
+        and activation in ("silu", "fast_gelu")
+        and arch[0] >= 9
+    )
 
 
 def launch_meta(q, activation, causal, window, block_size, q_broadcast, packed: bool) -> dict:
@@ -373,9 +404,14 @@ def launch_meta(q, activation, causal, window, block_size, q_broadcast, packed: 
     head_dim = q.shape[-1]
     block_d = max(triton.next_power_of_2(head_dim), 16)
     return dict(
-        ACTIVATION=ACTIVATION_CODES[activation], CAUSAL=bool(causal), HAS_WINDOW=window >= 0,
-        HAS_BLOCK=block_size > 0, Q_BROADCAST=bool(q_broadcast), BLOCK_D=block_d,
-        EVEN_D=block_d == head_dim, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        ACTIVATION=ACTIVATION_CODES[activation],
+        CAUSAL=bool(causal),
+        HAS_WINDOW=window >= 0,
+        HAS_BLOCK=block_size > 0,
+        Q_BROADCAST=bool(q_broadcast),
+        BLOCK_D=block_d,
+        EVEN_D=block_d == head_dim,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PACKED_ACT=packed,
     )
 

@@ -14,9 +14,23 @@ import triton.language as tl
 from kernels.jagged_attention import autotune
 from kernels.jagged_attention.settings import KernelSettings
 from kernels.jagged_attention.triton_common import (
-    UPCAST_DOTS, ACT_UNIT, BOUNDS, LOG2E, UNMASKED, VISIBLE, dot, example_rows, gdpa_p,
-    key_interval, load_rows, load_tile, program_block, split_blocks, visible_mask, bucket,
+    ACT_UNIT,
+    BOUNDS,
+    LOG2E,
+    UNMASKED,
+    UPCAST_DOTS,
+    VISIBLE,
+    bucket,
+    dot,
+    example_rows,
+    gdpa_p,
     identity,
+    key_interval,
+    load_rows,
+    load_tile,
+    program_block,
+    split_blocks,
+    visible_mask,
 )
 
 # ---------------------------------------------------------------------------------------
@@ -26,11 +40,33 @@ from kernels.jagged_attention.triton_common import (
 
 @triton.jit
 def _fwd_inner(
-    acc, m_i, l_i, q, K, V, stride_kt, stride_vt, rows, offs_d, dmask,
-    start, end, q_len, kv_len, qk_scale, window, block_size,
-    MASK: tl.constexpr, ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PACKED_ACT: tl.constexpr,
+    acc,
+    m_i,
+    l_i,
+    q,
+    K,
+    V,
+    stride_kt,
+    stride_vt,
+    rows,
+    offs_d,
+    dmask,
+    start,
+    end,
+    q_len,
+    kv_len,
+    qk_scale,
+    window,
+    block_size,
+    MASK: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PACKED_ACT: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
@@ -66,15 +102,26 @@ def _opaque_copy(x):
     """x, through an instruction the compiler cannot see through (16- or 32-bit elements, packed
     into 32-bit registers)."""
     PACK: tl.constexpr = 32 // x.dtype.primitive_bitwidth
-    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=True,
-                                     pack=PACK)
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=True, pack=PACK)
 
 
 @triton.jit
 def _fwd_gdpa_late_pv(
-    acc, q, K, V, stride_kt, stride_vt, offs_d, dmask, kv_len, qk_scale,
-    ACTIVATION: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PACKED_ACT: tl.constexpr,
+    acc,
+    q,
+    K,
+    V,
+    stride_kt,
+    stride_vt,
+    offs_d,
+    dmask,
+    kv_len,
+    qk_scale,
+    ACTIVATION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PACKED_ACT: tl.constexpr,
 ):
     """The GDPA forward's loop over all keys (no mask but the sequence end, pointer loads) with
     each tile's ``P V`` issued one step late, after the next tile's ``Q K^T``, so the tensor cores
@@ -108,14 +155,44 @@ def _fwd_gdpa_late_pv(
 
 @triton.jit(do_not_specialize=["max_q_len", "window", "block_size"])
 def _fwd_kernel(
-    Q, K, V, O, LSE, q_offsets, kv_offsets, batch_order,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    stride_lse_h, num_heads, head_dim, max_q_len, qk_scale, out_scale, window, block_size,
-    max_q_bucket, max_kv_bucket,
-    ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_BLOCK: tl.constexpr, Q_BROADCAST: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PACKED_ACT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LATE_PV: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    q_offsets,
+    kv_offsets,
+    batch_order,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_lse_h,
+    num_heads,
+    head_dim,
+    max_q_len,
+    qk_scale,
+    out_scale,
+    window,
+    block_size,
+    max_q_bucket,
+    max_kv_bucket,
+    ACTIVATION: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_BLOCK: tl.constexpr,
+    Q_BROADCAST: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PACKED_ACT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LATE_PV: tl.constexpr,
 ):
     # Inductor passes Python floats as fp64 scalars: keep the math (and acc) in float32.
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -123,7 +200,8 @@ def _fwd_kernel(
     m_block, rank, h = program_block(tl.program_id(0), max_q_len, BLOCK_M, num_heads)
     b = tl.load(batch_order + rank)
     o_start, q_len, kv_start, kv_len = example_rows(
-        tl.load(q_offsets + b), tl.load(q_offsets + b + 1), tl.load(kv_offsets + b), tl.load(kv_offsets + b + 1))
+        tl.load(q_offsets + b), tl.load(q_offsets + b + 1), tl.load(kv_offsets + b), tl.load(kv_offsets + b + 1)
+    )
     m0 = m_block * BLOCK_M
     if m0 >= q_len:
         return
@@ -145,28 +223,144 @@ def _fwd_kernel(
     if CAUSAL or HAS_WINDOW or HAS_BLOCK:
         i_last = tl.minimum(m0 + BLOCK_M, q_len) - 1
         lo_any, lo_all, hi_all, hi_any = key_interval(
-            m0, i_last, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK)
+            m0, i_last, kv_len, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
+        )
         first, full_start, full_end, last = split_blocks(lo_any, lo_all, hi_all, hi_any, BLOCK_N)
         acc, m_i, l_i = _fwd_inner(
-            acc, m_i, l_i, q, K, V, stride_kt, stride_vt, rows, offs_d, dmask, first, full_start,
-            q_len, kv_len, qk_scale, window, block_size, VISIBLE, ACTIVATION, CAUSAL, HAS_WINDOW,
-            HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT)
+            acc,
+            m_i,
+            l_i,
+            q,
+            K,
+            V,
+            stride_kt,
+            stride_vt,
+            rows,
+            offs_d,
+            dmask,
+            first,
+            full_start,
+            q_len,
+            kv_len,
+            qk_scale,
+            window,
+            block_size,
+            VISIBLE,
+            ACTIVATION,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_BLOCK,
+            BLOCK_N,
+            EVEN_D,
+            DOT_PRECISION,
+            PACKED_ACT,
+        )
         acc, m_i, l_i = _fwd_inner(
-            acc, m_i, l_i, q, K, V, stride_kt, stride_vt, rows, offs_d, dmask, full_start, full_end,
-            q_len, kv_len, qk_scale, window, block_size, UNMASKED, ACTIVATION, CAUSAL, HAS_WINDOW,
-            HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT)
+            acc,
+            m_i,
+            l_i,
+            q,
+            K,
+            V,
+            stride_kt,
+            stride_vt,
+            rows,
+            offs_d,
+            dmask,
+            full_start,
+            full_end,
+            q_len,
+            kv_len,
+            qk_scale,
+            window,
+            block_size,
+            UNMASKED,
+            ACTIVATION,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_BLOCK,
+            BLOCK_N,
+            EVEN_D,
+            DOT_PRECISION,
+            PACKED_ACT,
+        )
         acc, m_i, l_i = _fwd_inner(
-            acc, m_i, l_i, q, K, V, stride_kt, stride_vt, rows, offs_d, dmask, full_end, last,
-            q_len, kv_len, qk_scale, window, block_size, VISIBLE, ACTIVATION, CAUSAL, HAS_WINDOW,
-            HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT)
+            acc,
+            m_i,
+            l_i,
+            q,
+            K,
+            V,
+            stride_kt,
+            stride_vt,
+            rows,
+            offs_d,
+            dmask,
+            full_end,
+            last,
+            q_len,
+            kv_len,
+            qk_scale,
+            window,
+            block_size,
+            VISIBLE,
+            ACTIVATION,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_BLOCK,
+            BLOCK_N,
+            EVEN_D,
+            DOT_PRECISION,
+            PACKED_ACT,
+        )
     elif LATE_PV and ACTIVATION != 0:
-        acc = _fwd_gdpa_late_pv(acc, q, K, V, stride_kt, stride_vt, offs_d, dmask, kv_len, qk_scale,
-                                ACTIVATION, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT)
+        acc = _fwd_gdpa_late_pv(
+            acc,
+            q,
+            K,
+            V,
+            stride_kt,
+            stride_vt,
+            offs_d,
+            dmask,
+            kv_len,
+            qk_scale,
+            ACTIVATION,
+            BLOCK_N,
+            EVEN_D,
+            DOT_PRECISION,
+            PACKED_ACT,
+        )
     else:
         acc, m_i, l_i = _fwd_inner(
-            acc, m_i, l_i, q, K, V, stride_kt, stride_vt, rows, offs_d, dmask, 0, kv_len,
-            q_len, kv_len, qk_scale, window, block_size, BOUNDS, ACTIVATION, CAUSAL, HAS_WINDOW,
-            HAS_BLOCK, BLOCK_N, EVEN_D, DOT_PRECISION, PACKED_ACT)
+            acc,
+            m_i,
+            l_i,
+            q,
+            K,
+            V,
+            stride_kt,
+            stride_vt,
+            rows,
+            offs_d,
+            dmask,
+            0,
+            kv_len,
+            q_len,
+            kv_len,
+            qk_scale,
+            window,
+            block_size,
+            BOUNDS,
+            ACTIVATION,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_BLOCK,
+            BLOCK_N,
+            EVEN_D,
+            DOT_PRECISION,
+            PACKED_ACT,
+        )
 
     row_mask = rows < q_len
     if ACTIVATION == 0:
@@ -180,11 +374,25 @@ def _fwd_kernel(
     o_ptrs = O + rows[:, None] * stride_ot + offs_d[None, :]
     tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_mask[:, None] & dmask[None, :])
 
+
 def forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor,
-    kv_offsets: torch.Tensor, batch_order: torch.Tensor, max_q_len: int, max_kv_len: int,
-    activation: str, scale: float, post_scale: float, window: int, block_size: int,
-    q_broadcast: bool, meta: dict, config: KernelSettings, wrap=identity,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    batch_order: torch.Tensor,
+    max_q_len: int,
+    max_kv_len: int,
+    activation: str,
+    scale: float,
+    post_scale: float,
+    window: int,
+    block_size: int,
+    q_broadcast: bool,
+    meta: dict,
+    config: KernelSettings,
+    wrap=identity,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launches the forward kernel.
 
@@ -216,11 +424,34 @@ def forward(
         return (triton.cdiv(max_q_len, cfg["BLOCK_M"]) * num_batches * num_heads,)
 
     wrap(kernel)[grid](
-        q, k, v, out, lse, q_offsets, kv_offsets, batch_order,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), num_rows, num_heads, head_dim, max_q_len,
-        scale * LOG2E if softmax else scale, output_scale(activation, scale, post_scale),
-        window, block_size, bucket(max_q_len), bucket(max_kv_len), **meta, **launch,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        q_offsets,
+        kv_offsets,
+        batch_order,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        num_rows,
+        num_heads,
+        head_dim,
+        max_q_len,
+        scale * LOG2E if softmax else scale,
+        output_scale(activation, scale, post_scale),
+        window,
+        block_size,
+        bucket(max_q_len),
+        bucket(max_kv_len),
+        **meta,
+        **launch,
     )
     return out, lse
 

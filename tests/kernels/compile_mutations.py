@@ -69,6 +69,7 @@ def checked(kernel):
                 extra = written - OUTPUTS[fn.__name__]
                 assert not extra, f"{fn.__name__}: Inductor would treat inputs {sorted(extra)} as written"
                 print(f"{fn.__name__}: writes {sorted(written)}", flush=True)
+
             return check
 
     return Grid()
@@ -78,8 +79,16 @@ def main() -> None:
     triton.runtime.driver.set_active(_Target())
     order = torch.arange(3, dtype=torch.int32)
     for layout in ("jagged", "dense_kv", "broadcast_q"):
-        inputs = make_inputs([5, 0, 9], [7, 3, 0], num_heads=2, head_dim=64, layout=layout,
-                             num_dense_kv=4, num_queries=3, dtype=torch.bfloat16)
+        inputs = make_inputs(
+            [5, 0, 9],
+            [7, 3, 0],
+            num_heads=2,
+            head_dim=64,
+            layout=layout,
+            num_dense_kv=4,
+            num_queries=3,
+            dtype=torch.bfloat16,
+        )
         q, k, v = inputs.tensors()
         q_offsets, kv_offsets = inputs.q_offsets, inputs.kv_offsets
         if kv_offsets is None:  # as the dispatcher views them
@@ -90,13 +99,29 @@ def main() -> None:
         max_q_len = q.shape[0] if layout == "broadcast_q" else inputs.max_q_len
         max_kv_len = 4 if layout == "dense_kv" else inputs.max_kv_len
         batch_order(q_offsets, kv_offsets, wrap=checked)
-        for activation, causal, window, store_ds in (("softmax", False, -1, True), ("softmax", True, 2, False),
-                                                     ("silu", False, -1, True), ("fast_gelu", False, -1, False)):
+        for activation, causal, window, store_ds in (
+            ("softmax", False, -1, True),
+            ("softmax", True, 2, False),
+            ("silu", False, -1, True),
+            ("fast_gelu", False, -1, False),
+        ):
             if layout != "jagged" and (causal or window >= 0):
                 continue
             config = settings.current().replace(store_ds=store_ds)
-            common = (q_offsets, kv_offsets, order, max_q_len, max_kv_len, activation, 0.125,
-                      1.0 if activation == "softmax" else 0.25, causal, window, 0, layout == "broadcast_q")
+            common = (
+                q_offsets,
+                kv_offsets,
+                order,
+                max_q_len,
+                max_kv_len,
+                activation,
+                0.125,
+                1.0 if activation == "softmax" else 0.25,
+                causal,
+                window,
+                0,
+                layout == "broadcast_q",
+            )
             out, lse = launch_forward(q, k, v, *common, wrap=checked, config=config)
             launch_backward(torch.randn_like(out), q, k, v, out, lse, *common, wrap=checked, config=config)
     print("every kernel writes only its outputs")

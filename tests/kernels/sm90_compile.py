@@ -2,8 +2,9 @@
 
 Runs the real launchers on CPU tensors with a ``wrap`` that compiles each kernel to a cubin
 (Triton frontend, PTX and ptxas, all CPU-side) instead of launching it, for an sm_90 device
-(``arch=(9, 0)``: the bf16x2 activation path where it applies). The CPU test tier runs it in a subprocess (the interpreter's
-settings are fixed at import time), so the inline PTX of the GPU-only paths is checked in CI.
+(``arch=(9, 0)``: the bf16x2 activation path where it applies). The CPU test tier runs it in a
+subprocess (the interpreter's settings are fixed at import time), so the inline PTX of the
+GPU-only paths is checked in CI.
 
 Autotuned kernels compile their first config, and the forward's LATE_PV config where it applies;
 the backward also with GEM_KERNELS_STORE_DS's kernels.
@@ -46,8 +47,7 @@ HOPPER = (9, 0)
 TARGET = GPUTarget("cuda", 90, 32)
 GLUON_DKDV_STACK = 64  # spill bytes per thread allowed in the Gluon dK/dV kernel
 RESOURCES = False  # --resources: every autotune config, with registers and spills (set in main)
-TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-         torch.int64: "i64", torch.int32: "i32"}
+TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64", torch.int32: "i32"}
 
 
 def _signature(fn, args, kwargs, float_type):
@@ -89,8 +89,9 @@ def _resources(cubin: bytes) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
         file.write(cubin)
         file.flush()
-        usage = subprocess.run([tool, "--dump-resource-usage", file.name], capture_output=True,
-                               text=True, check=True).stdout
+        usage = subprocess.run(
+            [tool, "--dump-resource-usage", file.name], capture_output=True, text=True, check=True
+        ).stdout
     return " ".join(re.findall(r"(?:REG|STACK):\d+", usage)).lower().replace(":", "=")
 
 
@@ -105,11 +106,20 @@ def compile_only(kernel, float_type="fp32"):
             def compile_(*args, **kwargs):
                 if not tuned:
                     return _compile(fn, args, kwargs, float_type)
-                configs = kernel.configs if RESOURCES else kernel.configs[:1] + [
-                    c for c in kernel.configs if c.kwargs.get("LATE_PV") and late_pv_applies(kwargs)]
+                configs = (
+                    kernel.configs
+                    if RESOURCES
+                    else kernel.configs[:1]
+                    + [c for c in kernel.configs if c.kwargs.get("LATE_PV") and late_pv_applies(kwargs)]
+                )
                 for config in configs:
-                    _compile(fn, args, kwargs | config.kwargs | dict(
-                        num_warps=config.num_warps, num_stages=config.num_stages), float_type)
+                    _compile(
+                        fn,
+                        args,
+                        kwargs | config.kwargs | dict(num_warps=config.num_warps, num_stages=config.num_stages),
+                        float_type,
+                    )
+
             return compile_
 
     return Grid()
@@ -120,8 +130,7 @@ def _compile(fn, args, kwargs, float_type):
     options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
     signature, constexprs, attrs = _signature(fn, args, kwargs, float_type)
     source = GluonASTSource if isinstance(fn, GluonJITFunction) else ASTSource
-    compiled = triton.compile(source(fn, signature, constexprs, attrs), target=TARGET,
-                              options=options)
+    compiled = triton.compile(source(fn, signature, constexprs, attrs), target=TARGET, options=options)
     assert compiled.asm["cubin"], fn.__name__
     if source is GluonASTSource:
         ptx = compiled.asm["ptx"]
@@ -134,18 +143,22 @@ def _compile(fn, args, kwargs, float_type):
         # The forward must not spill; the dK/dV kernel keeps a few registers per step in local
         # memory (16-32 bytes with Triton 3.6, docs/kernels.md), no more.
         assert stack <= (0 if "PACKED" in kwargs else GLUON_DKDV_STACK), resources
-        print(f"compiled gluon {fn.__name__} activation={kwargs['ACTIVATION']} "
-              f"head_dim={kwargs['HEAD_D']} bf16x2={packed} {resources} "
-              f"shared={compiled.metadata.shared}", flush=True)
+        print(
+            f"compiled gluon {fn.__name__} activation={kwargs['ACTIVATION']} "
+            f"head_dim={kwargs['HEAD_D']} bf16x2={packed} {resources} "
+            f"shared={compiled.metadata.shared}",
+            flush=True,
+        )
         return
     if kwargs.get("PACKED_ACT"):
         assert "tanh.approx.bf16x2" in compiled.asm["ptx"], fn.__name__
     # fp64 scale arguments are converted once; no float64 arithmetic per element
-    assert not re.search(r"\b(add|sub|mul|fma|div|max|min)(\.\w+)*\.f64\b",
-                         compiled.asm["ptx"]), fn.__name__
-    line = (f"compiled {fn.__name__} activation={kwargs.get('ACTIVATION')} "
-            f"causal={kwargs.get('CAUSAL')} packed={kwargs.get('PACKED_ACT')} "
-            f"floats={float_type}")
+    assert not re.search(r"\b(add|sub|mul|fma|div|max|min)(\.\w+)*\.f64\b", compiled.asm["ptx"]), fn.__name__
+    line = (
+        f"compiled {fn.__name__} activation={kwargs.get('ACTIVATION')} "
+        f"causal={kwargs.get('CAUSAL')} packed={kwargs.get('PACKED_ACT')} "
+        f"floats={float_type}"
+    )
     if kwargs.get("LATE_PV"):
         line += " late_pv=1"
     if kwargs.get("STORE_DS"):
@@ -159,8 +172,9 @@ def _compile(fn, args, kwargs, float_type):
 def main() -> None:
     global RESOURCES
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--resources", action="store_true",
-                        help="compile every autotune config and print its registers and spill bytes")
+    parser.add_argument(
+        "--resources", action="store_true", help="compile every autotune config and print its registers and spill bytes"
+    )
     parser.add_argument("activations", nargs="*", help="only these activations (default: all four)")
     args = parser.parse_args()
     RESOURCES = args.resources
@@ -171,15 +185,28 @@ def main() -> None:
     order = torch.arange(3, dtype=torch.int32)
     chosen = args.activations
     for activation in chosen or ("fast_gelu", "silu", "softmax", "gelu"):
-        def compile_fwd_bwd(wrap=compile_only, causal=True, config=recompute):
+
+        def compile_fwd_bwd(wrap=compile_only, causal=True, config=recompute, activation=activation):
             """Causal runs the kernels' three-loop path (masked diagonal tiles); no mask runs
             their one-loop path (masked loads only)."""
-            common = (inputs.q_offsets, inputs.kv_offsets, order, inputs.max_q_len,
-                      inputs.max_kv_len, activation, 0.088,
-                      1.0 if activation == "softmax" else 0.1, causal, -1, 0, False)
+            common = (
+                inputs.q_offsets,
+                inputs.kv_offsets,
+                order,
+                inputs.max_q_len,
+                inputs.max_kv_len,
+                activation,
+                0.088,
+                1.0 if activation == "softmax" else 0.1,
+                causal,
+                -1,
+                0,
+                False,
+            )
             out, lse = testing.launch_forward(q, k, v, *common, wrap=wrap, config=config, arch=HOPPER)
-            testing.launch_backward(torch.randn_like(out), q, k, v, out, lse, *common, wrap=wrap,
-                                    config=config, arch=HOPPER)
+            testing.launch_backward(
+                torch.randn_like(out), q, k, v, out, lse, *common, wrap=wrap, config=config, arch=HOPPER
+            )
 
         compile_fwd_bwd()
         if activation != "silu":  # scalars typed as torch.compile passes them, without a mask
@@ -187,14 +214,30 @@ def main() -> None:
         if activation in ("fast_gelu", "softmax"):  # the stored-dS backward, without a mask,
             # with scalars as Triton's launcher and Inductor pass them
             compile_fwd_bwd(causal=False, config=stored)
-            compile_fwd_bwd(functools.partial(compile_only, float_type="fp64"), causal=False,
-                            config=stored)
+            compile_fwd_bwd(functools.partial(compile_only, float_type="fp64"), causal=False, config=stored)
     batch_order(inputs.q_offsets, inputs.kv_offsets, wrap=compile_only)
     # float32 inputs: the forward's plain and LATE_PV loops (float32 P)
     q32, k32, v32 = (t.float() for t in (q, k, v))
-    testing.launch_forward(q32, k32, v32, inputs.q_offsets, inputs.kv_offsets, order,
-                           inputs.max_q_len, inputs.max_kv_len, "gelu", 0.088, 0.1, False, -1, 0,
-                           False, wrap=compile_only, config=recompute, arch=HOPPER)
+    testing.launch_forward(
+        q32,
+        k32,
+        v32,
+        inputs.q_offsets,
+        inputs.kv_offsets,
+        order,
+        inputs.max_q_len,
+        inputs.max_kv_len,
+        "gelu",
+        0.088,
+        0.1,
+        False,
+        -1,
+        0,
+        False,
+        wrap=compile_only,
+        config=recompute,
+        arch=HOPPER,
+    )
     # the experimental Gluon forward: every pointwise activation in bf16 at head dim 128 (silu
     # and fast_gelu on the bf16x2 path), and fp16 at head dim 64
     cases = [(torch.bfloat16, 128, name) for name in ("silu", "gelu", "fast_gelu", "relu", "identity")]
@@ -202,19 +245,47 @@ def main() -> None:
         inputs = make_inputs([5, 0, 130], [7, 3, 0], num_heads=2, head_dim=head_dim, dtype=dtype)
         q, k, v = inputs.tensors()
         packed = dtype == torch.bfloat16 and activation in ("silu", "fast_gelu")
-        gluon_fwd.forward(q, k, v, torch.empty_like(q), inputs.q_offsets, inputs.kv_offsets,
-                          order, inputs.max_q_len, testing.ACTIVATION_CODES[activation], 0.088, 0.1,
-                          packed, wrap=compile_only, num_sms=132)
+        gluon_fwd.forward(
+            q,
+            k,
+            v,
+            torch.empty_like(q),
+            inputs.q_offsets,
+            inputs.kv_offsets,
+            order,
+            inputs.max_q_len,
+            testing.ACTIVATION_CODES[activation],
+            0.088,
+            0.1,
+            packed,
+            wrap=compile_only,
+            num_sms=132,
+        )
     # the Gluon dK/dV (bf16 silu and fast_gelu at head dim 128, fast_gelu at 64)
     for head_dim, activation in ((128, "silu"), (128, "fast_gelu"), (64, "fast_gelu")):
-        inputs = make_inputs([5, 0, 130], [7, 3, 200], num_heads=2, head_dim=head_dim,
-                             dtype=torch.bfloat16)
+        inputs = make_inputs([5, 0, 130], [7, 3, 200], num_heads=2, head_dim=head_dim, dtype=torch.bfloat16)
         q, k, v = inputs.tensors()
         ds = q.new_empty(2, k.shape[0], testing.store_ds_row(inputs.max_q_len))
-        gluon_bwd.dkdv(q, k, v, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), ds,
-                       inputs.q_offsets, inputs.kv_offsets, order, inputs.max_kv_len,
-                       testing.ACTIVATION_CODES[activation], 0.088, 0.1, 0.1, wrap=compile_only,
-                       num_sms=132)
+        gluon_bwd.dkdv(
+            q,
+            k,
+            v,
+            torch.empty_like(q),
+            torch.empty_like(k),
+            torch.empty_like(v),
+            ds,
+            inputs.q_offsets,
+            inputs.kv_offsets,
+            order,
+            inputs.max_kv_len,
+            testing.ACTIVATION_CODES[activation],
+            0.088,
+            0.1,
+            0.1,
+            wrap=compile_only,
+            num_sms=132,
+        )
+
 
 if __name__ == "__main__":
     main()

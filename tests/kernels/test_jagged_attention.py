@@ -63,8 +63,9 @@ def _run_python(args: list[str], timeout: int, drop=(), **env) -> subprocess.Com
     the variables in ``drop``, plus ``env``."""
     environ = {k: v for k, v in os.environ.items() if k not in drop} | env
     environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=environ, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -114,13 +115,32 @@ def _lengths(draw, max_batches=4, max_len=40):
     num_dense_kv=st.integers(1, 24),
     num_queries=st.integers(1, 20),
 )
-def test_matches_reference(activation, layout, q_lengths, kv_lengths, mask, dtype, head_dim,
-                           offsets_dtype, max_len_slack, num_dense_kv, num_queries):
+def test_matches_reference(
+    activation,
+    layout,
+    q_lengths,
+    kv_lengths,
+    mask,
+    dtype,
+    head_dim,
+    offsets_dtype,
+    max_len_slack,
+    num_dense_kv,
+    num_queries,
+):
     num_batches = min(len(q_lengths), len(kv_lengths))
     inputs = make_inputs(
-        q_lengths[:num_batches], kv_lengths[:num_batches], num_heads=2, head_dim=head_dim,
-        layout=layout, num_dense_kv=num_dense_kv, num_queries=num_queries, dtype=dtype,
-        device=DEVICE, offsets_dtype=offsets_dtype, max_len_slack=max_len_slack,
+        q_lengths[:num_batches],
+        kv_lengths[:num_batches],
+        num_heads=2,
+        head_dim=head_dim,
+        layout=layout,
+        num_dense_kv=num_dense_kv,
+        num_queries=num_queries,
+        dtype=dtype,
+        device=DEVICE,
+        offsets_dtype=offsets_dtype,
+        max_len_slack=max_len_slack,
     )
     _check_against_reference(inputs, dtype, activation=activation, **MASKS[mask])
 
@@ -225,11 +245,9 @@ def test_torch_compile_fullgraph(mask, kernel_settings, paths):
     inputs = make_inputs([6, 0, 19], [11, 2, 19], device=DEVICE)
 
     def attention(q, k, v):
-        return jagged_attention(q, k, v, *inputs.args()[3:], activation="silu", backend="triton",
-                                **mask)
+        return jagged_attention(q, k, v, *inputs.args()[3:], activation="silu", backend="triton", **mask)
 
-    compiled = torch.compile(attention, fullgraph=True,
-                             backend="inductor" if HAS_CUDA else "aot_eager")
+    compiled = torch.compile(attention, fullgraph=True, backend="inductor" if HAS_CUDA else "aot_eager")
     out = compiled(*inputs.tensors())
     grads = torch.autograd.grad(out.sum(), inputs.tensors())
     ref = attention(*inputs.tensors())
@@ -245,8 +263,7 @@ def test_inductor_counts_only_the_kernels_outputs_as_written():
     written, so every compiled attention call cloned its offsets, and torch 2.11 failed to
     compile that clone under dynamic shapes (gem_base's compiled evaluation). Every kernel, every
     layout: tests/kernels/compile_mutations.py in a subprocess."""
-    result = _run_python([str(ROOT / "tests/kernels/compile_mutations.py")], timeout=300,
-                         drop=("TRITON_INTERPRET",))
+    result = _run_python([str(ROOT / "tests/kernels/compile_mutations.py")], timeout=300, drop=("TRITON_INTERPRET",))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "every kernel writes only its outputs" in result.stdout, result.stdout[-2000:]
 
@@ -256,12 +273,12 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     runs), compiles to an sm_90 cubin: tests/kernels/sm90_compile.py in a subprocess. Also with
     fp64 scale arguments, as torch.compile (Inductor) launches them: float32 kernels once failed
     there (a float64 accumulator) or ran their activations in float64."""
-    result = _run_python([str(ROOT / "tests/kernels/sm90_compile.py")], timeout=600,
-                         drop=("TRITON_INTERPRET",))
+    result = _run_python([str(ROOT / "tests/kernels/sm90_compile.py")], timeout=600, drop=("TRITON_INTERPRET",))
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     # fast_gelu (fp32 scalars, and fp64 ones as Inductor passes them) and silu: fwd, dK/dV, dQ on
-    # the bf16x2 path; gelu (float32 activations; fp32 and fp64 scalars): fwd, dK/dV, dQ; softmax (fp32 and fp64 scalars): fwd, preprocess, dK/dV, dQ.
+    # the bf16x2 path; gelu (float32 activations; fp32 and fp64 scalars): fwd, dK/dV, dQ; softmax
+    # (fp32 and fp64 scalars): fwd, preprocess, dK/dV, dQ.
     # The fp64 passes run without a mask (the kernels' one-loop path), the others causal; the
     # fp64 fast_gelu and gelu passes compile the forward's LATE_PV loop too; last, the float32
     # input forward, plain and LATE_PV. fast_gelu and softmax again without a mask and with
@@ -296,8 +313,16 @@ def late_pv(kernel_settings):
 @pytest.mark.parametrize("activation", ["fast_gelu", "relu"])
 def test_late_pv_forward_loop(activation, layout, late_pv):
     torch.manual_seed(0)
-    inputs = make_inputs([0, 17, 33, 1], [3, 0, 37, 16], num_heads=2, head_dim=48, layout=layout,
-                         num_dense_kv=5, num_queries=6, device=DEVICE)
+    inputs = make_inputs(
+        [0, 17, 33, 1],
+        [3, 0, 37, 16],
+        num_heads=2,
+        head_dim=48,
+        layout=layout,
+        num_dense_kv=5,
+        num_queries=6,
+        device=DEVICE,
+    )
     _check_against_reference(inputs, torch.float32, activation=activation)
 
 
@@ -316,8 +341,16 @@ def test_stored_ds_backward(activation, layout, kernel_settings, paths):
     kernel_settings(store_ds=True)
     calls = _stored_ds(paths)
     torch.manual_seed(0)
-    inputs = make_inputs([0, 17, 40, 1, 33], [5, 0, 37, 16, 50], num_heads=2, head_dim=48,
-                         layout=layout, num_dense_kv=21, max_len_slack=3, device=DEVICE)
+    inputs = make_inputs(
+        [0, 17, 40, 1, 33],
+        [5, 0, 37, 16, 50],
+        num_heads=2,
+        head_dim=48,
+        layout=layout,
+        num_dense_kv=21,
+        max_len_slack=3,
+        device=DEVICE,
+    )
     for dtype in (torch.float32, torch.bfloat16):
         inputs.q, inputs.k, inputs.v = (t.detach().to(dtype).requires_grad_() for t in inputs.tensors())
         _check_against_reference(inputs, dtype, activation=activation)
@@ -328,8 +361,9 @@ def test_stored_ds_backward(activation, layout, kernel_settings, paths):
         inputs.q, inputs.k, inputs.v = (t.detach().to(dtype).requires_grad_() for t in inputs.tensors())
         _check_against_reference(inputs, dtype, activation=activation)
     assert len(calls()) == 2
-    broadcast = make_inputs([0, 17, 40], [5, 0, 37], num_heads=2, head_dim=48,
-                            layout="broadcast_q", num_queries=6, device=DEVICE)
+    broadcast = make_inputs(
+        [0, 17, 40], [5, 0, 37], num_heads=2, head_dim=48, layout="broadcast_q", num_queries=6, device=DEVICE
+    )
     kernel_settings(store_ds_max_mib=8192)
     _check_against_reference(broadcast, torch.float32, activation=activation)
     assert len(calls()) == 2
@@ -367,8 +401,9 @@ def test_batch_order(offsets_dtype, counting):
     kv_lengths = torch.randint(0, 9, (1100,), generator=gen)
     q_lengths[3] = 70_000  # a product past int32
     kv_lengths[3] = 40_000
-    offsets = [torch.cat([torch.zeros(1, dtype=torch.int64), n.cumsum(0)]).to(offsets_dtype)
-               for n in (q_lengths, kv_lengths)]
+    offsets = [
+        torch.cat([torch.zeros(1, dtype=torch.int64), n.cumsum(0)]).to(offsets_dtype) for n in (q_lengths, kv_lengths)
+    ]
     order = batch_order(*(o.to(DEVICE) for o in offsets), max_counting_batches=most)
     expected = torch.argsort(q_lengths * kv_lengths, descending=True, stable=True)
     assert order.dtype == torch.int32
@@ -399,10 +434,15 @@ def test_host_arguments_that_break_the_contract_are_rejected_on_the_cpu(backend)
     q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len = inputs.args()
     call = lambda *args, **kw: jagged_attention(q, k, v, *args, backend=backend, **kw)  # noqa: E731
     assert call(q_offsets, kv_offsets, max_q_len + 3, max_kv_len + 1).shape == q.shape  # larger bounds are fine
-    with pytest.raises(ValueError, match=r"max_kv_len=6 is less than the longest sequence in kv_offsets \(7 rows, "
-                                         r"example 1\); pass an upper bound"):
+    with pytest.raises(
+        ValueError,
+        match=r"max_kv_len=6 is less than the longest sequence in kv_offsets \(7 rows, "
+        r"example 1\); pass an upper bound",
+    ):
         call(q_offsets, kv_offsets, max_q_len, 6)
-    with pytest.raises(ValueError, match=r"max_q_len=4 is less than the longest sequence in q_offsets \(5 rows, example 1\)"):
+    with pytest.raises(
+        ValueError, match=r"max_q_len=4 is less than the longest sequence in q_offsets \(5 rows, example 1\)"
+    ):
         call(q_offsets, kv_offsets, 4, max_kv_len)
     with pytest.raises(ValueError, match=r"kv_offsets must be nondecreasing: kv_offsets\[1\]=9 > kv_offsets\[2\]=4"):
         call(q_offsets, torch.tensor([0, 9, 4, 13]), max_q_len, max_kv_len)
@@ -444,8 +484,11 @@ def test_offsets_on_the_device_are_checked_only_on_request():
     assert bad.reads == 1
     meta = torch.tensor([0, 3, 2], device="meta")  # no values (FLOP counting, building on meta): never read
     check_offsets("q_offsets", meta, "q", 2, "max_q_len", 3, on_device=True)
-    out = _run_python(["-c", "from kernels.jagged_attention import settings; print(settings.current().check)"],
-                      timeout=300, GEM_KERNELS_CHECK="1")
+    out = _run_python(
+        ["-c", "from kernels.jagged_attention import settings; print(settings.current().check)"],
+        timeout=300,
+        GEM_KERNELS_CHECK="1",
+    )
     assert out.stdout.strip() == "True", out.stderr
 
 
@@ -459,8 +502,7 @@ def test_settings_from_config_and_environment(monkeypatch):
         assert kernel_config.configure() == kernel_config.KernelSettings()
         assert kernel_config.configure(store_ds=False, tune_space="wide").store_ds is False
         assert kernel_config.current().tune_space == "wide"
-        for value, expected in [("1", True), ("true", True), (" ON ", True), ("0", False),
-                                ("no", False), ("", False)]:
+        for value, expected in [("1", True), ("true", True), (" ON ", True), ("0", False), ("no", False), ("", False)]:
             monkeypatch.setenv("GEM_KERNELS_STORE_DS", value)
             assert kernel_config.configure(store_ds=False).store_ds is expected
         monkeypatch.setenv("GEM_KERNELS_STORE_DS", "2")
@@ -485,8 +527,11 @@ def test_settings_from_config_and_environment(monkeypatch):
             kernel_config.configure(gluon_min_q_len=-1)
         with pytest.raises(ValueError, match=r"unknown kernel setting\(s\) \['tma'\]"):
             kernel_config.configure(tma=True)
-    result = _run_python(["-c", "from kernels.jagged_attention import settings; settings.current()"],
-                         timeout=300, GEM_KERNELS_STORE_DS="maybe")
+    result = _run_python(
+        ["-c", "from kernels.jagged_attention import settings; settings.current()"],
+        timeout=300,
+        GEM_KERNELS_STORE_DS="maybe",
+    )
     assert result.returncode != 0
     assert "GEM_KERNELS_STORE_DS='maybe': expected 1 or 0" in result.stderr
 
@@ -530,8 +575,9 @@ def test_gpu_real_shapes(activation, head_dim):
     gen = torch.Generator().manual_seed(head_dim)
     lengths = torch.randint(0, 1000, (12,), generator=gen)
     lengths[3] = 0
-    inputs = make_inputs(lengths, num_heads=4, head_dim=head_dim, dtype=torch.bfloat16,
-                         device="cuda", max_len_slack=24, generator=gen)
+    inputs = make_inputs(
+        lengths, num_heads=4, head_dim=head_dim, dtype=torch.bfloat16, device="cuda", max_len_slack=24, generator=gen
+    )
     _check_against_reference(inputs, torch.bfloat16, activation=activation)
 
 
@@ -541,9 +587,18 @@ def _gpu_layout_inputs(layout, seed, empty):
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(0, 700, (6,), generator=gen)
     lengths[empty] = 0
-    return make_inputs(lengths, torch.randint(0, 700, (6,), generator=gen), num_heads=4,
-                       head_dim=128, layout=layout, num_dense_kv=256, num_queries=64,
-                       dtype=torch.bfloat16, device="cuda", generator=gen)
+    return make_inputs(
+        lengths,
+        torch.randint(0, 700, (6,), generator=gen),
+        num_heads=4,
+        head_dim=128,
+        layout=layout,
+        num_dense_kv=256,
+        num_queries=64,
+        dtype=torch.bfloat16,
+        device="cuda",
+        generator=gen,
+    )
 
 
 @gpu
@@ -553,11 +608,13 @@ def _gpu_layout_inputs(layout, seed, empty):
 @pytest.mark.parametrize("activation", ["softmax", "gelu"])
 def test_gpu_layouts_and_masks(activation, layout, mask):
     inputs = _gpu_layout_inputs(layout, seed=7, empty=0)
-    masks = {"window": {"window": 100}, "block": {"block_size": 64},
-             "causal_window": {"causal": True, "window": 77},
-             "causal_block": {"causal": True, "block_size": 64}}
-    _check_against_reference(inputs, torch.bfloat16, activation=activation,
-                             **masks.get(mask, MASKS[mask]))
+    masks = {
+        "window": {"window": 100},
+        "block": {"block_size": 64},
+        "causal_window": {"causal": True, "window": 77},
+        "causal_block": {"causal": True, "block_size": 64},
+    }
+    _check_against_reference(inputs, torch.bfloat16, activation=activation, **masks.get(mask, MASKS[mask]))
 
 
 @gpu
@@ -568,8 +625,9 @@ def test_gpu_dtypes(dtype, head_dim):
     """float32 at head dim 128 needs the backward's smaller tiles (shared memory)."""
     gen = torch.Generator().manual_seed(3)
     lengths = torch.randint(0, 600, (8,), generator=gen)
-    inputs = make_inputs(lengths, num_heads=4, head_dim=head_dim, dtype=dtype, device="cuda",
-                         offsets_dtype=torch.int32, generator=gen)
+    inputs = make_inputs(
+        lengths, num_heads=4, head_dim=head_dim, dtype=dtype, device="cuda", offsets_dtype=torch.int32, generator=gen
+    )
     for activation in ("softmax", "identity"):
         _check_against_reference(inputs, dtype, activation=activation, causal=True)
 
@@ -586,8 +644,7 @@ def test_gpu_autotuned_configs(activation, dtype, causal, kernel_settings):
     kernel_settings(gluon=False, autotune=True)
     gen = torch.Generator().manual_seed(11)
     lengths = torch.randint(0, 900, (10,), generator=gen)
-    inputs = make_inputs(lengths, num_heads=4, head_dim=128, dtype=dtype, device="cuda",
-                         generator=gen)
+    inputs = make_inputs(lengths, num_heads=4, head_dim=128, dtype=dtype, device="cuda", generator=gen)
     _check_against_reference(inputs, dtype, activation=activation, causal=causal)
 
 
@@ -597,8 +654,7 @@ def test_gpu_autotuned_configs(activation, dtype, causal, kernel_settings):
 @pytest.mark.parametrize("activation", ["fast_gelu", "gelu"])
 def test_gpu_late_pv_forward_loop(activation, layout, late_pv):
     """The LATE_PV loop at real shapes: bf16x2 (fast_gelu) and float32 (gelu) activations."""
-    _check_against_reference(_gpu_layout_inputs(layout, seed=9, empty=4), torch.bfloat16,
-                             activation=activation)
+    _check_against_reference(_gpu_layout_inputs(layout, seed=9, empty=4), torch.bfloat16, activation=activation)
 
 
 @gpu
@@ -662,14 +718,18 @@ def test_gluon_work_list(offsets_dtype):
     kv_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), kv_lengths.cumsum(0)]).to(offsets_dtype)
     order = torch.randperm(1500, generator=gen).to(torch.int32)
     num_heads, max_q_len = 3, 310  # max_q_len may exceed the longest example
-    work, total = gluon_common.work_list(q_offsets.to(DEVICE), kv_offsets.to(DEVICE), order.to(DEVICE),
-                                  num_heads, max_q_len)
-    expected = [[int(q_offsets[b]) + m, int(q_lengths[b]) - m, h, int(kv_offsets[b]), int(kv_lengths[b])]
-                for b in order.tolist() for m in range(0, int(q_lengths[b]), 128)
-                for h in range(num_heads)]
+    work, total = gluon_common.work_list(
+        q_offsets.to(DEVICE), kv_offsets.to(DEVICE), order.to(DEVICE), num_heads, max_q_len
+    )
+    expected = [
+        [int(q_offsets[b]) + m, int(q_lengths[b]) - m, h, int(kv_offsets[b]), int(kv_lengths[b])]
+        for b in order.tolist()
+        for m in range(0, int(q_lengths[b]), 128)
+        for h in range(num_heads)
+    ]
     assert work.shape[0] == 1500 * num_heads * 3
     assert int(total) == len(expected)
-    assert work[:len(expected), :5].tolist() == expected
+    assert work[: len(expected), :5].tolist() == expected
 
 
 def test_gluon_forward_rejects_an_out_it_cannot_address():
@@ -683,8 +743,9 @@ def test_gluon_forward_rejects_an_out_it_cannot_address():
     heads_apart = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=q.dtype).transpose(1, 2)
     for out in (heads_apart, q.new_empty(q.shape[0] + 1, *q.shape[1:])):
         with pytest.raises(ValueError, match="adjacent heads"):
-            gluon_fwd.forward(q, k, v, out, inputs.q_offsets, inputs.kv_offsets, order,
-                          inputs.max_q_len, 3, 0.1, 0.1, True, num_sms=1)
+            gluon_fwd.forward(
+                q, k, v, out, inputs.q_offsets, inputs.kv_offsets, order, inputs.max_q_len, 3, 0.1, 0.1, True, num_sms=1
+            )
 
 
 def _gluon_calls(kernel_settings, paths, path: str, **values):
@@ -721,8 +782,9 @@ def test_gpu_gluon_forward(activation, layout, kernel_settings, paths):
 
 @gpu
 @requires_cuda
-@pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 128), (torch.float16, 64),
-                                             (torch.float16, 128), (torch.bfloat16, 64)])
+@pytest.mark.parametrize(
+    "dtype, head_dim", [(torch.bfloat16, 128), (torch.float16, 64), (torch.float16, 128), (torch.bfloat16, 64)]
+)
 def test_gpu_gluon_forward_many_tiles(dtype, head_dim, kernel_settings, paths):
     """Many work tiles per program (300 examples, about 3,000 tiles, every 7th example empty, K/V
     lengths cut short of a whole tile): each program's loop over tiles, its Q double buffer and
@@ -732,9 +794,16 @@ def test_gpu_gluon_forward_many_tiles(dtype, head_dim, kernel_settings, paths):
     gen = torch.Generator().manual_seed(head_dim)
     lengths = torch.randint(1, 700, (300,), generator=gen)
     lengths[::7] = 0
-    inputs = make_inputs(lengths, torch.randint(0, 700, (300,), generator=gen), num_heads=4,
-                         head_dim=head_dim, dtype=dtype, device="cuda", max_len_slack=40,
-                         generator=gen)
+    inputs = make_inputs(
+        lengths,
+        torch.randint(0, 700, (300,), generator=gen),
+        num_heads=4,
+        head_dim=head_dim,
+        dtype=dtype,
+        device="cuda",
+        max_len_slack=40,
+        generator=gen,
+    )
     _check_against_reference(inputs, dtype, activation="fast_gelu")
     assert len(calls()) == 1
     with torch.no_grad():
@@ -756,14 +825,12 @@ def test_gpu_gluon_forward_strided_inputs(kernel_settings, paths):
     gen = torch.Generator().manual_seed(3)
     lengths = torch.randint(0, 400, (9,), generator=gen)
     lengths[2] = 0
-    inputs = make_inputs(lengths, num_heads=4, head_dim=128, dtype=torch.bfloat16, device="cuda",
-                         generator=gen)
-    qkv = torch.randn(int(lengths.sum()), 3, 4, 128, device="cuda", dtype=torch.bfloat16,
-                      requires_grad=True)
+    inputs = make_inputs(lengths, num_heads=4, head_dim=128, dtype=torch.bfloat16, device="cuda", generator=gen)
+    qkv = torch.randn(int(lengths.sum()), 3, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     inputs.q, inputs.k, inputs.v = qkv.unbind(1)
     _check_against_reference(inputs, torch.bfloat16, activation="silu")
     assert len(calls()) == 1
-    shifted = torch.empty(qkv.numel() + 8, device="cuda", dtype=torch.bfloat16)[1:qkv.numel() + 1]
+    shifted = torch.empty(qkv.numel() + 8, device="cuda", dtype=torch.bfloat16)[1 : qkv.numel() + 1]
     assert not gluon_common.applies(shifted.view_as(qkv)[:, 0], inputs.k, inputs.v, "silu", False, -1, 0, False)
 
 
@@ -810,8 +877,16 @@ def test_gpu_gluon_backward_many_tiles(head_dim, kernel_settings, paths):
     q_lengths[::7] = 0
     kv_lengths = torch.randint(1, 700, (300,), generator=gen)
     kv_lengths[::11] = 0
-    inputs = make_inputs(q_lengths, kv_lengths, num_heads=4, head_dim=head_dim,
-                         dtype=torch.bfloat16, device="cuda", max_len_slack=40, generator=gen)
+    inputs = make_inputs(
+        q_lengths,
+        kv_lengths,
+        num_heads=4,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+        device="cuda",
+        max_len_slack=40,
+        generator=gen,
+    )
     _check_against_reference(inputs, torch.bfloat16, activation="fast_gelu")
     assert len(calls()) == 1
     out = jagged_attention(*inputs.args(), activation="silu", backend="triton")

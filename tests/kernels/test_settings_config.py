@@ -54,9 +54,18 @@ def test_bad_kernel_values_name_the_key():
 def test_the_trainer_applies_the_settings_before_it_builds_the_model(restored, tmp_path):
     from gem.train.trainer import build_model, init_distributed, load_data
 
-    config = validate(compose(["debug=tiny", "sparse=native", f"data.cache_dir={tmp_path / 'cache'}",
-                               f"trainer.run_dir={tmp_path / 'run'}", "kernels.gluon_min_q_len=512",
-                               "kernels.store_ds=false"]))
+    config = validate(
+        compose(
+            [
+                "debug=tiny",
+                "sparse=native",
+                f"data.cache_dir={tmp_path / 'cache'}",
+                f"trainer.run_dir={tmp_path / 'run'}",
+                "kernels.gluon_min_q_len=512",
+                "kernels.store_ds=false",
+            ]
+        )
+    )
     env = init_distributed("cpu", need_process_group=False)
     schema, _ = load_data(config, env)
     assert kernel_config.configure() == kernel_config.KernelSettings()

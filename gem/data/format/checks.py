@@ -37,9 +37,10 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -49,8 +50,17 @@ from gem.data.format.layout import LAYOUT_VERSION, READABLE_VERSIONS, arrow_sche
 from gem.data.pipeline.schema import FeatureSchema
 
 FILE_CASES = ("unreadable_file", "layout_version", "missing_column", "schema_mismatch")
-ROW_CASES = ("null_value", "id_out_of_range", "sequence_mismatch", "dense_length", "non_finite_dense",
-             "label_out_of_range", "domain_out_of_range", "bad_weight", "non_finite_teacher")
+ROW_CASES = (
+    "null_value",
+    "id_out_of_range",
+    "sequence_mismatch",
+    "dense_length",
+    "non_finite_dense",
+    "label_out_of_range",
+    "domain_out_of_range",
+    "bad_weight",
+    "non_finite_teacher",
+)
 CASES = FILE_CASES + ROW_CASES
 
 logger = logging.getLogger("gem")
@@ -79,8 +89,14 @@ class Violation:
     message: str
 
     def __str__(self) -> str:
-        where = ", ".join(x for x in (f"row {self.row}" if self.row is not None else "",
-                                      f"column {self.column!r}" if self.column else "") if x)
+        where = ", ".join(
+            x
+            for x in (
+                f"row {self.row}" if self.row is not None else "",
+                f"column {self.column!r}" if self.column else "",
+            )
+            if x
+        )
         return f"{where}: {self.message} [{self.case}]" if where else f"{self.message} [{self.case}]"
 
 
@@ -90,20 +106,38 @@ def file_violations(file_schema: pa.Schema, schema: FeatureSchema) -> list[Viola
     meta = file_schema.metadata or {}
     version = meta.get(b"gem.layout_version", b"1").decode()
     if version not in READABLE_VERSIONS:
-        out.append(Violation("layout_version", None, None,
-                             f"gem.layout_version {version} is not one of {list(READABLE_VERSIONS)}; upgrade gem or "
-                             f"rewrite the file as layout v{LAYOUT_VERSION}"))
+        out.append(
+            Violation(
+                "layout_version",
+                None,
+                None,
+                f"gem.layout_version {version} is not one of {list(READABLE_VERSIONS)}; upgrade gem or "
+                f"rewrite the file as layout v{LAYOUT_VERSION}",
+            )
+        )
     expected = arrow_schema(schema, with_weight=True, with_request_id=True, teacher_tasks=schema.tasks)
     for field in expected:
         if field.name not in file_schema.names:
             if not is_optional_column(field.name):
-                out.append(Violation("missing_column", field.name, None,
-                                     f"missing; layout v{LAYOUT_VERSION} needs it (gem/data/format/layout.py)"))
+                out.append(
+                    Violation(
+                        "missing_column",
+                        field.name,
+                        None,
+                        f"missing; layout v{LAYOUT_VERSION} needs it (gem/data/format/layout.py)",
+                    )
+                )
             continue
         got = file_schema.field(field.name).type
         if not _compatible(got, field.type):
-            out.append(Violation("schema_mismatch", field.name, None,
-                                 f"has Arrow type {got}, the layout needs {field.type}; cast the column when writing"))
+            out.append(
+                Violation(
+                    "schema_mismatch",
+                    field.name,
+                    None,
+                    f"has Arrow type {got}, the layout needs {field.type}; cast the column when writing",
+                )
+            )
     return out
 
 
@@ -140,22 +174,31 @@ def row_violations(table: pa.Table, schema: FeatureSchema) -> list[tuple[str, st
         values = col.values.slice(offsets[0], offsets[-1] - offsets[0]).to_numpy(zero_copy_only=False)
         return lengths, values
 
-    for name, cardinality in [(f.name, f.cardinality) for f in schema.id_features] + \
-                             [(f.name, f.cardinality) for g in schema.sequence_groups for f in g.features]:
+    for name, cardinality in [(f.name, f.cardinality) for f in schema.id_features] + [
+        (f.name, f.cardinality) for g in schema.sequence_groups for f in g.features
+    ]:
         lengths, values = list_parts(name)
         bad_values = (values < 0) | (values >= cardinality)
         if bad_values.any():
             owner = np.repeat(np.arange(num_rows), lengths)
-            add("id_out_of_range", name, np.bincount(owner[bad_values], minlength=num_rows) > 0,
+            add(
+                "id_out_of_range",
+                name,
+                np.bincount(owner[bad_values], minlength=num_rows) > 0,
                 f"an id outside [0, {cardinality}); raise the feature's cardinality in data.schema or remap (hash) "
-                f"the ids into range")
+                f"the ids into range",
+            )
     for g in schema.sequence_groups:
         first = table.column(g.features[0].name).combine_chunks()
         for f in g.features[1:]:
             other = table.column(f.name).combine_chunks()
-            add("sequence_mismatch", f.name, np.diff(other.offsets.to_numpy()) != np.diff(first.offsets.to_numpy()),
+            add(
+                "sequence_mismatch",
+                f.name,
+                np.diff(other.offsets.to_numpy()) != np.diff(first.offsets.to_numpy()),
                 f"a different number of events than {g.features[0].name!r}; all features of sequence group "
-                f"{g.name!r} need equal lengths")
+                f"{g.name!r} need equal lengths",
+            )
 
     lengths, values = list_parts("dense")
     wrong = lengths != schema.num_dense
@@ -163,8 +206,12 @@ def row_violations(table: pa.Table, schema: FeatureSchema) -> list[tuple[str, st
     non_finite = ~np.isfinite(values.astype(np.float64, copy=False))
     if non_finite.any():
         owner = np.repeat(np.arange(num_rows), lengths)
-        add("non_finite_dense", "dense", np.bincount(owner[non_finite], minlength=num_rows) > 0,
-            "NaN or inf; clean the data or impute the value")
+        add(
+            "non_finite_dense",
+            "dense",
+            np.bincount(owner[non_finite], minlength=num_rows) > 0,
+            "NaN or inf; clean the data or impute the value",
+        )
 
     def scalar(name: str, dtype) -> np.ndarray:
         col = table.column(name)
@@ -176,11 +223,19 @@ def row_violations(table: pa.Table, schema: FeatureSchema) -> list[tuple[str, st
     for task in schema.tasks:
         label = scalar(f"label_{task}", np.float64)
         mask = scalar(f"label_mask_{task}", bool)
-        add("label_out_of_range", f"label_{task}", mask & ~((label >= 0) & (label <= 1)),
-            "outside [0, 1]; labels are probabilities or 0/1 (set the label mask to False where unobserved)")
+        add(
+            "label_out_of_range",
+            f"label_{task}",
+            mask & ~((label >= 0) & (label <= 1)),
+            "outside [0, 1]; labels are probabilities or 0/1 (set the label mask to False where unobserved)",
+        )
     domain = scalar("domain", np.int64)
-    add("domain_out_of_range", "domain", (domain < 0) | (domain >= schema.num_domains),
-        f"outside [0, data.schema.num_domains={schema.num_domains})")
+    add(
+        "domain_out_of_range",
+        "domain",
+        (domain < 0) | (domain >= schema.num_domains),
+        f"outside [0, data.schema.num_domains={schema.num_domains})",
+    )
     if "weight" in table.column_names:
         weight = scalar("weight", np.float64)
         add("bad_weight", "weight", ~np.isfinite(weight) | (weight < 0), "negative or not finite; weights are >= 0")
@@ -189,9 +244,13 @@ def row_violations(table: pa.Table, schema: FeatureSchema) -> list[tuple[str, st
     for task in schema.tasks:
         if f"teacher_{task}" in table.column_names:
             logit = scalar(f"teacher_{task}", np.float64)
-            add("non_finite_teacher", f"teacher_{task}", ~np.isfinite(logit),
+            add(
+                "non_finite_teacher",
+                f"teacher_{task}",
+                ~np.isfinite(logit),
                 "NaN or inf teacher logit; re-export the teacher's outputs (python -m gem.transfer.export) from a "
-                "checkpoint that trained without NaNs")
+                "checkpoint that trained without NaNs",
+            )
     return out
 
 
@@ -206,8 +265,10 @@ def metadata_schema(file_schema: pa.Schema, path: str | Path) -> FeatureSchema |
     try:
         return FeatureSchema.from_config(json.loads(raw))
     except ValueError as e:  # bad JSON or a malformed schema
-        raise DataError(f"{path}: its gem.schema metadata is not a valid schema ({e}); rewrite the file with "
-                        "gem.data.format.layout.write_parquet, or give the schema in config (data.schema)") from None
+        raise DataError(
+            f"{path}: its gem.schema metadata is not a valid schema ({e}); rewrite the file with "
+            "gem.data.format.layout.write_parquet, or give the schema in config (data.schema)"
+        ) from None
 
 
 def _features(schema: FeatureSchema) -> dict[str, tuple[str, dict[str, Any]]]:
@@ -216,7 +277,10 @@ def _features(schema: FeatureSchema) -> dict[str, tuple[str, dict[str, Any]]]:
         out[f.name] = ("an id feature", {"cardinality": f.cardinality, "max_ids": f.max_ids, "table": f.table_name})
     for g in schema.sequence_groups:
         for f in g.features:
-            out[f.name] = (f"a feature of sequence group {g.name!r}", {"cardinality": f.cardinality, "table": f.table_name})
+            out[f.name] = (
+                f"a feature of sequence group {g.name!r}",
+                {"cardinality": f.cardinality, "table": f.table_name},
+            )
     return out
 
 
@@ -227,18 +291,33 @@ def schema_differences(a: FeatureSchema, b: FeatureSchema) -> list[tuple[str, An
     fa, fb = _features(a), _features(b)
     for name in list(fa) + [n for n in fb if n not in fa]:
         if name not in fb or name not in fa:
-            out.append((f"feature {name!r} is", fa[name][0] if name in fa else "absent", fb[name][0] if name in fb else "absent"))
+            out.append(
+                (
+                    f"feature {name!r} is",
+                    fa[name][0] if name in fa else "absent",
+                    fb[name][0] if name in fb else "absent",
+                )
+            )
         elif fa[name][0] != fb[name][0]:
             out.append((f"feature {name!r} is", fa[name][0], fb[name][0]))
         else:
-            out += [(f"feature {name!r} has {key}", va, fb[name][1][key]) for key, va in fa[name][1].items()
-                    if va != fb[name][1][key]]
+            out += [
+                (f"feature {name!r} has {key}", va, fb[name][1][key])
+                for key, va in fa[name][1].items()
+                if va != fb[name][1][key]
+            ]
     ga, gb = {g.name: g.max_len for g in a.sequence_groups}, {g.name: g.max_len for g in b.sequence_groups}
     for name in list(ga) + [n for n in gb if n not in ga]:
         if name in ga and name in gb and ga[name] != gb[name]:
             out.append((f"sequence group {name!r} has max_len", ga[name], gb[name]))
         elif name not in ga or name not in gb:
-            out.append((f"sequence group {name!r} is", "present" if name in ga else "absent", "present" if name in gb else "absent"))
+            out.append(
+                (
+                    f"sequence group {name!r} is",
+                    "present" if name in ga else "absent",
+                    "present" if name in gb else "absent",
+                )
+            )
     if a.num_dense != b.num_dense:
         out.append(("num_dense is", a.num_dense, b.num_dense))
     if sorted(a.tasks) != sorted(b.tasks):
@@ -252,21 +331,27 @@ def _short(path: Path) -> str:
     return f"{path.parent.name}/{path.name}" if path.parent.name else path.name
 
 
-def schema_mismatch_message(odd: Path, odd_schema: FeatureSchema, ref: Path, ref_schema: FeatureSchema,
-                            subject: bool = True) -> str:
+def schema_mismatch_message(
+    odd: Path, odd_schema: FeatureSchema, ref: Path, ref_schema: FeatureSchema, subject: bool = True
+) -> str:
     """``odd`` and ``ref`` carry different gem.schema metadata: name both files, the difference and
     the fix (``subject=False``: for a line that starts with ``odd`` already)."""
     diffs = schema_differences(odd_schema, ref_schema)
     shown = "; ".join(f"{what} {va} in {_short(odd)}, {vb} in {_short(ref)}" for what, va, vb in diffs[:3])
     more = f" (and {len(diffs) - 3} more differences)" if len(diffs) > 3 else ""
-    head = f"{odd} and {ref} carry different" if subject else f"its gem.schema differs from {ref}'s; they carry different"
-    return (f"{head} gem.schema metadata ({shown}{more}); every file of a data set must "
-            "be written with one schema: rewrite the odd file with the data set's schema "
-            "(gem.data.format.layout.write_parquet) or move it out of the data set")
+    head = (
+        f"{odd} and {ref} carry different" if subject else f"its gem.schema differs from {ref}'s; they carry different"
+    )
+    return (
+        f"{head} gem.schema metadata ({shown}{more}); every file of a data set must "
+        "be written with one schema: rewrite the odd file with the data set's schema "
+        "(gem.data.format.layout.write_parquet) or move it out of the data set"
+    )
 
 
-def check_same_schema(path: Path, file_schema: pa.Schema, reference: tuple[Path, FeatureSchema] | None,
-                      in_use: FeatureSchema) -> tuple[Path, FeatureSchema] | None:
+def check_same_schema(
+    path: Path, file_schema: pa.Schema, reference: tuple[Path, FeatureSchema] | None, in_use: FeatureSchema
+) -> tuple[Path, FeatureSchema] | None:
     """One file of a reader's list against the first one with gem.schema metadata (``reference``,
     None until found; returned updated). Raises naming both files and the difference; warns once
     when the files' schema is not ``in_use`` (data.schema given in config, or the train split's)."""
@@ -277,9 +362,15 @@ def check_same_schema(path: Path, file_schema: pa.Schema, reference: tuple[Path,
         diffs = schema_differences(schema, in_use)
         if diffs:
             what, va, vb = diffs[0]
-            logger.warning("%s: its gem.schema differs from the schema in use (data.schema, or the train split's "
-                           "files): %s %s in the file, %s in use%s", path, what, va, vb,
-                           f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else "")
+            logger.warning(
+                "%s: its gem.schema differs from the schema in use (data.schema, or the train split's "
+                "files): %s %s in the file, %s in use%s",
+                path,
+                what,
+                va,
+                vb,
+                f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else "",
+            )
         return Path(path), schema
     if schema_differences(schema, reference[1]):
         # Name the file that disagrees with the schema in use first, when one of the two agrees.
@@ -293,8 +384,7 @@ def check_rows(table: pa.Table, schema: FeatureSchema, where: str) -> None:
     """Raise on the first bad row of ``table`` , naming ``where``, the row, the column and the fix."""
     for case, column, rows, message in row_violations(table, schema):
         row = int(rows[0])
-        raise DataError(f"{where}: {Violation(case, column, row, message)}; "
-                        f"the row holds {cell(table, column, row)}")
+        raise DataError(f"{where}: {Violation(case, column, row, message)}; the row holds {cell(table, column, row)}")
 
 
 def cell(table: pa.Table, column: str, row: int, limit: int = 8) -> str:

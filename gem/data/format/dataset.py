@@ -32,18 +32,24 @@ def split_files(directory: str | os.PathLike, split: str) -> list[Path]:
     split fails with what was expected, what was found and how to lay the files out."""
     directory = Path(directory)
     if not directory.is_dir():
-        raise MissingDataError(f"data.dir={str(directory)!r} does not exist; set data.dir to a gem data set: "
-                               f"a folder with {_expected()} of *.parquet files")
+        raise MissingDataError(
+            f"data.dir={str(directory)!r} does not exist; set data.dir to a gem data set: "
+            f"a folder with {_expected()} of *.parquet files"
+        )
     folder = directory / split
     if not folder.is_dir():
-        raise MissingDataError(f"data.dir={str(directory)!r} has no {split}/ folder: a gem data set holds "
-                               f"{_expected()} of *.parquet files, and this folder holds {_found(directory)}; "
-                               f"{_layout_hint(directory)}")
+        raise MissingDataError(
+            f"data.dir={str(directory)!r} has no {split}/ folder: a gem data set holds "
+            f"{_expected()} of *.parquet files, and this folder holds {_found(directory)}; "
+            f"{_layout_hint(directory)}"
+        )
     files = sorted(folder.glob("*.parquet"))
     if not files:
-        raise MissingDataError(f"{folder} holds no *.parquet files (it holds {_found(folder)}); put the {split} "
-                               f"split's Parquet files there (gem layout, docs/data.md; check a data set with "
-                               f"`python -m gem.data.format.validate {directory}`){_generated_hint(directory)}")
+        raise MissingDataError(
+            f"{folder} holds no *.parquet files (it holds {_found(folder)}); put the {split} "
+            f"split's Parquet files there (gem layout, docs/data.md; check a data set with "
+            f"`python -m gem.data.format.validate {directory}`){_generated_hint(directory)}"
+        )
     return files
 
 
@@ -64,20 +70,25 @@ def _found(folder: Path, limit: int = 8) -> str:
     parts = []
     if dirs:
         parts.append(f"the folders {dirs[:limit] + (['...'] if len(dirs) > limit else [])}")
-    parts += [f"{n} {'*' + k if k.startswith('.') else repr(k)} file{'s' if n > 1 else ''}" for k, n in sorted(suffixes.items())]
+    parts += [
+        f"{n} {'*' + k if k.startswith('.') else repr(k)} file{'s' if n > 1 else ''}"
+        for k, n in sorted(suffixes.items())
+    ]
     return ", ".join(parts)
 
 
 def _layout_hint(directory: Path) -> str:
     if any(directory.glob("*.parquet")):
-        return (f"move its *.parquet files into {directory / SPLITS[0]}/ and hold some out in "
-                + " and ".join(f"{directory / s}/" for s in SPLITS[1:]))
+        return f"move its *.parquet files into {directory / SPLITS[0]}/ and hold some out in " + " and ".join(
+            f"{directory / s}/" for s in SPLITS[1:]
+        )
     present = [s for s in SPLITS if (directory / s).is_dir()]
     nested = [p for p in sorted(directory.iterdir()) if p.is_dir() and (p / SPLITS[0]).is_dir()]
     if nested and not present:
         return f"it looks like a folder of data sets: set data.dir={str(nested[0])!r}"
     return "write each split's Parquet files (gem layout, docs/data.md) into " + ", ".join(
-        f"{directory / s}/" for s in SPLITS)
+        f"{directory / s}/" for s in SPLITS
+    )
 
 
 def _generated_hint(directory: Path) -> str:
@@ -115,7 +126,10 @@ def schema_from_files(files: list[Path]) -> FeatureSchema:
     if len(groups) > 1:
         groups.sort(key=len, reverse=True)
         (ref, ref_schema), (odd, odd_schema) = groups[0][0], groups[1][0]
-        count = (f"; {len(schemas) - len(groups[0])} of {len(schemas)} files differ from the other "
-                 f"{len(groups[0])}" if len(groups[0]) > len(groups[1]) else "")
+        count = (
+            f"; {len(schemas) - len(groups[0])} of {len(schemas)} files differ from the other {len(groups[0])}"
+            if len(groups[0]) > len(groups[1])
+            else ""
+        )
         raise DataError(schema_mismatch_message(odd, odd_schema, ref, ref_schema) + count)
     return schemas[0][1]

@@ -1,4 +1,4 @@
-"""The gem Parquet layout (version 2; version 1 files stay readable) and a simple, validating reader that yields Batches.
+"""The gem Parquet layout (version 2; version 1 files stay readable): its columns, types and metadata.
 
 One row per example. Columns, for a schema with id features ``F``, sequence features ``S``,
 tasks ``K``:
@@ -56,8 +56,12 @@ def is_optional_column(name: str) -> bool:
     return name in OPTIONAL_COLUMNS or name.startswith(TEACHER_PREFIX)
 
 
-def arrow_schema(schema: FeatureSchema, with_weight: bool = False, with_request_id: bool = False,
-                 teacher_tasks: tuple[str, ...] | list[str] = ()) -> pa.Schema:
+def arrow_schema(
+    schema: FeatureSchema,
+    with_weight: bool = False,
+    with_request_id: bool = False,
+    teacher_tasks: tuple[str, ...] | list[str] = (),
+) -> pa.Schema:
     ids = pa.list_(pa.int64())
     fields = [pa.field(n, ids) for n in schema.id_feature_names + schema.sequence_feature_names]
     fields.append(pa.field("dense", pa.list_(pa.float32())))
@@ -77,8 +81,12 @@ def write_parquet(table: pa.Table, path: str | Path, schema: FeatureSchema, row_
     """Write ``table`` (columns as in the module docstring) atomically to ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    target = arrow_schema(schema, with_weight="weight" in table.column_names,
-                          with_request_id="request_id" in table.column_names, teacher_tasks=present_teachers(table.column_names, schema))
+    target = arrow_schema(
+        schema,
+        with_weight="weight" in table.column_names,
+        with_request_id="request_id" in table.column_names,
+        teacher_tasks=present_teachers(table.column_names, schema),
+    )
     missing = [n for n in target.names if n not in table.column_names]
     if missing:
         raise ValueError(f"write_parquet: the table lacks columns {missing} of the gem layout v{LAYOUT_VERSION}")

@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -39,8 +40,15 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from gem.data.errors import DataError
-from gem.data.format.checks import (CASES, Violation, cell, check_same_schema, error_policy, file_violations,
-                                     row_violations)
+from gem.data.format.checks import (
+    CASES,
+    Violation,
+    cell,
+    check_same_schema,
+    error_policy,
+    file_violations,
+    row_violations,
+)
 from gem.data.format.layout import OPTIONAL_COLUMNS, TEACHER_PREFIX, arrow_schema, present_teachers, teacher_columns
 from gem.data.pipeline.balance import deal_by_length
 from gem.data.pipeline.batch import Batch
@@ -66,7 +74,7 @@ class LoaderOptions:
     on_error: dict[str, str | None] = field(default_factory=lambda: {"default": "fail"} | dict.fromkeys(CASES))
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any] | None) -> "LoaderOptions":
+    def from_config(cls, cfg: Mapping[str, Any] | None) -> LoaderOptions:
         cfg = dict(cfg or {})
         unknown = sorted(set(cfg) - {f.name for f in fields(cls)})
         if unknown:
@@ -100,9 +108,20 @@ class StreamingParquetReader(torch.utils.data.IterableDataset):
         options: window, balancing and bad-input policy.
     """
 
-    def __init__(self, files: list[Path], schema: FeatureSchema, batch_size: int, *, shuffle: bool = False,
-                 seed: int = 0, drop_last: bool = False, rank: int = 0, world_size: int = 1, num_workers: int = 0,
-                 options: LoaderOptions | None = None) -> None:
+    def __init__(
+        self,
+        files: list[Path],
+        schema: FeatureSchema,
+        batch_size: int,
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        drop_last: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+        num_workers: int = 0,
+        options: LoaderOptions | None = None,
+    ) -> None:
         if batch_size < 1:
             raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
         if not 0 <= rank < world_size:
@@ -124,8 +143,12 @@ class StreamingParquetReader(torch.utils.data.IterableDataset):
         self.rotation = 0  # DataLoader worker i plays worker (i + rotation) % num_workers
         self.plan_stats: Counter = Counter()
         self._units, optional = self._plan_units()
-        target = arrow_schema(schema, with_weight="weight" in optional, with_request_id="request_id" in optional,
-                              teacher_tasks=present_teachers(optional, schema))  # in every file
+        target = arrow_schema(
+            schema,
+            with_weight="weight" in optional,
+            with_request_id="request_id" in optional,
+            teacher_tasks=present_teachers(optional, schema),
+        )  # in every file
         self._target = target.remove_metadata()
         self._cache: tuple[_Unit, pa.Table | None] | None = None
 
@@ -141,8 +164,11 @@ class StreamingParquetReader(torch.utils.data.IterableDataset):
                 file = pq.ParquetFile(path)
                 footers.append((file.schema_arrow, file.metadata))
             except (pa.ArrowException, OSError) as e:
-                footers.append(Violation("unreadable_file", None, None,
-                                         f"not a readable Parquet file ({e}); delete or regenerate it"))
+                footers.append(
+                    Violation(
+                        "unreadable_file", None, None, f"not a readable Parquet file ({e}); delete or regenerate it"
+                    )
+                )
                 continue
             reference = check_same_schema(path, file.schema_arrow, reference, self.schema)
         for i, (path, footer) in enumerate(zip(self.files, footers)):
@@ -202,8 +228,10 @@ class StreamingParquetReader(torch.utils.data.IterableDataset):
         worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
         worker = (worker + self.rotation) % num_workers
         if num_workers != max(self.num_workers, 1):
-            raise RuntimeError(f"the reader was planned for {self.num_workers} workers but runs in {num_workers}; "
-                               "build it with the DataLoader's num_workers (gem.data.pipeline.loader.build_loader does)")
+            raise RuntimeError(
+                f"the reader was planned for {self.num_workers} workers but runs in {num_workers}; "
+                "build it with the DataLoader's num_workers (gem.data.pipeline.loader.build_loader does)"
+            )
         units, starts = self._epoch_units()
         _, num_batches, row, end = self._worker_plan(worker, num_workers)
         k = self.options.window_batches
@@ -217,8 +245,9 @@ class StreamingParquetReader(torch.utils.data.IterableDataset):
                 if first + i >= done:
                     yield (worker, first + i), stats, batch
 
-    def _window(self, units: list[_Unit], starts: np.ndarray, lo: int, hi: int,
-                num_batches: int) -> list[tuple[dict[str, int], Batch | None]]:
+    def _window(
+        self, units: list[_Unit], starts: np.ndarray, lo: int, hi: int, num_batches: int
+    ) -> list[tuple[dict[str, int], Batch | None]]:
         """The batches of stream rows ``[lo, hi)``, each with its own counts (skipped, truncated)."""
         pieces, where, unreadable = [], [], 0
         u = int(np.searchsorted(starts, lo, side="right")) - 1
@@ -242,9 +271,11 @@ class StreamingParquetReader(torch.utils.data.IterableDataset):
         for case, column, rows, message in row_violations(table, self.schema):
             if self.policy[case] == "fail":
                 path, file_row = self._locate(where, int(rows[0]))
-                raise DataError(f"{path}, row {file_row}: column {column!r}: {message}; the row holds "
-                                f"{cell(table, column, int(rows[0]))}; set data.loader.on_error.{case}=skip to skip "
-                                "and count such rows")
+                raise DataError(
+                    f"{path}, row {file_row}: column {column!r}: {message}; the row holds "
+                    f"{cell(table, column, int(rows[0]))}; set data.loader.on_error.{case}=skip to skip "
+                    "and count such rows"
+                )
             fresh = rows[~bad[rows]]
             case_of[fresh] = case
             bad[fresh] = True
@@ -259,7 +290,7 @@ class StreamingParquetReader(torch.utils.data.IterableDataset):
             rank_in_order[order] = np.arange(n)
             groups = [b[np.argsort(rank_in_order[b])] for b in deal_by_length(lengths, num_batches, order)]
         else:
-            groups = [order[i * self.batch_size:(i + 1) * self.batch_size] for i in range(num_batches)]
+            groups = [order[i * self.batch_size : (i + 1) * self.batch_size] for i in range(num_batches)]
 
         kept = [g[~bad[g]] for g in groups]
         gathered = table.take(np.concatenate(kept)) if n else table
@@ -291,8 +322,10 @@ class StreamingParquetReader(torch.utils.data.IterableDataset):
             table = table.replace_schema_metadata(None).cast(self._target)
         except (pa.ArrowException, OSError) as e:
             if self.policy["unreadable_file"] == "fail":
-                raise DataError(f"{path}: row group {unit.row_group} is corrupt or truncated ({e}); delete or "
-                                "regenerate the file, or set data.loader.on_error.unreadable_file=skip") from e
+                raise DataError(
+                    f"{path}: row group {unit.row_group} is corrupt or truncated ({e}); delete or "
+                    "regenerate the file, or set data.loader.on_error.unreadable_file=skip"
+                ) from e
             logger.warning("skipping row group %d of %s: %s", unit.row_group, path, e)
             table = None
         self._cache = (unit, table)
@@ -317,8 +350,8 @@ def _list_parts(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
 def table_to_batch(table: pa.Table, schema: FeatureSchema) -> tuple[Batch, int]:
     """A checked Arrow table in the gem layout -> (Batch, number of histories truncated to max_len).
 
-    The reader's conversion (also the teacher export's); ``table`` has passed gem/data/format/checks.py (no nulls, ids in
-    range, equal lengths within a sequence group, ``num_dense`` values per row).
+    The reader's conversion (also the teacher export's); ``table`` has passed gem/data/format/checks.py
+    (no nulls, ids in range, equal lengths within a sequence group, ``num_dense`` values per row).
     """
     num_rows = table.num_rows
     lengths, values = [], []
@@ -350,9 +383,17 @@ def table_to_batch(table: pa.Table, schema: FeatureSchema) -> tuple[Batch, int]:
     if "request_id" in table.column_names:
         optional["request_id"] = torch.from_numpy(table.column("request_id").to_numpy().astype(np.int64))
     if any(f"{TEACHER_PREFIX}{t}" in table.column_names for t in tasks):  # absent tasks: NaN
-        optional["teacher"] = torch.from_numpy(np.stack(
-            [table.column(f"{TEACHER_PREFIX}{t}").to_numpy().astype(np.float32) if f"{TEACHER_PREFIX}{t}" in
-             table.column_names else np.full(num_rows, np.nan, np.float32) for t in tasks], axis=1))
+        optional["teacher"] = torch.from_numpy(
+            np.stack(
+                [
+                    table.column(f"{TEACHER_PREFIX}{t}").to_numpy().astype(np.float32)
+                    if f"{TEACHER_PREFIX}{t}" in table.column_names
+                    else np.full(num_rows, np.nan, np.float32)
+                    for t in tasks
+                ],
+                axis=1,
+            )
+        )
     batch = Batch(
         sparse=sparse,
         sequences=sequences,
@@ -374,7 +415,9 @@ def _keep_most_recent(lengths: np.ndarray, values: np.ndarray, max_len: int) -> 
     new_lengths = np.minimum(lengths, max_len)
     ends = np.cumsum(lengths)
     starts = ends - new_lengths
-    keep = np.repeat(starts - np.concatenate([[0], np.cumsum(new_lengths)[:-1]]), new_lengths) + np.arange(new_lengths.sum())
+    keep = np.repeat(starts - np.concatenate([[0], np.cumsum(new_lengths)[:-1]]), new_lengths) + np.arange(
+        new_lengths.sum()
+    )
     return new_lengths, values[keep], cut
 
 
@@ -384,6 +427,9 @@ def _kjt(keys: list[str], lengths: list[np.ndarray], values: list[np.ndarray]) -
     device-to-host copy (a sync) at its first ``to_dict()``, every step."""
     if not keys:
         return KeyedJaggedTensor.empty()
-    return KeyedJaggedTensor(keys=keys, values=torch.from_numpy(np.concatenate(values).astype(np.int64, copy=False)),
-                             lengths=torch.from_numpy(np.concatenate(lengths).astype(np.int32)),
-                             length_per_key=[int(n.sum()) for n in lengths])
+    return KeyedJaggedTensor(
+        keys=keys,
+        values=torch.from_numpy(np.concatenate(values).astype(np.int64, copy=False)),
+        lengths=torch.from_numpy(np.concatenate(lengths).astype(np.int32)),
+        length_per_key=[int(n.sum()) for n in lengths],
+    )

@@ -17,8 +17,14 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gem.data.format.checks import (Violation, file_violations, metadata_schema, row_violations, schema_differences,
-                                    schema_mismatch_message)
+from gem.data.format.checks import (
+    Violation,
+    file_violations,
+    metadata_schema,
+    row_violations,
+    schema_differences,
+    schema_mismatch_message,
+)
 from gem.data.pipeline.schema import FeatureSchema
 
 
@@ -44,8 +50,14 @@ def validate_file(path: str | Path, schema: FeatureSchema | None = None) -> list
         try:
             table = file.read_row_group(rg, columns=columns)
         except (pa.ArrowException, OSError) as e:
-            out.append(Violation("unreadable_file", None, start,
-                                 f"row group {rg} is corrupt or truncated ({e}); delete or regenerate the file"))
+            out.append(
+                Violation(
+                    "unreadable_file",
+                    None,
+                    start,
+                    f"row group {rg} is corrupt or truncated ({e}); delete or regenerate the file",
+                )
+            )
             break
         for case, column, rows, message in row_violations(table, schema):
             out += [Violation(case, column, start + int(r), message) for r in rows]
@@ -62,7 +74,9 @@ def _layout_columns(schema: FeatureSchema) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+", help="Parquet files or folders (searched recursively)")
-    parser.add_argument("--max-per-column", type=int, default=20, help="print at most this many rows per file and column")
+    parser.add_argument(
+        "--max-per-column", type=int, default=20, help="print at most this many rows per file and column"
+    )
     args = parser.parse_args(argv)
     files, missing = collect_files([Path(p) for p in args.paths])
     for problem in missing:
@@ -80,8 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         hidden = sum(max(0, n - args.max_per_column) for n in shown.values())
         if hidden:
             print(f"{f}: ... and {hidden} more")
-    print(f"{len(files)} files, {bad} with violations" + (f", {len(missing)} missing or empty folders" if missing else ""),
-          file=sys.stderr)
+    print(
+        f"{len(files)} files, {bad} with violations"
+        + (f", {len(missing)} missing or empty folders" if missing else ""),
+        file=sys.stderr,
+    )
     return 1 if bad or missing or not files else 0
 
 
@@ -96,8 +113,10 @@ def collect_files(paths: list[Path]) -> tuple[list[Path], list[str]]:
     problems: list[str] = []
     for p in paths:
         if not p.exists():
-            problems.append(f"{p}: does not exist; give a data set folder (with train/, val/ and test/), a split folder "
-                            "or Parquet files")
+            problems.append(
+                f"{p}: does not exist; give a data set folder (with train/, val/ and test/), a split folder "
+                "or Parquet files"
+            )
             continue
         if not p.is_dir():
             files.append(p)
@@ -107,14 +126,20 @@ def collect_files(paths: list[Path]) -> tuple[list[Path], list[str]]:
         if splits:
             for s in SPLITS:
                 if s not in splits:
-                    problems.append(f"{p}: no {s}/ folder; a gem data set holds train/, val/ and test/ folders of "
-                                    f"*.parquet files (this one holds {_found(p)}); add the {s} split's files in {p / s}/")
+                    problems.append(
+                        f"{p}: no {s}/ folder; a gem data set holds train/, val/ and test/ folders of "
+                        f"*.parquet files (this one holds {_found(p)}); add the {s} split's files in {p / s}/"
+                    )
                 elif not any((p / s).rglob("*.parquet")):
-                    problems.append(f"{p / s}: holds no *.parquet files (it holds {_found(p / s)}); put the {s} "
-                                    "split's Parquet files there")
+                    problems.append(
+                        f"{p / s}: holds no *.parquet files (it holds {_found(p / s)}); put the {s} "
+                        "split's Parquet files there"
+                    )
         elif not found:
-            problems.append(f"{p}: holds no *.parquet files (it holds {_found(p)}); give a data set folder (with "
-                            "train/, val/ and test/ folders of *.parquet files), a split folder or Parquet files")
+            problems.append(
+                f"{p}: holds no *.parquet files (it holds {_found(p)}); give a data set folder (with "
+                "train/, val/ and test/ folders of *.parquet files), a split folder or Parquet files"
+            )
         files += found
     return files, problems
 
@@ -139,8 +164,14 @@ def schema_outliers(files: list[Path]) -> dict[Path, Violation]:
         return {}
     majority = max(groups, key=len)  # the first found among equals
     ref, ref_schema = majority[0]
-    return {path: Violation("schema_mismatch", None, None, schema_mismatch_message(path, schema, ref, ref_schema, subject=False))
-            for g in groups if g is not majority for path, schema in g}
+    return {
+        path: Violation(
+            "schema_mismatch", None, None, schema_mismatch_message(path, schema, ref, ref_schema, subject=False)
+        )
+        for g in groups
+        if g is not majority
+        for path, schema in g
+    }
 
 
 if __name__ == "__main__":

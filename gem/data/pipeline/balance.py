@@ -40,8 +40,8 @@ def deal_by_length(lengths: np.ndarray, num_batches: int, order: np.ndarray | No
     batch_of = np.empty(len(lengths), dtype=np.int64)
     totals = np.zeros(num_batches, dtype=np.int64)
     for start in range(0, len(by_length), num_batches):
-        rows = by_length[start:start + num_batches]
-        lightest = np.argsort(totals, kind="stable")[:len(rows)]
+        rows = by_length[start : start + num_batches]
+        lightest = np.argsort(totals, kind="stable")[: len(rows)]
         batch_of[rows] = lightest
         totals[lightest] += lengths[rows]
     order_of = np.argsort(batch_of, kind="stable")
@@ -52,5 +52,9 @@ def imbalance(tokens: np.ndarray) -> dict[str, float]:
     """Imbalance of ``tokens [steps, ranks]``: per step max / mean over ranks, averaged and worst over steps."""
     tokens = np.asarray(tokens, dtype=np.float64)
     ratio = tokens.max(axis=1) / np.maximum(tokens.mean(axis=1), 1e-12)
-    return {"max_over_mean_mean": float(ratio.mean()), "max_over_mean_worst": float(ratio.max()),
-            "steps": int(tokens.shape[0]), "ranks": int(tokens.shape[1])}
+    return {
+        "max_over_mean_mean": float(ratio.mean()),
+        "max_over_mean_worst": float(ratio.max()),
+        "steps": int(tokens.shape[0]),
+        "ranks": int(tokens.shape[1]),
+    }

@@ -53,10 +53,10 @@ class Batch(Pipelineable):
     def batch_size(self) -> int:
         return self.dense.shape[0]
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         return self._map(lambda t: t.to(device=device, non_blocking=non_blocking))
 
-    def pin_memory(self) -> "Batch":
+    def pin_memory(self) -> Batch:
         return self._map(lambda t: t.pin_memory())
 
     def record_stream(self, stream: torch.Stream) -> None:
@@ -66,7 +66,7 @@ class Batch(Pipelineable):
             if isinstance(value, (torch.Tensor, KeyedJaggedTensor)):
                 value.record_stream(stream)
 
-    def _map(self, fn) -> "Batch":
+    def _map(self, fn) -> Batch:
         fields = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)

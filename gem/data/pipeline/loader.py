@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -64,47 +65,90 @@ class BatchLoader:
         r = self.reader
         # Rotate the workers so that a resumed epoch continues the round robin in the same order.
         r.epoch, r.resume, r.rotation = self.epoch, list(self.consumed), self._next_worker()
-        loader = torch.utils.data.DataLoader(r, batch_size=None, num_workers=r.num_workers, pin_memory=self.pin_memory,
-                                             prefetch_factor=r.options.prefetch_factor if r.num_workers else None)
+        loader = torch.utils.data.DataLoader(
+            r,
+            batch_size=None,
+            num_workers=r.num_workers,
+            pin_memory=self.pin_memory,
+            prefetch_factor=r.options.prefetch_factor if r.num_workers else None,
+        )
         for (worker, position), stats, batch in loader:
             self.consumed[worker] = position + 1
             self.stats.update(stats)
             if stats.get("truncated_histories") and not self._warned_truncation:
                 self._warned_truncation = True
-                logger.warning("histories longer than the group's max_len are cut to the most recent events "
-                               "(counted in loader stats 'truncated_histories')")
+                logger.warning(
+                    "histories longer than the group's max_len are cut to the most recent events "
+                    "(counted in loader stats 'truncated_histories')"
+                )
             if batch is not None:
                 yield batch
 
     def state_dict(self) -> dict[str, Any]:
-        return {"version": STATE_VERSION, "epoch": self.epoch, "consumed": list(self.consumed),
-                "stats": dict(self.stats), **self._plan_key()}
+        return {
+            "version": STATE_VERSION,
+            "epoch": self.epoch,
+            "consumed": list(self.consumed),
+            "stats": dict(self.stats),
+            **self._plan_key(),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"loader state version {state.get('version')!r}, expected {STATE_VERSION}")
         for key, value in self._plan_key().items():
             if state.get(key) != value:
-                raise ValueError(f"loader state was saved with {key}={state.get(key)!r}, this run has {value!r}; "
-                                 f"resume with the same {key} (data.* config) or start the epoch afresh")
+                raise ValueError(
+                    f"loader state was saved with {key}={state.get(key)!r}, this run has {value!r}; "
+                    f"resume with the same {key} (data.* config) or start the epoch afresh"
+                )
         self.epoch = int(state["epoch"])
         self.consumed = [int(c) for c in state["consumed"]]
         self.stats = Counter({k: int(v) for k, v in state["stats"].items()})
 
     def _plan_key(self) -> dict[str, Any]:
         r = self.reader
-        return {"files": [str(f) for f in r.files], "batch_size": r.batch_size, "shuffle": r.shuffle, "seed": r.seed,
-                "drop_last": r.drop_last, "rank": r.rank, "world_size": r.world_size,
-                "num_workers": r.num_workers, "window_batches": r.options.window_batches,
-                "balance": r.options.balance}
+        return {
+            "files": [str(f) for f in r.files],
+            "batch_size": r.batch_size,
+            "shuffle": r.shuffle,
+            "seed": r.seed,
+            "drop_last": r.drop_last,
+            "rank": r.rank,
+            "world_size": r.world_size,
+            "num_workers": r.num_workers,
+            "window_batches": r.options.window_batches,
+            "balance": r.options.balance,
+        }
 
 
-def build_loader(files: list[Path], schema: FeatureSchema, batch_size: int, *, shuffle: bool = False, seed: int = 0,
-                 drop_last: bool = False, rank: int = 0, world_size: int = 1, num_workers: int = 0,
-                 pin_memory: bool = False, options: LoaderOptions | Mapping[str, Any] | None = None) -> BatchLoader:
+def build_loader(
+    files: list[Path],
+    schema: FeatureSchema,
+    batch_size: int,
+    *,
+    shuffle: bool = False,
+    seed: int = 0,
+    drop_last: bool = False,
+    rank: int = 0,
+    world_size: int = 1,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    options: LoaderOptions | Mapping[str, Any] | None = None,
+) -> BatchLoader:
     """The training / evaluation loader of one rank (arguments as in :class:`StreamingParquetReader`)."""
     if not isinstance(options, LoaderOptions):
         options = LoaderOptions.from_config(options)
-    reader = StreamingParquetReader(files, schema, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
-                                    rank=rank, world_size=world_size, num_workers=num_workers, options=options)
+    reader = StreamingParquetReader(
+        files,
+        schema,
+        batch_size,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=drop_last,
+        rank=rank,
+        world_size=world_size,
+        num_workers=num_workers,
+        options=options,
+    )
     return BatchLoader(reader, pin_memory=pin_memory)

@@ -7,8 +7,9 @@ caught once, at start-up, with a message that names the key.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,9 @@ class FeatureSchema:
             raise ValueError(f"data.schema: feature names must be unique, repeated: {dup}")
         for n in names + [g.name for g in self.sequence_groups]:
             if not n.isidentifier():
-                raise ValueError(f"data.schema: feature / group name {n!r} must be a Python identifier (letters, digits, _)")
+                raise ValueError(
+                    f"data.schema: feature / group name {n!r} must be a Python identifier (letters, digits, _)"
+                )
         for f in self.id_features:
             if f.cardinality < 1 or f.max_ids < 1:
                 raise ValueError(f"data.schema.id_features.{f.name}: cardinality and max_ids must be >= 1")
@@ -82,7 +85,9 @@ class FeatureSchema:
                 raise ValueError(f"data.schema.sequence_groups.{g.name}: needs max_len >= 1 and at least one feature")
             for f in g.features:
                 if f.cardinality < 1:
-                    raise ValueError(f"data.schema.sequence_groups.{g.name}.features.{f.name}: cardinality must be >= 1")
+                    raise ValueError(
+                        f"data.schema.sequence_groups.{g.name}.features.{f.name}: cardinality must be >= 1"
+                    )
         cardinality: dict[str, tuple[str, int]] = {}
         for f in list(self.id_features) + [f for g in self.sequence_groups for f in g.features]:
             first = cardinality.setdefault(f.table_name, (f.name, f.cardinality))
@@ -127,7 +132,7 @@ class FeatureSchema:
 
     # -- config ------------------------------------------------------------------------------
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any]) -> "FeatureSchema":
+    def from_config(cls, cfg: Mapping[str, Any]) -> FeatureSchema:
         """Build from the ``data.schema`` config node (plain dicts / lists, as in configs/data/*.yaml)."""
         try:
             return cls(
@@ -145,7 +150,9 @@ class FeatureSchema:
                 num_domains=int(cfg.get("num_domains", 1)),
             )
         except (KeyError, TypeError) as e:
-            raise ValueError(f"data.schema: malformed schema ({e}); see configs/data/synthetic.yaml for the expected form") from e
+            raise ValueError(
+                f"data.schema: malformed schema ({e}); see configs/data/synthetic.yaml for the expected form"
+            ) from e
 
     def feature(self, name: str) -> IdFeature | SequenceFeature:
         for f in list(self.id_features) + [f for g in self.sequence_groups for f in g.features]:

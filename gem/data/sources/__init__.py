@@ -6,7 +6,8 @@ Each source module has ``open_source(data_cfg, is_writer) -> DataSource``; :data
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from gem.data.errors import DataError
 from gem.data.sources import parquet, seqrec, stream, synthetic

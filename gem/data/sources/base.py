@@ -22,8 +22,9 @@ def dataset_schema(data_cfg: Any, directory: Path | None) -> FeatureSchema:
     if data_cfg.schema:
         return FeatureSchema.from_config(data_cfg.schema)
     if directory is None:
-        raise ValueError("data.schema is empty and there is no data set folder to read one from; set data.schema "
-                         "or data.dir")
+        raise ValueError(
+            "data.schema is empty and there is no data set folder to read one from; set data.schema or data.dir"
+        )
     return schema_from_files(split_files(directory, "train"))
 
 
@@ -37,14 +38,14 @@ class DataSource:
     dir: Path
 
     @classmethod
-    def from_folder(cls, data_cfg: Any, directory: Path) -> "DataSource":
+    def from_folder(cls, data_cfg: Any, directory: Path) -> DataSource:
         return cls(data_cfg.kind, dataset_schema(data_cfg, directory), Path(directory))
 
     def files(self, split: str) -> list[Path]:
         """The Parquet files of ``split``; a missing or empty split raises naming the folder."""
         return split_files(self.dir, split)
 
-    def loader(self, split: str, batch_size: int, **kwargs: Any) -> "BatchLoader":
+    def loader(self, split: str, batch_size: int, **kwargs: Any) -> BatchLoader:
         """One rank's loader over ``split`` (keyword arguments as in :func:`gem.data.pipeline.loader.build_loader`)."""
         from gem.data.pipeline.loader import build_loader
 

@@ -32,9 +32,10 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -43,6 +44,9 @@ import pyarrow.csv as pacsv
 from gem.data.format.dataset import wait_for_folder
 from gem.data.format.layout import write_parquet
 from gem.data.pipeline.schema import FeatureSchema
+
+if TYPE_CHECKING:  # imported where a source is opened: the loader is heavy
+    from gem.data.sources.base import DataSource
 
 logger = logging.getLogger("gem")
 
@@ -85,7 +89,7 @@ class SeqRecOptions:
     event_attrs: int = 0
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any] | None) -> "SeqRecOptions":
+    def from_config(cls, cfg: Mapping[str, Any] | None) -> SeqRecOptions:
         try:
             options = cls(**dict(cfg or {}))
         except TypeError as e:
@@ -107,8 +111,15 @@ class SeqRecData:
     eval_negatives: dict[int, np.ndarray] | None = None  # user (0-based) -> fixed negatives
 
 
-def seqrec_schema(num_users: int, num_items: int, num_attributes: int, max_attrs: int, max_len: int,
-                  event_attrs: int = 0, num_generative_negatives: int = 0) -> FeatureSchema:
+def seqrec_schema(
+    num_users: int,
+    num_items: int,
+    num_attributes: int,
+    max_attrs: int,
+    max_len: int,
+    event_attrs: int = 0,
+    num_generative_negatives: int = 0,
+) -> FeatureSchema:
     """The one place the seqrec schema is made: candidate, attributes and history share the item id space.
 
     ``event_attrs`` adds per-event attribute features to the history group; ``num_generative_negatives``
@@ -121,22 +132,32 @@ def seqrec_schema(num_users: int, num_items: int, num_attributes: int, max_attrs
     ]
     event_attrs = event_attrs if num_attributes else 0
     if num_attributes:  # with per-event attributes, the candidate's share their table
-        id_features.append({"name": "item_attr", "cardinality": num_attributes + 1, "max_ids": max_attrs,
-                            **({"table": "attr"} if event_attrs else {})})
+        id_features.append(
+            {
+                "name": "item_attr",
+                "cardinality": num_attributes + 1,
+                "max_ids": max_attrs,
+                **({"table": "attr"} if event_attrs else {}),
+            }
+        )
     hist = [{"name": "hist_item", "cardinality": num_items + 1, "table": "item"}]
     hist += [{"name": f"hist_attr{i}", "cardinality": num_attributes + 1, "table": "attr"} for i in range(event_attrs)]
     groups = [{"name": "hist", "max_len": max_len, "features": hist}]
     if num_generative_negatives:  # the negatives carry the attributes the history's events carry
         neg = [{"name": "neg_item", "cardinality": num_items + 1, "table": "item"}]
-        neg += [{"name": f"neg_attr{i}", "cardinality": num_attributes + 1, "table": "attr"} for i in range(event_attrs)]
+        neg += [
+            {"name": f"neg_attr{i}", "cardinality": num_attributes + 1, "table": "attr"} for i in range(event_attrs)
+        ]
         groups.append({"name": "neg", "max_len": num_generative_negatives, "features": neg})
-    return FeatureSchema.from_config({
-        "id_features": id_features,
-        "sequence_groups": groups,
-        "num_dense": 1,
-        "tasks": [TASK],
-        "num_domains": 1,
-    })
+    return FeatureSchema.from_config(
+        {
+            "id_features": id_features,
+            "sequence_groups": groups,
+            "num_dense": 1,
+            "tasks": [TASK],
+            "num_domains": 1,
+        }
+    )
 
 
 # -- readers -----------------------------------------------------------------------------------
@@ -145,7 +166,11 @@ def read_s3rec(directory: str | Path, name: str) -> SeqRecData:
     directory = Path(directory)
     path = directory / f"{name}.txt"
     if not path.is_file():
-        found = sorted(p.stem for p in directory.glob("*.txt") if not p.stem.endswith("_sample")) if directory.is_dir() else []
+        found = (
+            sorted(p.stem for p in directory.glob("*.txt") if not p.stem.endswith("_sample"))
+            if directory.is_dir()
+            else []
+        )
         raise FileNotFoundError(f"{path} not found; set data.dir to the folder and data.name to one of {found}")
     sequences, users = [], []
     for line_no, line in enumerate(path.read_text().splitlines(), 1):
@@ -155,7 +180,9 @@ def read_s3rec(directory: str | Path, name: str) -> SeqRecData:
         try:
             ids = np.array(parts, dtype=np.int64)
         except ValueError:
-            raise ValueError(f"{path}, line {line_no}: expected 'user item item ...' as integers, got {line[:80]!r}") from None
+            raise ValueError(
+                f"{path}, line {line_no}: expected 'user item item ...' as integers, got {line[:80]!r}"
+            ) from None
         if (ids[1:] < 1).any():
             raise ValueError(f"{path}, line {line_no}: item ids start at 1, found {int(ids[1:].min())}")
         users.append(int(ids[0]))
@@ -173,7 +200,7 @@ def read_s3rec(directory: str | Path, name: str) -> SeqRecData:
     sample_path = directory / f"{name}_sample.txt"
     if sample_path.is_file():
         negatives = {}
-        for line_no, line in enumerate(sample_path.read_text().splitlines(), 1):
+        for line in sample_path.read_text().splitlines():
             parts = np.array(line.split(), dtype=np.int64)
             if len(parts):
                 negatives[int(parts[0]) - 1] = parts[1:]
@@ -197,9 +224,11 @@ def read_interactions(path: str | Path, min_rating: float = 0.0) -> SeqRecData:
     head = first.replace(b"::", b"\t").split(delimiter.encode())
     has_header = not head[0].strip().lstrip(b"-").isdigit()
     try:
-        table = pacsv.read_csv(io.BytesIO(text),
-                               read_options=pacsv.ReadOptions(autogenerate_column_names=not has_header),
-                               parse_options=pacsv.ParseOptions(delimiter=delimiter))
+        table = pacsv.read_csv(
+            io.BytesIO(text),
+            read_options=pacsv.ReadOptions(autogenerate_column_names=not has_header),
+            parse_options=pacsv.ParseOptions(delimiter=delimiter),
+        )
     except pa.ArrowInvalid as e:
         raise ValueError(f"{path}: not a user, item, rating, timestamp table ({e})") from None
     if table.num_columns < 4:
@@ -212,7 +241,7 @@ def read_interactions(path: str | Path, min_rating: float = 0.0) -> SeqRecData:
     order = np.lexsort((np.arange(len(user_idx)), stamp, user_idx))
     user_idx, item_idx = user_idx[order], item_idx[order] + 1
     bounds = np.concatenate([[0], np.cumsum(np.bincount(user_idx, minlength=len(user_ids)))])
-    sequences = [item_idx[bounds[u]:bounds[u + 1]] for u in range(len(user_ids))]
+    sequences = [item_idx[bounds[u] : bounds[u + 1]] for u in range(len(user_ids))]
     return SeqRecData(sequences, len(item_ids))
 
 
@@ -246,9 +275,21 @@ class _Seen:
         raise ValueError("could not sample unseen negatives: some user has interacted with almost every item")
 
 
-def _table(attrs: tuple[np.ndarray, np.ndarray] | None, schema: FeatureSchema, flat: np.ndarray, starts: np.ndarray, users: np.ndarray,
-           ends: np.ndarray, items: np.ndarray, labels: np.ndarray, request_id: np.ndarray, max_len: int,
-           max_attrs: int, event_attrs: list[np.ndarray] = (), negatives: np.ndarray | None = None) -> pa.Table:
+def _table(
+    attrs: tuple[np.ndarray, np.ndarray] | None,
+    schema: FeatureSchema,
+    flat: np.ndarray,
+    starts: np.ndarray,
+    users: np.ndarray,
+    ends: np.ndarray,
+    items: np.ndarray,
+    labels: np.ndarray,
+    request_id: np.ndarray,
+    max_len: int,
+    max_attrs: int,
+    event_attrs: list[np.ndarray] = (),
+    negatives: np.ndarray | None = None,
+) -> pa.Table:
     """Rows: user ``users[r]`` (0-based), history ``s[:ends[r]]`` (most recent max_len), candidate ``items[r]``.
 
     ``event_attrs[i]`` maps an item to its i-th attribute (0: none) for ``hist_attr<i>``;
@@ -271,7 +312,9 @@ def _table(attrs: tuple[np.ndarray, np.ndarray] | None, schema: FeatureSchema, f
     }
     if attrs is not None:
         attr_offsets, attr_values = attrs
-        columns["item_attr"] = pa.ListArray.from_arrays(*_gather_ranges(attr_values, attr_offsets[items], attr_offsets[items + 1]))
+        columns["item_attr"] = pa.ListArray.from_arrays(
+            *_gather_ranges(attr_values, attr_offsets[items], attr_offsets[items + 1])
+        )
     if "neg" in {g.name for g in schema.sequence_groups}:
         k = 0 if negatives is None else negatives.shape[1]
         values = np.zeros(0, np.int64) if negatives is None else negatives.reshape(-1).astype(np.int64)
@@ -294,18 +337,40 @@ def write_seqrec(data: SeqRecData, out_dir: str | Path, options: SeqRecOptions =
     num_attributes, attrs = 0, None
     if data.attributes:
         num_attributes = max((max(v) for v in data.attributes.values() if v), default=0)
-        per_item = [list(dict.fromkeys(data.attributes.get(i, [])))[:o.max_attrs] for i in range(data.num_items + 1)]
-        attrs = (np.concatenate([[0], np.cumsum([len(a) for a in per_item])]),
-                 np.array([a for v in per_item for a in v], dtype=np.int64))
+        per_item = [list(dict.fromkeys(data.attributes.get(i, [])))[: o.max_attrs] for i in range(data.num_items + 1)]
+        attrs = (
+            np.concatenate([[0], np.cumsum([len(a) for a in per_item])]),
+            np.array([a for v in per_item for a in v], dtype=np.int64),
+        )
     generative = o.objective == "generative"
-    schema = seqrec_schema(len(data.sequences), data.num_items, num_attributes, o.max_attrs, o.max_len,
-                           o.event_attrs, o.num_negatives if generative else 0)
+    schema = seqrec_schema(
+        len(data.sequences),
+        data.num_items,
+        num_attributes,
+        o.max_attrs,
+        o.max_len,
+        o.event_attrs,
+        o.num_negatives if generative else 0,
+    )
     event_attrs = []  # per slot i: item -> its i-th attribute (0: none)
     if num_attributes:
-        event_attrs = [np.array([v[i] if len(v) > i else 0 for v in per_item], dtype=np.int64)
-                       for i in range(o.event_attrs)]
-    table = lambda *args, **kwargs: _table(attrs, schema, flat, starts, *args, max_len=o.max_len,  # noqa: E731
-                                           max_attrs=o.max_attrs, event_attrs=event_attrs, **kwargs)
+        event_attrs = [
+            np.array([v[i] if len(v) > i else 0 for v in per_item], dtype=np.int64) for i in range(o.event_attrs)
+        ]
+
+    def table(*args, **kwargs):
+        return _table(
+            attrs,
+            schema,
+            flat,
+            starts,
+            *args,
+            max_len=o.max_len,
+            max_attrs=o.max_attrs,
+            event_attrs=event_attrs,
+            **kwargs,
+        )
+
     seen = _Seen(data.sequences, data.num_items)
     tmp = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -316,15 +381,23 @@ def write_seqrec(data: SeqRecData, out_dir: str | Path, options: SeqRecOptions =
     chunks = np.array_split(kept, max(1, -(-len(kept) // o.users_per_file)))
     for f, chunk in enumerate(chunks if generative else ()):  # one row per user: its training events
         ends = lengths[chunk] - 2
-        rows = table(chunk, ends, flat[starts[chunk] + ends - 1], np.ones(len(chunk)), chunk + 1,
-                     negatives=seen.sample(rng, chunk, o.num_negatives))
+        rows = table(
+            chunk,
+            ends,
+            flat[starts[chunk] + ends - 1],
+            np.ones(len(chunk)),
+            chunk + 1,
+            negatives=seen.sample(rng, chunk, o.num_negatives),
+        )
         write_parquet(rows, tmp / "train" / f"part-{f:05d}.parquet", schema)
         counts["train"] += rows.num_rows
     for f, chunk in enumerate(() if generative else chunks):
         first = np.maximum(1, lengths[chunk] - 3 + 1 - (o.max_targets_per_user or 1 << 40))
         num_targets = np.maximum(0, lengths[chunk] - 2 - first)
         users = np.repeat(chunk, num_targets)
-        ends = np.repeat(first - np.concatenate([[0], np.cumsum(num_targets)[:-1]]), num_targets) + np.arange(num_targets.sum())
+        ends = np.repeat(first - np.concatenate([[0], np.cumsum(num_targets)[:-1]]), num_targets) + np.arange(
+            num_targets.sum()
+        )
         positives = flat[starts[users] + ends]
         negatives = seen.sample(rng, users, o.num_negatives)
         k = 1 + o.num_negatives
@@ -350,11 +423,19 @@ def write_seqrec(data: SeqRecData, out_dir: str | Path, options: SeqRecOptions =
             rows = table(np.repeat(chunk, k), np.repeat(ends, k), items, labels, np.repeat(chunk + 1, k))
             write_parquet(rows, tmp / split / f"part-{f:05d}.parquet", schema)
             counts[split] += rows.num_rows
-    summary = {"converter_version": CONVERTER_VERSION, "options": asdict(o), "rows": counts,
-               "users": len(data.sequences), "users_kept": int(len(kept)), "eval_users": int(len(eval_users)),
-               "items": data.num_items, "attributes": num_attributes,
-               "fixed_eval_negatives": data.eval_negatives is not None, "schema": schema.to_config(),
-               **_coverage(data, kept, lengths, starts, flat)}
+    summary = {
+        "converter_version": CONVERTER_VERSION,
+        "options": asdict(o),
+        "rows": counts,
+        "users": len(data.sequences),
+        "users_kept": int(len(kept)),
+        "eval_users": int(len(eval_users)),
+        "items": data.num_items,
+        "attributes": num_attributes,
+        "fixed_eval_negatives": data.eval_negatives is not None,
+        "schema": schema.to_config(),
+        **_coverage(data, kept, lengths, starts, flat),
+    }
     (tmp / "conversion.json").write_text(json.dumps(summary, indent=2))
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
@@ -371,11 +452,14 @@ def _coverage(data: SeqRecData, kept: np.ndarray, lengths: np.ndarray, starts: n
     train[train_items] = True
     seen = np.zeros(data.num_items + 1, dtype=bool)
     seen[flat] = True
-    return {"users_dropped_under_3_events": int(len(lengths) - len(kept)),
-            "item_ids_never_seen": int((~seen[1:]).sum()),
-            "items_only_in_evaluation": int((seen & ~train)[1:].sum()),
-            "items_without_attributes": (int(sum(1 for i in range(1, data.num_items + 1) if not data.attributes.get(i)))
-                                         if data.attributes else None)}
+    return {
+        "users_dropped_under_3_events": int(len(lengths) - len(kept)),
+        "item_ids_never_seen": int((~seen[1:]).sum()),
+        "items_only_in_evaluation": int((seen & ~train)[1:].sum()),
+        "items_without_attributes": (
+            int(sum(1 for i in range(1, data.num_items + 1) if not data.attributes.get(i))) if data.attributes else None
+        ),
+    }
 
 
 def _eval_negatives(data: SeqRecData, seen: _Seen, rng: np.random.Generator, users: np.ndarray, k: int) -> np.ndarray:
@@ -390,8 +474,13 @@ def _eval_negatives(data: SeqRecData, seen: _Seen, rng: np.random.Generator, use
     return np.stack(rows)
 
 
-def prepare_seqrec(source: str | Path, name: str, cache_dir: str | Path, options: Mapping[str, Any] | None = None,
-                   is_writer: bool = True) -> Path:
+def prepare_seqrec(
+    source: str | Path,
+    name: str,
+    cache_dir: str | Path,
+    options: Mapping[str, Any] | None = None,
+    is_writer: bool = True,
+) -> Path:
     """Convert ``source/<name>.txt`` (S3-Rec) or the interaction table ``source/<name>`` (MovieLens-style:
     ``.dat``, ``.csv``, ``.tsv``) once into ``cache_dir``; return the gem data set folder.
 
@@ -400,13 +489,23 @@ def prepare_seqrec(source: str | Path, name: str, cache_dir: str | Path, options
     """
     o = SeqRecOptions.from_config(options)
     source = Path(source)
-    candidates = [source / f"{name}.txt", source / f"{name}_item2attributes.json", source / f"{name}_sample.txt",
-                  source / name]
+    candidates = [
+        source / f"{name}.txt",
+        source / f"{name}_item2attributes.json",
+        source / f"{name}_sample.txt",
+        source / name,
+    ]
     present = [p for p in candidates if p.is_file()]
     if not present:
         raise FileNotFoundError(f"no {name}.txt (S3-Rec) or {name} (interaction table) in data.dir={str(source)!r}")
-    key = json.dumps({"v": CONVERTER_VERSION, "o": asdict(o),
-                      "files": [(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in present]}, sort_keys=True)
+    key = json.dumps(
+        {
+            "v": CONVERTER_VERSION,
+            "o": asdict(o),
+            "files": [(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in present],
+        },
+        sort_keys=True,
+    )
     out = Path(cache_dir) / f"seqrec-{name.replace('.', '_')}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
     if out.exists():
         return out
@@ -416,14 +515,23 @@ def prepare_seqrec(source: str | Path, name: str, cache_dir: str | Path, options
     start = time.perf_counter()
     data = read_s3rec(source, name) if (source / f"{name}.txt").is_file() else read_interactions(source / name)
     summary = write_seqrec(data, out, o)
-    logger.info("converted %s/%s -> %s in %.1fs: %s rows; %d users dropped (under 3 events), %d item ids never "
-                "seen, %d items only in evaluation, %s items without attributes", source, name, out,
-                time.perf_counter() - start, summary["rows"], summary["users_dropped_under_3_events"],
-                summary["item_ids_never_seen"], summary["items_only_in_evaluation"], summary["items_without_attributes"])
+    logger.info(
+        "converted %s/%s -> %s in %.1fs: %s rows; %d users dropped (under 3 events), %d item ids never "
+        "seen, %d items only in evaluation, %s items without attributes",
+        source,
+        name,
+        out,
+        time.perf_counter() - start,
+        summary["rows"],
+        summary["users_dropped_under_3_events"],
+        summary["item_ids_never_seen"],
+        summary["items_only_in_evaluation"],
+        summary["items_without_attributes"],
+    )
     return out
 
 
-def open_source(data_cfg: Any, is_writer: bool = True) -> "DataSource":
+def open_source(data_cfg: Any, is_writer: bool = True) -> DataSource:
     """``data.dir/<data.name>.txt`` (S3-Rec) or an interaction table, converted once into
     ``data.cache_dir`` (rank 0 converts; the other ranks wait)."""
     from gem.data.sources.base import DataSource

@@ -27,9 +27,10 @@ import hashlib
 import json
 import re
 import shutil
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -59,7 +60,7 @@ class StreamOptions:
     drift_per_day: float = 0.0  # day d's world has drift min(1, d * drift_per_day)
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any]) -> "StreamOptions":
+    def from_config(cls, cfg: Mapping[str, Any]) -> StreamOptions:
         try:
             options = cls(**dict(cfg))
         except TypeError as e:
@@ -78,15 +79,19 @@ def list_partitions(directory: Path) -> list[str]:
     otherwise be skipped silently, or read in the wrong place."""
     directory = Path(directory)
     if not directory.is_dir():
-        raise MissingDataError(f"data.dir={directory} does not exist; a stream is a folder of day=YYYY-MM-DD/ partitions")
+        raise MissingDataError(
+            f"data.dir={directory} does not exist; a stream is a folder of day=YYYY-MM-DD/ partitions"
+        )
     dates = {}
     for p in directory.iterdir():
         if p.name.startswith((".", "_")):
             continue
         m = PARTITION.match(p.name)
         if not p.is_dir() or m is None:
-            raise DataError(f"data.dir={directory}: {p.name!r} is not a partition folder day=YYYY-MM-DD; move it out of "
-                            "data.dir (a stream holds only its partitions)")
+            raise DataError(
+                f"data.dir={directory}: {p.name!r} is not a partition folder day=YYYY-MM-DD; move it out of "
+                "data.dir (a stream holds only its partitions)"
+            )
         try:
             dates[p.name] = datetime.date.fromisoformat(m.group(1))
         except ValueError as e:
@@ -123,8 +128,10 @@ class StreamSource(DataSource):
         if split == "train":  # the schema's and the checks' sample: the first partition
             split = self.partitions[0]
         if split not in self.partitions:
-            raise MissingDataError(f"data.kind=stream has no split {split!r}: its partitions are {list(self.partitions)}; "
-                                   "each partition is scored before it is trained on (no val/ or test/)")
+            raise MissingDataError(
+                f"data.kind=stream has no split {split!r}: its partitions are {list(self.partitions)}; "
+                "each partition is scored before it is trained on (no val/ or test/)"
+            )
         return split_files(self.dir, split)
 
     def loader(self, split: str, batch_size: int, **kwargs: Any):
@@ -157,9 +164,11 @@ class StreamLoader:
 
     def set_epoch(self, epoch: int) -> None:
         if epoch >= self.num_partitions:  # only from a checkpoint: partitions were removed since
-            self.resume_error = (f"data.dir={self.source.dir}: the checkpoint stands in partition {epoch + 1}, but "
-                                 f"data.dir holds {self.num_partitions}; put the removed partitions back, or start a "
-                                 "new run (a new checkpoint.dir)")
+            self.resume_error = (
+                f"data.dir={self.source.dir}: the checkpoint stands in partition {epoch + 1}, but "
+                f"data.dir holds {self.num_partitions}; put the removed partitions back, or start a "
+                "new run (a new checkpoint.dir)"
+            )
             return
         if epoch != self.epoch:
             self.epoch = epoch
@@ -168,7 +177,9 @@ class StreamLoader:
 
     def total_steps(self) -> int:
         """Steps of the whole pass: every partition's batches."""
-        return sum(self.source.loader(p, self.batch_size, **self.kwargs).steps_per_epoch for p in self.source.partitions)
+        return sum(
+            self.source.loader(p, self.batch_size, **self.kwargs).steps_per_epoch for p in self.source.partitions
+        )
 
     @property
     def steps_per_epoch(self) -> int:
@@ -206,16 +217,20 @@ class StreamLoader:
     def _moved_message(self, saved: str | None) -> str:
         here = list(self.source.partitions)
         if saved not in here:
-            return (f"data.dir={self.source.dir}: the checkpoint stands in partition {saved}, which is no longer there "
-                    f"(the partitions now run from {here[0]} to {here[-1]}); put it back, or start a new run "
-                    "(a new checkpoint.dir)")
+            return (
+                f"data.dir={self.source.dir}: the checkpoint stands in partition {saved}, which is no longer there "
+                f"(the partitions now run from {here[0]} to {here[-1]}); put it back, or start a new run "
+                "(a new checkpoint.dir)"
+            )
         before = here.index(saved)
         listed = ", ".join(here[:before][:6]) + (" ..." if before > 6 else "")
         change = "a partition dated before it appeared" if before > self.epoch else "partitions before it were removed"
-        return (f"data.dir={self.source.dir}: partitions out of order: the checkpoint stands in {saved}, which had "
-                f"{self.epoch} partition(s) before it, now {before} ({listed}): {change}. The stream trains forward "
-                "only: move the partitions dated before it out of data.dir (or put the removed ones back), or train "
-                "them in a new run")
+        return (
+            f"data.dir={self.source.dir}: partitions out of order: the checkpoint stands in {saved}, which had "
+            f"{self.epoch} partition(s) before it, now {before} ({listed}): {change}. The stream trains forward "
+            "only: move the partitions dated before it out of data.dir (or put the removed ones back), or train "
+            "them in a new run"
+        )
 
     def check_resume(self) -> None:
         """Raise the DataError of a resume whose partition moved (the Checkpointer only warns for a loader state)."""
@@ -228,8 +243,11 @@ def open_source(data_cfg: Any, is_writer: bool = True) -> StreamSource:
     options = StreamOptions.from_config(data_cfg.stream)
     directory = Path(data_cfg.dir) if data_cfg.dir else prepare_synthetic_stream(data_cfg, options, is_writer)
     partitions = tuple(list_partitions(directory))
-    schema = (FeatureSchema.from_config(data_cfg.schema) if data_cfg.schema
-              else schema_from_files(split_files(directory, partitions[0])))
+    schema = (
+        FeatureSchema.from_config(data_cfg.schema)
+        if data_cfg.schema
+        else schema_from_files(split_files(directory, partitions[0]))
+    )
     return StreamSource(data_cfg.kind, schema, directory, partitions, read_schema(schema, options))
 
 
@@ -239,8 +257,15 @@ def open_source(data_cfg: Any, is_writer: bool = True) -> StreamSource:
 def prepare_synthetic_stream(data_cfg: Any, options: StreamOptions, is_writer: bool) -> Path:
     """The synthetic stream's folder in ``data.cache_dir`` (generated on first use, by rank 0)."""
     schema = FeatureSchema.from_config(data_cfg.schema)
-    key = json.dumps({"schema": schema.to_config(), "seed": data_cfg.seed, "synthetic": dict(data_cfg.synthetic),
-                      "stream": dataclasses.asdict(options)}, sort_keys=True)
+    key = json.dumps(
+        {
+            "schema": schema.to_config(),
+            "seed": data_cfg.seed,
+            "synthetic": dict(data_cfg.synthetic),
+            "stream": dataclasses.asdict(options),
+        },
+        sort_keys=True,
+    )
     directory = Path(data_cfg.cache_dir) / f"{data_cfg.name}-stream-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
     if not directory.exists():
         if is_writer:
@@ -250,15 +275,18 @@ def prepare_synthetic_stream(data_cfg: Any, options: StreamOptions, is_writer: b
     return directory
 
 
-def write_synthetic_stream(directory: Path, schema: FeatureSchema, options: StreamOptions, seed: int,
-                           knobs: Mapping[str, Any]) -> None:
+def write_synthetic_stream(
+    directory: Path, schema: FeatureSchema, options: StreamOptions, seed: int, knobs: Mapping[str, Any]
+) -> None:
     """``options.days`` partitions of ``options.examples_per_day`` rows each, written atomically."""
     from gem.data.format.layout import write_parquet
     from gem.data.sources.synthetic import SyntheticConfig, generate
 
     if options.id_lifetime_days and not set(_RENEWED) <= set(options.raw_features):
-        raise ValueError(f"data.stream.id_lifetime_days={options.id_lifetime_days} renews the ids of {list(_RENEWED)}, "
-                         f"which are then raw: set data.stream.raw_features={list(_RENEWED)} (and map them with sparse.ids)")
+        raise ValueError(
+            f"data.stream.id_lifetime_days={options.id_lifetime_days} renews the ids of {list(_RENEWED)}, "
+            f"which are then raw: set data.stream.raw_features={list(_RENEWED)} (and map them with sparse.ids)"
+        )
     files_schema = read_schema(schema, options)
     tmp = directory.with_name(directory.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -284,8 +312,11 @@ def _renew_ids(table: pa.Table, day: int, options: StreamOptions, seed: int) -> 
         phase = np.random.default_rng([seed, 7, len(kind)]).random(int(ids.max(initial=0)) + 1 if ids.size else 1)
         generation = np.floor(day / options.id_lifetime_days + phase[ids]).astype(np.uint64)
         raw = _mix(ids, generation, len(kind)) % np.uint64(space)
-        table = table.set_column(table.schema.get_field_index(name), name,
-                                 pa.ListArray.from_arrays(column.offsets, pa.array(raw.astype(np.int64))))
+        table = table.set_column(
+            table.schema.get_field_index(name),
+            name,
+            pa.ListArray.from_arrays(column.offsets, pa.array(raw.astype(np.int64))),
+        )
     return table
 
 

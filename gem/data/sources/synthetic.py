@@ -16,15 +16,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 
 from gem.data.format.dataset import wait_for_folder
 from gem.data.pipeline.schema import FeatureSchema
+
+if TYPE_CHECKING:  # imported where a source is opened: the loader is heavy
+    from gem.data.sources.base import DataSource
 
 # The default synthetic schema's roles: these names must exist in a schema passed to generate().
 ROLES = ("user_id", "ad_id", "ad_cluster", "user_interests", "hist_item", "hist_action", "hist_surface", "hist_gap")
@@ -55,8 +59,9 @@ def _zipf_sampler(rng: np.random.Generator, n: int, exponent: float):
     return lambda size: perm[rng.choice(n, size=size, p=p)]
 
 
-def generate(schema: FeatureSchema, num_examples: int, seed: int, cfg: SyntheticConfig = SyntheticConfig(),
-             world_seed: int = 0) -> pa.Table:
+def generate(
+    schema: FeatureSchema, num_examples: int, seed: int, cfg: SyntheticConfig = SyntheticConfig(), world_seed: int = 0
+) -> pa.Table:
     """Generate ``num_examples`` rows in the gem Parquet layout (columns of gem/data/format/layout.py).
 
     ``world_seed`` fixes the hidden world (latents, clusters, popularity) shared by all splits;
@@ -77,8 +82,9 @@ def generate(schema: FeatureSchema, num_examples: int, seed: int, cfg: Synthetic
     latents = centres[item_cluster] + 0.35 * world.normal(size=(num_items, cfg.latent_dim))
     later = np.random.default_rng([world_seed, 1])  # the drifted world: its own stream, the base world unchanged
     if cfg.drift:
-        latents = (1 - cfg.drift) * latents + cfg.drift * (centres[item_cluster] + 0.35 * later.normal(
-            size=(num_items, cfg.latent_dim)))
+        latents = (1 - cfg.drift) * latents + cfg.drift * (
+            centres[item_cluster] + 0.35 * later.normal(size=(num_items, cfg.latent_dim))
+        )
     user_cluster = world.integers(0, k, size=num_users)
     dense_w = world.normal(scale=0.5, size=(2, schema.num_dense))
     domain_bias = world.normal(scale=0.5, size=(2, schema.num_domains))
@@ -94,7 +100,9 @@ def generate(schema: FeatureSchema, num_examples: int, seed: int, cfg: Synthetic
     users = _zipf_sampler(rng, num_users, 0.8)(num_examples)
     home = user_cluster[users]
     max_len = schema.group(_group_of(schema, "hist_item")).max_len
-    lengths = np.minimum(np.round(rng.lognormal(cfg.history_log_mean, cfg.history_log_std, num_examples)), max_len).astype(np.int64)
+    lengths = np.minimum(
+        np.round(rng.lognormal(cfg.history_log_mean, cfg.history_log_std, num_examples)), max_len
+    ).astype(np.int64)
     lengths[rng.random(num_examples) < cfg.empty_history_rate] = 0
     total = int(lengths.sum())
     owner = np.repeat(np.arange(num_examples), lengths)
@@ -120,8 +128,11 @@ def generate(schema: FeatureSchema, num_examples: int, seed: int, cfg: Synthetic
     # Interests: up to max_ids clusters, the home cluster first, others random.
     max_interests = next(f.max_ids for f in schema.id_features if f.name == "user_interests")
     num_interests = rng.integers(1, max_interests + 1, size=num_examples)
-    interests = np.concatenate([[h] + list(rng.integers(0, k, size=n - 1)) for h, n in zip(home, num_interests)]) \
-        if num_examples else np.zeros(0, np.int64)
+    interests = (
+        np.concatenate([[h] + list(rng.integers(0, k, size=n - 1)) for h, n in zip(home, num_interests)])
+        if num_examples
+        else np.zeros(0, np.int64)
+    )
 
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     pos_from_end = offsets[owner + 1] - np.arange(total) - 1
@@ -129,7 +140,9 @@ def generate(schema: FeatureSchema, num_examples: int, seed: int, cfg: Synthetic
         "user_id": _lists(users[:, None]),
         "ad_id": _lists(ad[:, None]),
         "ad_cluster": _lists(item_cluster[ad][:, None]),
-        "user_interests": pa.ListArray.from_arrays(np.concatenate([[0], np.cumsum(num_interests)]), interests.astype(np.int64)),
+        "user_interests": pa.ListArray.from_arrays(
+            np.concatenate([[0], np.cumsum(num_interests)]), interests.astype(np.int64)
+        ),
         "hist_item": pa.ListArray.from_arrays(offsets, hist_item.astype(np.int64)),
         "hist_action": pa.ListArray.from_arrays(offsets, rng.integers(0, schema.cardinality("hist_action"), total)),
         "hist_surface": pa.ListArray.from_arrays(offsets, rng.integers(0, schema.cardinality("hist_surface"), total)),
@@ -143,7 +156,9 @@ def generate(schema: FeatureSchema, num_examples: int, seed: int, cfg: Synthetic
     for name in extra:  # features outside the roles carry noise ids (no signal)
         card = schema.cardinality(name)
         n = lengths if name in schema.sequence_feature_names else np.ones(num_examples, np.int64)
-        columns[name] = pa.ListArray.from_arrays(np.concatenate([[0], np.cumsum(n)]), rng.integers(0, card, int(n.sum())))
+        columns[name] = pa.ListArray.from_arrays(
+            np.concatenate([[0], np.cumsum(n)]), rng.integers(0, card, int(n.sum()))
+        )
     labels = {"click": click, "conversion": conversion}
     observed = {"click": np.ones(num_examples, bool), "conversion": click}
     for task in schema.tasks:
@@ -174,8 +189,14 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-x))
 
 
-def write_dataset(directory, schema: FeatureSchema, num_examples: dict[str, int], seed: int,
-                  cfg: SyntheticConfig = SyntheticConfig(), rows_per_file: int = 50_000) -> None:
+def write_dataset(
+    directory,
+    schema: FeatureSchema,
+    num_examples: dict[str, int],
+    seed: int,
+    cfg: SyntheticConfig = SyntheticConfig(),
+    rows_per_file: int = 50_000,
+) -> None:
     """Write ``train/``, ``val/``, ``test/`` Parquet folders under ``directory``, atomically.
 
     The data set appears under its final name only once complete, so an interrupted run never
@@ -196,15 +217,30 @@ def write_dataset(directory, schema: FeatureSchema, num_examples: dict[str, int]
     tmp.rename(directory)
 
 
-def synthetic_dir(cache_dir: str, name: str, schema: FeatureSchema, num_examples: Mapping[str, int],
-                  seed: int, knobs: Mapping[str, Any]) -> Path:
+def synthetic_dir(
+    cache_dir: str,
+    name: str,
+    schema: FeatureSchema,
+    num_examples: Mapping[str, int],
+    seed: int,
+    knobs: Mapping[str, Any],
+) -> Path:
     """The cache folder of a synthetic data set: its name plus a hash of everything that shapes it."""
-    key = json.dumps({"schema": schema.to_config(), "n": dict(num_examples), "seed": seed, "knobs": dict(knobs)}, sort_keys=True)
+    key = json.dumps(
+        {"schema": schema.to_config(), "n": dict(num_examples), "seed": seed, "knobs": dict(knobs)}, sort_keys=True
+    )
     return Path(cache_dir) / f"{name}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
 
 
-def prepare_synthetic(cache_dir: str, name: str, schema: FeatureSchema, num_examples: Mapping[str, int], seed: int,
-                      knobs: Mapping[str, Any], is_writer: bool = True) -> Path:
+def prepare_synthetic(
+    cache_dir: str,
+    name: str,
+    schema: FeatureSchema,
+    num_examples: Mapping[str, int],
+    seed: int,
+    knobs: Mapping[str, Any],
+    is_writer: bool = True,
+) -> Path:
     """Return the synthetic data set's folder, generating it first if absent.
 
     Only ``is_writer`` (rank 0) generates; other ranks wait for the folder to appear.
@@ -222,7 +258,7 @@ def prepare_synthetic(cache_dir: str, name: str, schema: FeatureSchema, num_exam
     return directory
 
 
-def open_source(data_cfg: Any, is_writer: bool = True) -> "DataSource":
+def open_source(data_cfg: Any, is_writer: bool = True) -> DataSource:
     """``data.dir`` if set, else the generated data set in ``data.cache_dir`` (rank 0 writes it on
     first use; the other ranks wait for it)."""
     from gem.data.sources.base import DataSource
@@ -230,6 +266,13 @@ def open_source(data_cfg: Any, is_writer: bool = True) -> "DataSource":
     if data_cfg.dir:
         return DataSource.from_folder(data_cfg, Path(data_cfg.dir))
     d = data_cfg
-    directory = prepare_synthetic(d.cache_dir, d.name, FeatureSchema.from_config(d.schema), d.num_examples, d.seed,
-                                  d.synthetic, is_writer=is_writer)
+    directory = prepare_synthetic(
+        d.cache_dir,
+        d.name,
+        FeatureSchema.from_config(d.schema),
+        d.num_examples,
+        d.seed,
+        d.synthetic,
+        is_writer=is_writer,
+    )
     return DataSource.from_folder(d, directory)
