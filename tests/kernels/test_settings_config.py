@@ -1,7 +1,7 @@
 """The kernels' settings as the run sets them: configs/kernels/ -> KernelsConfig -> settings.configure.
 
-One source of defaults: the config group, gem's typed schema and ``KernelSettings`` agree, every
-option of the group carries every setting, and a config value reaches the kernels unless its
+One source of defaults, ``KernelSettings``: gem's typed schema is made from its fields, no option
+of the group changes a setting, and a config value reaches the kernels unless its
 ``GEM_KERNELS_*`` variable overrides it.
 """
 
@@ -27,7 +27,7 @@ def restored(monkeypatch):
 
 
 @pytest.mark.parametrize("option", ["auto", "triton", "reference"])
-def test_every_option_of_the_group_carries_the_defaults(option):
+def test_every_option_of_the_group_keeps_the_settings_defaults(option):
     defaults = dataclasses.asdict(kernel_config.KernelSettings())
     assert KernelsConfig().kernel_settings() == defaults
     config = validate(compose([f"kernels={option}", "model=dlrm"]))
