@@ -343,3 +343,147 @@ def test_resuming_the_runs_own_checkpoint_takes_precedence_over_init_from(tiny_d
         before["sparse_arch.ec.embeddings.t_hist_item.weight"],
         _full(model_state(model)["sparse_arch.ec.embeddings.t_hist_item.weight"]),
     )
+
+
+# -- representation transfer and the adapter (gem.transfer.student) --------------------------------
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_dataset, teacher_ckpt, tmp_path_factory):
+    """The tiny data set with the teacher's logits and representation as columns, every split."""
+    from gem.transfer.export import parse, run
+
+    out = tmp_path_factory.mktemp("exported")
+    run(
+        *parse(
+            _data(
+                tiny_dataset,
+                f"transfer.checkpoint={teacher_ckpt}",
+                f"transfer.out={out}",
+                "transfer.representation=true",
+            )
+        )
+    )
+    return out
+
+
+def _batch(directory, schema, split="val", rows=64):
+    from gem.data.pipeline.loader import build_loader
+
+    return next(iter(build_loader(sorted((directory / split).glob("*.parquet")), schema, rows)))
+
+
+def test_exported_representation_is_the_teachers_own(exported, teacher_ckpt):
+    import json
+
+    from gem.data.pipeline.schema import FeatureSchema
+    from gem.transfer.teacher import load_teacher
+
+    src = sorted((exported / "val").glob("*.parquet"))[0]
+    table = pq.read_table(src)
+    schema = FeatureSchema.from_config(json.loads(table.schema.metadata[b"gem.schema"]))
+    batch = _batch(exported, schema, rows=1000)
+    assert batch.teacher_repr is not None and batch.teacher_repr.shape == (table.num_rows, 32)  # gem_tiny top_mlp[-1]
+    teacher = load_teacher(teacher_ckpt, schema, None, torch.device("cpu"))
+    direct = teacher(batch)[1]  # the input of the teacher's heads, computed here
+    assert torch.allclose(batch.teacher_repr, direct, atol=1e-5)
+    # and the column is that tensor row by row
+    column = np.stack(table.column("teacher_repr").to_numpy(zero_copy_only=False))
+    assert np.array_equal(column, batch.teacher_repr.numpy())
+    from gem.transfer.student import teacher_representation_dim
+
+    assert teacher_representation_dim(str(teacher_ckpt), schema) == 32  # what the online path tells a student
+
+
+def _student_on(exported, *extra):
+    return _student(exported, "model=dlrm", *extra)
+
+
+def test_a_student_reads_the_teachers_representation(exported):
+    data, model = _student_on(exported, "trainer.distill.representation=8")
+    dense = model.dense_arch
+    assert dense.project.in_features == 32 and dense.student.bottom.net[0].in_features == data.schema.num_dense + 8
+    batch = _batch(exported, data.schema)
+    loss, _ = data.loss(model(batch), batch)
+    loss.backward()
+    assert dense.project.weight.grad is not None and dense.project.weight.grad.abs().sum() > 0
+    # the output depends on the representation: another one gives other logits
+    with torch.no_grad():
+        before = model(batch)
+        batch.teacher_repr = batch.teacher_repr.flip(0)
+        assert not torch.allclose(before, model(batch))
+        batch.teacher_repr = None
+    with pytest.raises(DataError, match=r"teacher representation of width 32, the batch has none"):
+        model(batch)
+
+
+def test_the_adapter_starts_as_the_teacher_and_trains_its_own_parameters(exported):
+    import gem
+
+    data, model = _student_on(exported, "trainer.distill.adapter=true")
+    batch = _batch(exported, data.schema)
+    with torch.no_grad():
+        assert torch.allclose(model(batch), batch.teacher, atol=1e-6)  # gate 0, scale 1: the teacher's logits
+    dense = model.dense_arch
+    before = {n: p.detach().clone() for n, p in dense.named_parameters()}
+    opt = gem.build_optimizers(model, data, 10)
+    for _, b in zip(range(3), data.loader("train")):
+        opt.zero_grad()
+        data.loss(model(b), b)[0].backward()
+        opt.step()
+    moved = {n for n, p in dense.named_parameters() if not torch.equal(p, before[n])}
+    assert {"teacher_scale", "student_gate", "student.top.net.0.weight"} <= moved
+    # the student's logits are no longer the teacher's
+    with torch.no_grad():
+        assert not torch.allclose(model(batch), batch.teacher, atol=1e-3)
+
+
+def test_online_teacher_fills_the_batch_and_stays_frozen(tiny_dataset, teacher_ckpt):
+    import gem
+    from gem.transfer.student import attach_teacher
+
+    data, model = _student(
+        tiny_dataset,
+        "model=dlrm",
+        "trainer.distill.representation=4",
+        "trainer.distill.adapter=true",
+        "trainer.distill.source=model",
+        f"trainer.distill.checkpoint={teacher_ckpt}",
+    )
+    assert model.dense_arch.project.in_features == 32  # from the teacher's checkpoint
+    teacher, _ = attach_teacher(data.config, data.schema, model, torch.device("cpu"))
+    frozen = {n: p.detach().clone() for n, p in teacher.named_parameters()}
+    assert not any(p.requires_grad for p in teacher.parameters())
+    opt = gem.build_optimizers(model, data, 10)
+    assert not {id(p) for p in teacher.parameters()} & {id(p) for p in model.parameters()}
+    for _, b in zip(range(3), data.loader("train")):
+        assert b.teacher is None and b.teacher_repr is None  # the data set has no teacher columns
+        opt.zero_grad()
+        data.loss(model(b), b)[0].backward()  # the hook filled the batch before the forward
+        assert b.teacher.shape == (b.batch_size, 2) and b.teacher_repr.shape == (b.batch_size, 32)
+        opt.step()
+    assert all(torch.equal(p, frozen[n]) for n, p in teacher.named_parameters())
+    assert torch.allclose(b.teacher, teacher.logits(b))
+
+
+def test_train_students_with_representation_and_adapter_from_data_and_online(
+    tiny_dataset, exported, teacher_ckpt, tmp_path
+):
+    from gem.train.trainer import train
+
+    common = ["model=dlrm", "trainer.max_steps=3", "trainer.distill.representation=4", "trainer.distill.adapter=true"]
+    offline = train(
+        compose(_data(exported, *common, f"trainer.run_dir={tmp_path / 'a'}", "trainer.distill.weight=0.5"))
+    )
+    online = train(
+        compose(
+            _data(
+                tiny_dataset,  # no teacher columns: the online teacher provides them
+                *common,
+                f"trainer.run_dir={tmp_path / 'b'}",
+                "trainer.distill.source=model",
+                f"trainer.distill.checkpoint={teacher_ckpt}",
+            )
+        )
+    )
+    assert np.isfinite(offline["click/auc"]) and np.isfinite(online["click/auc"])

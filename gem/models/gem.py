@@ -15,7 +15,9 @@ class GEMModel(nn.Module):
     ``dense_arch`` is any module with ``forward(sparse_output, dense [B, num_dense], domain [B])``
     returning logits, and an ``init_weights()`` method. A dense arch that also reads the ids of
     some sequence features (a generative objective: which item is which) names them in
-    ``sequence_ids``; it then gets ``ids={feature: values [T]}`` as well.
+    ``sequence_ids``; it then gets ``ids={feature: values [T]}`` as well. A dense arch that reads
+    a teacher's outputs (knowledge transfer, ``gem.transfer.student``) sets ``teacher_inputs = True``;
+    it then gets ``teacher=batch.teacher, teacher_repr=batch.teacher_repr`` as well.
     """
 
     def __init__(self, sparse_arch: SparseArch | nn.Module, dense_arch: nn.Module) -> None:
@@ -25,6 +27,10 @@ class GEMModel(nn.Module):
 
     def forward(self, batch: Batch) -> torch.Tensor:
         embeddings = self.sparse_arch(batch.sparse, batch.sequences, batch.max_seq_len)
+        if getattr(self.dense_arch, "teacher_inputs", False):
+            return self.dense_arch(
+                embeddings, batch.dense, batch.domain, teacher=batch.teacher, teacher_repr=batch.teacher_repr
+            )
         names = getattr(self.dense_arch, "sequence_ids", ())
         if names:
             ids = batch.sequences.to_dict()

@@ -126,6 +126,8 @@ class DistillConfig:
     tasks: list[str] = field(default_factory=list)  # the distilled tasks; empty: every task
     source: str = "data"  # data: Parquet columns teacher_<task> (python -m gem.transfer.export) | model
     checkpoint: Optional[str] = None  # source=model: the teacher's step_<N> folder (or a folder of them)
+    representation: int = 0  # > 0: the student reads the teacher's representation, projected to this width
+    adapter: bool = False  # the student's logits: the teacher's, scaled, plus a learned correction
 
 
 @dataclass
@@ -384,7 +386,8 @@ def validate(cfg: DictConfig | dict) -> Config:
         raise ConfigError(f"trainer.distill.weight={dd.weight} must be in [0, 1] (0: off, 1: soft labels only)")
     _positive("trainer.distill.temperature", dd.temperature)
     _one_of("trainer.distill.source", dd.source, ("data", "model"))
-    if dd.weight > 0 and dd.source == "model" and not dd.checkpoint:
+    _positive("trainer.distill.representation", dd.representation, allow_zero=True)
+    if (dd.weight > 0 or dd.representation > 0 or dd.adapter) and dd.source == "model" and not dd.checkpoint:
         raise ConfigError(
             "trainer.distill.source=model needs trainer.distill.checkpoint=<the teacher's step_<N> folder>"
         )

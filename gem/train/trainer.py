@@ -29,7 +29,7 @@ from gem.data.sources import DataSource, build_source
 from gem.data.sources.stream import StreamLoader
 from gem.models.gem import GEMModel
 from gem.sparse.arch import SparseArch
-from gem.train.checkpoint import Checkpointer, Progress
+from gem.train.checkpoint import Checkpointer, CheckpointError, Progress
 from gem.train.config import Config, ConfigError, check_schema_refs, validate
 from gem.train.delta import build_exporter
 from gem.train.flops import default_peak_tflops, mfu, step_flops
@@ -178,7 +178,15 @@ def build_model(config: Config, schema: FeatureSchema, env: DistEnv, timer: Star
     feature_dims.update({g.name: arch.sequence_dim(g.name) for g in schema.sequence_groups})
     try:
         with torch.device("meta"):
-            dense = instantiate(config.model, _partial_=True, _convert_="all")(schema=schema, feature_dims=feature_dims)
+            build = instantiate(config.model, _partial_=True, _convert_="all")
+            if config.trainer.distill.representation > 0 or config.trainer.distill.adapter:
+                from gem.transfer.student import wrap_dense  # the student also reads the teacher's outputs
+
+                dense = wrap_dense(config, schema, feature_dims, build)
+            else:
+                dense = build(schema=schema, feature_dims=feature_dims)
+    except (DataError, CheckpointError):
+        raise
     except Exception as e:  # Hydra wraps constructor errors; name the config node.
         raise ConfigError(f"model: could not build {config.model.get('_target_')}: {e}") from e
     dense.to_empty(device=env.device)
@@ -239,7 +247,8 @@ def distill_loss(
     config: Config, schema: FeatureSchema, env: DistEnv, source: DataSource, task_weights: torch.Tensor, group
 ):
     """The loss function with ``trainer.distill`` (None when it is off): true labels mixed with a
-    teacher's logits, from the batch's ``teacher_<task>`` columns or from a frozen teacher model."""
+    teacher's logits, ``batch.teacher``: the data's ``teacher_<task>`` columns, or filled by the
+    online teacher (``gem.transfer.student.prepare_teacher`` checks or attaches either)."""
     dd = config.trainer.distill
     if dd.weight <= 0:
         return None
@@ -248,36 +257,6 @@ def distill_loss(
     if unknown:
         raise ConfigError(f"trainer.distill.tasks: {unknown} are not tasks of the data ({list(schema.tasks)})")
     weights = torch.tensor([dd.weight if k in tasks else 0.0 for k in schema.tasks], device=env.device)
-    if dd.source == "data":
-        import pyarrow.parquet as pq
-
-        for path in source.files("train"):
-            names = pq.read_schema(path).names
-            missing = [f"teacher_{k}" for k in tasks if f"teacher_{k}" not in names]
-            if missing:
-                raise DataError(
-                    f"trainer.distill.source=data: {path} has no column(s) {missing}; write the teacher's "
-                    f"outputs with `python -m gem.transfer.export ... transfer.checkpoint=<teacher step_N> "
-                    f"transfer.out=<dir>` and train on data.dir=<dir>, or use trainer.distill.source=model"
-                )
-
-        def teacher_of(b):
-            return b.teacher
-    else:
-        from gem.transfer.teacher import load_teacher
-
-        teacher = load_teacher(dd.checkpoint, schema, tuple(tasks), env.device)
-        index = torch.tensor([schema.tasks.index(k) for k in tasks], device=env.device)
-        logger.info(
-            "trainer.distill: online teacher %s (%s) for %s",
-            dd.checkpoint,
-            type(teacher.model.dense_arch).__name__,
-            ", ".join(tasks),
-        )
-
-        def teacher_of(b):
-            out = torch.zeros(b.batch_size, len(schema.tasks), device=env.device)
-            return out.index_copy_(1, index, teacher.logits(b))
 
     logger.info(
         "trainer.distill: weight %g, temperature %g, tasks %s, teacher outputs from %s",
@@ -293,7 +272,7 @@ def distill_loss(
         task_weights,
         b.weights,
         group=group,  # noqa: E731
-        teacher=teacher_of(b),
+        teacher=b.teacher,
         distill_weight=weights,
         temperature=dd.temperature,
     )
@@ -468,6 +447,9 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
             "training on it (progressive evaluation); set trainer.eval_every=0"
         )
     apply_transfer(config, model, Path(config.checkpoint.dir or run_dir / "checkpoints"))
+    from gem.transfer.student import prepare_teacher  # trainer.distill: the data's teacher columns, or online
+
+    prepare_teacher(config, schema, model, env.device, source.files)
     dense_opt, sparse_opt, scheduler = build_optimizers(model, config.optim, total_steps)
     progress, ckpt = Progress(), None
     if config.checkpoint.enabled:

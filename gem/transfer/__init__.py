@@ -5,7 +5,11 @@
 - :mod:`gem.transfer.teacher`: a checkpoint rebuilt as a frozen teacher (per-task logits, the
   representation its heads read), for online distillation;
 - :mod:`gem.transfer.export`: ``python -m gem.transfer.export``, the teacher's outputs written as
-  ``teacher_<task>`` columns of a copy of a data set (offline distillation).
+  ``teacher_<task>`` columns of a copy of a data set (offline distillation), and on request its
+  representation, ``teacher_repr``;
+- :mod:`gem.transfer.student`: a student that reads the teacher's representation as an input
+  (``trainer.distill.representation``) or corrects the teacher's logits (``trainer.distill.adapter``),
+  from those columns or from an online teacher that fills the batch before each forward.
 
 The distillation loss itself is :func:`gem.train.losses.multitask_bce` with ``teacher=``.
 """

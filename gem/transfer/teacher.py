@@ -105,15 +105,20 @@ class Teacher(nn.Module):
         (one device sync)."""
         out = self(batch)[0]
         if check:
-            finite = torch.isfinite(out).all(0)
-            if not bool(finite.all()):
-                bad = [t for t, ok in zip(self.tasks, finite.tolist()) if not ok]
-                raise FloatingPointError(
-                    f"{self.where}: the teacher's {bad} logits are NaN or inf on this batch; "
-                    "its checkpoint is broken (trained into NaN?) or the batch is outside "
-                    "what it can read"
-                )
+            self.check(out)
         return out
+
+    def check(self, values: torch.Tensor, what: str = "logits") -> None:
+        """Raise if ``values`` (its logits ``[B, len(tasks)]``, or its ``representation`` ``[B, R]``)
+        hold a NaN or inf, naming the tasks (one device sync)."""
+        finite = torch.isfinite(values).all(0)
+        if bool(finite.all()):
+            return
+        bad = [t for t, ok in zip(self.tasks, finite.tolist()) if not ok] if what == "logits" else "representation"
+        raise FloatingPointError(
+            f"{self.where}: the teacher's {bad} {what} are NaN or inf on this batch; its checkpoint is broken "
+            "(trained into NaN?: use an earlier step_<N>) or the batch is outside what it can read"
+        )
 
 
 def load_teacher(

@@ -22,7 +22,8 @@ case                    unit  what
 ``label_out_of_range``  row   an observed label outside ``[0, 1]`` (or NaN)
 ``domain_out_of_range`` row   ``domain`` outside ``[0, num_domains)``
 ``bad_weight``          row   a negative or non-finite weight
-``non_finite_teacher``  row   NaN or inf in a ``teacher_<task>`` logit column
+``non_finite_teacher``  row   NaN or inf in a ``teacher_<task>`` logit column or in ``teacher_repr``
+                              (or a ``teacher_repr`` row of another width than the first)
 ======================  ====  =====================================================
 
 Beside these cases, the files of one data set must carry the same ``gem.schema`` metadata
@@ -46,7 +47,7 @@ import numpy as np
 import pyarrow as pa
 
 from gem.data.errors import DataError
-from gem.data.format.layout import LAYOUT_VERSION, READABLE_VERSIONS, arrow_schema, is_optional_column
+from gem.data.format.layout import LAYOUT_VERSION, READABLE_VERSIONS, TEACHER_REPR, arrow_schema, is_optional_column
 from gem.data.pipeline.schema import FeatureSchema
 
 FILE_CASES = ("unreadable_file", "layout_version", "missing_column", "schema_mismatch")
@@ -115,7 +116,9 @@ def file_violations(file_schema: pa.Schema, schema: FeatureSchema) -> list[Viola
                 f"rewrite the file as layout v{LAYOUT_VERSION}",
             )
         )
-    expected = arrow_schema(schema, with_weight=True, with_request_id=True, teacher_tasks=schema.tasks)
+    expected = arrow_schema(
+        schema, with_weight=True, with_request_id=True, teacher_tasks=schema.tasks, with_teacher_repr=True
+    )
     for field in expected:
         if field.name not in file_schema.names:
             if not is_optional_column(field.name):
@@ -249,6 +252,25 @@ def row_violations(table: pa.Table, schema: FeatureSchema) -> list[tuple[str, st
                 f"teacher_{task}",
                 ~np.isfinite(logit),
                 "NaN or inf teacher logit; re-export the teacher's outputs (python -m gem.transfer.export) from a "
+                "checkpoint that trained without NaNs",
+            )
+    if TEACHER_REPR in table.column_names:
+        lengths, values = list_parts(TEACHER_REPR)
+        width = int(lengths[0]) if num_rows else 0
+        add(
+            "non_finite_teacher",
+            TEACHER_REPR,
+            (lengths != width) | (lengths == 0),
+            f"not {width} values like the first row; a teacher representation has one width (re-export it)",
+        )
+        non_finite = ~np.isfinite(values.astype(np.float64, copy=False))
+        if non_finite.any():
+            owner = np.repeat(np.arange(num_rows), lengths)
+            add(
+                "non_finite_teacher",
+                TEACHER_REPR,
+                np.bincount(owner[non_finite], minlength=num_rows) > 0,
+                "NaN or inf in the teacher representation; re-export it (python -m gem.transfer.export) from a "
                 "checkpoint that trained without NaNs",
             )
     return out

@@ -18,6 +18,8 @@ column               Arrow type                  meaning
                                                  one request (ranking evaluation)
 ``teacher_<k>``      ``float32`` (optional)      a teacher model's logit for task k
                                                  (knowledge transfer, docs/transfer.md)
+``teacher_repr``     ``list<float32>`` (optional)  a teacher's representation of the example, the
+                                                 same width in every row and file
 ===================  ==========================  ==============================================
 
 Version 2 added ``request_id``; a version 1 file is a version 2 file without it.
@@ -45,6 +47,7 @@ LAYOUT_VERSION = "2"
 READABLE_VERSIONS = ("1", "2")
 OPTIONAL_COLUMNS = ("weight", "request_id")
 TEACHER_PREFIX = "teacher_"  # optional ``teacher_<task>`` float32 columns: a teacher's logits
+TEACHER_REPR = "teacher_repr"  # optional list<float32> column: a teacher's representation of the example
 
 
 def teacher_columns(schema: FeatureSchema) -> list[str]:
@@ -61,6 +64,7 @@ def arrow_schema(
     with_weight: bool = False,
     with_request_id: bool = False,
     teacher_tasks: tuple[str, ...] | list[str] = (),
+    with_teacher_repr: bool = False,
 ) -> pa.Schema:
     ids = pa.list_(pa.int64())
     fields = [pa.field(n, ids) for n in schema.id_feature_names + schema.sequence_feature_names]
@@ -73,6 +77,8 @@ def arrow_schema(
     if with_request_id:
         fields.append(pa.field("request_id", pa.int64()))
     fields += [pa.field(f"{TEACHER_PREFIX}{t}", pa.float32()) for t in schema.tasks if t in teacher_tasks]
+    if with_teacher_repr:
+        fields.append(pa.field(TEACHER_REPR, pa.list_(pa.float32())))
     metadata = {"gem.layout_version": LAYOUT_VERSION, "gem.schema": json.dumps(schema.to_config())}
     return pa.schema(fields, metadata=metadata)
 
@@ -86,6 +92,7 @@ def write_parquet(table: pa.Table, path: str | Path, schema: FeatureSchema, row_
         with_weight="weight" in table.column_names,
         with_request_id="request_id" in table.column_names,
         teacher_tasks=present_teachers(table.column_names, schema),
+        with_teacher_repr=TEACHER_REPR in table.column_names,
     )
     missing = [n for n in target.names if n not in table.column_names]
     if missing:

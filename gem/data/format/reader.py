@@ -49,7 +49,14 @@ from gem.data.format.checks import (
     file_violations,
     row_violations,
 )
-from gem.data.format.layout import OPTIONAL_COLUMNS, TEACHER_PREFIX, arrow_schema, present_teachers, teacher_columns
+from gem.data.format.layout import (
+    OPTIONAL_COLUMNS,
+    TEACHER_PREFIX,
+    TEACHER_REPR,
+    arrow_schema,
+    present_teachers,
+    teacher_columns,
+)
 from gem.data.pipeline.balance import deal_by_length
 from gem.data.pipeline.batch import Batch
 from gem.data.pipeline.schema import FeatureSchema
@@ -148,6 +155,7 @@ class StreamingParquetReader(torch.utils.data.IterableDataset):
             with_weight="weight" in optional,
             with_request_id="request_id" in optional,
             teacher_tasks=present_teachers(optional, schema),
+            with_teacher_repr=TEACHER_REPR in optional,
         )  # in every file
         self._target = target.remove_metadata()
         self._cache: tuple[_Unit, pa.Table | None] | None = None
@@ -156,7 +164,7 @@ class StreamingParquetReader(torch.utils.data.IterableDataset):
     def _plan_units(self) -> tuple[list[_Unit], set[str]]:
         """Row groups of every usable file; a bad file fails or is skipped (and counted) by policy."""
         units: list[_Unit] = []
-        optional = set(OPTIONAL_COLUMNS) | set(teacher_columns(self.schema))
+        optional = set(OPTIONAL_COLUMNS) | set(teacher_columns(self.schema)) | {TEACHER_REPR}
         footers: list[tuple[pa.Schema, pq.FileMetaData] | Violation] = []
         reference: tuple[Path, FeatureSchema] | None = None  # the first file with gem.schema metadata
         for path in self.files:  # every file's gem.schema first: an odd file is named as such
@@ -394,6 +402,9 @@ def table_to_batch(table: pa.Table, schema: FeatureSchema) -> tuple[Batch, int]:
                 axis=1,
             )
         )
+    if TEACHER_REPR in table.column_names:
+        _, rep = _list_parts(table.column(TEACHER_REPR))  # checked: one width in every row
+        optional["teacher_repr"] = torch.from_numpy(rep.astype(np.float32).reshape(num_rows, -1))
     batch = Batch(
         sparse=sparse,
         sequences=sequences,

@@ -29,6 +29,8 @@ class Batch(Pipelineable):
             candidates scored for one request (one user); ranking metrics group by it.
         teacher: optional ``[B, num_tasks]`` float32 logits of a teacher model (Parquet columns
             ``teacher_<task>``; NaN for a task without a column), for distillation.
+        teacher_repr: optional ``[B, R]`` float32, a teacher's representation of each example
+            (Parquet column ``teacher_repr``), a student's input in representation transfer.
 
     Example, two examples with a history group ``hist`` of two features::
 
@@ -48,6 +50,7 @@ class Batch(Pipelineable):
     weights: torch.Tensor | None = None
     request_id: torch.Tensor | None = None
     teacher: torch.Tensor | None = None
+    teacher_repr: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
