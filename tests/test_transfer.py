@@ -487,3 +487,111 @@ def test_train_students_with_representation_and_adapter_from_data_and_online(
         )
     )
     assert np.isfinite(offline["click/auc"]) and np.isfinite(online["click/auc"])
+
+
+# -- bad input: each names the problem and the fix -------------------------------------------------
+
+
+def _rewrite(src, dst, change, add_task=None):
+    """A copy of the data set ``src`` whose ``gem.schema`` metadata ``change(meta)`` edits in place
+    (``add_task``: a task's label columns added too, every label 0 and observed)."""
+    import json
+
+    for f in sorted(src.rglob("*.parquet")):
+        table = pq.read_table(f)
+        meta = json.loads(table.schema.metadata[b"gem.schema"])
+        change(meta)
+        if add_task:
+            n = table.num_rows
+            table = table.append_column(f"label_{add_task}", pa.array(np.zeros(n, np.float32)))
+            table = table.append_column(f"label_mask_{add_task}", pa.array(np.ones(n, bool)))
+            meta["tasks"].append(add_task)
+        table = table.replace_schema_metadata({**table.schema.metadata, b"gem.schema": json.dumps(meta).encode()})
+        out = dst / f.relative_to(src)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table, out)
+    return dst
+
+
+def _schema_of(directory):
+    import json
+
+    from gem.data.pipeline.schema import FeatureSchema
+
+    f = sorted((directory / "train").glob("*.parquet"))[0]
+    return FeatureSchema.from_config(json.loads(pq.read_schema(f).metadata[b"gem.schema"]))
+
+
+def test_a_teacher_of_another_schema_is_named_with_the_fix(tiny_dataset, teacher_ckpt, tmp_path):
+    import shutil
+
+    from omegaconf import OmegaConf
+
+    from gem.transfer.teacher import load_teacher
+
+    def wider_ads(meta):
+        meta["id_features"][1]["cardinality"] = 90  # ad_id
+
+    other = _schema_of(_rewrite(tiny_dataset, tmp_path / "other", wider_ads))
+    with pytest.raises(CheckpointError, match=r"another feature schema.*id_features.*use a teacher trained on this"):
+        load_teacher(teacher_ckpt, other, None, torch.device("cpu"))
+    # the teacher's data set gone (its schema unknown): the tensor shapes tell
+    moved = tmp_path / "ckpt" / teacher_ckpt.name
+    shutil.copytree(teacher_ckpt, moved)
+    cfg = OmegaConf.load(moved / "config.yaml")
+    cfg.data.dir = str(tmp_path / "gone")
+    OmegaConf.save(cfg, moved / "config.yaml")
+    with pytest.raises(
+        CheckpointError, match=r"t_ad_id.weight: \[80, 32\] in the checkpoint, \[90, 32\] for this data.*another schema"
+    ):
+        load_teacher(moved, other, None, torch.device("cpu"))
+
+
+def test_missing_teacher_columns_for_representation_or_adapter_are_named(tiny_dataset, tmp_path):
+    from gem.train.trainer import train
+
+    run = [*_data(tiny_dataset, "model=dlrm", "trainer.max_steps=1", f"trainer.run_dir={tmp_path}")]
+    with pytest.raises(DataError, match=r"no column\(s\) \['teacher_repr'\].*transfer.representation=true"):
+        train(compose([*run, "trainer.distill.representation=4"]))
+    with pytest.raises(
+        DataError, match=r"no column\(s\) \['teacher_click', 'teacher_conversion'\].*gem.transfer.export"
+    ):
+        train(compose([*run, "trainer.distill.adapter=true"]))
+
+
+def test_a_bad_teacher_representation_column_is_a_data_error(tiny_dataset, tmp_path):
+    from gem.data.pipeline.loader import build_loader
+
+    src = sorted((tiny_dataset / "val").glob("*.parquet"))[0]
+    table = pq.read_table(src)
+    schema = _schema_of(tiny_dataset)
+    rep = np.ones((table.num_rows, 4), np.float32)
+    rep[5, 2] = np.nan
+    column = pa.array(list(rep), pa.list_(pa.float32()))
+    pq.write_table(table.append_column("teacher_repr", column), tmp_path / "nan.parquet")
+    with pytest.raises(DataError, match=r"teacher_repr.*NaN or inf in the teacher representation"):
+        list(build_loader([tmp_path / "nan.parquet"], schema, 64))
+    ragged = [list(r) for r in np.ones((table.num_rows, 4), np.float32)]
+    ragged[3] = ragged[3][:2]
+    pq.write_table(
+        table.append_column("teacher_repr", pa.array(ragged, pa.list_(pa.float32()))), tmp_path / "ragged.parquet"
+    )
+    with pytest.raises(DataError, match=r"teacher_repr.*not 4 values like the first row"):
+        list(build_loader([tmp_path / "ragged.parquet"], schema, 64))
+
+
+def test_a_task_the_teacher_never_learned_stops_the_student_run(tiny_dataset, teacher_ckpt, tmp_path):
+    from gem.train.trainer import train
+
+    liked = _rewrite(tiny_dataset, tmp_path / "liked", lambda meta: None, add_task="like")
+    args = _data(
+        liked,
+        "model=dlrm",
+        "trainer.max_steps=1",
+        f"trainer.run_dir={tmp_path / 'run'}",
+        "trainer.distill.adapter=true",  # corrects every task's teacher logit: needs all of them
+        "trainer.distill.source=model",
+        f"trainer.distill.checkpoint={teacher_ckpt}",
+    )
+    with pytest.raises(CheckpointError, match=r"never learned task\(s\) \['like'\].*trainer.distill.tasks"):
+        train(compose(args))

@@ -168,11 +168,11 @@ def teacher_representation_dim(checkpoint: str, student: FeatureSchema) -> int:
 
     from gem.sparse.arch import SparseArch
     from gem.transfer.params import resolve_checkpoint
-    from gem.transfer.teacher import checkpoint_config
+    from gem.transfer.teacher import checkpoint_config, teacher_schema
 
     path = resolve_checkpoint(checkpoint, "trainer.distill.checkpoint")
     config = checkpoint_config(path)
-    schema = FeatureSchema.from_config(config.data.schema) if config.data.schema else student
+    schema = teacher_schema(config, student, f"trainer.distill.checkpoint={path}")
     s = config.sparse
     arch = SparseArch.from_config(schema, s.embedding_dim, s.init_scale, s.dims, s.backend, device="meta")
     dims = {f: arch.pooled_dim(f) for f in schema.id_feature_names}

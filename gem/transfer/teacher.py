@@ -34,6 +34,49 @@ def checkpoint_config(path: Path):
     return validate(OmegaConf.create(file.read_text()))
 
 
+def teacher_schema(config, student: FeatureSchema, where: str) -> FeatureSchema:
+    """The schema the teacher trained on: its config's ``data.schema``, else the ``gem.schema`` of its
+    Parquet data set's files, else (those files gone) the student's, with a warning: then only the
+    tensor shapes (:func:`check_shapes`) can tell a teacher of another schema."""
+    from gem.data.errors import DataError
+    from gem.data.format.dataset import schema_from_files, split_files
+    from gem.train.logging import logger
+
+    if config.data.schema:
+        return FeatureSchema.from_config(config.data.schema)
+    if config.data.kind == "parquet" and config.data.dir:
+        try:
+            return schema_from_files(split_files(config.data.dir, "train")[:1])
+        except (DataError, OSError):
+            pass
+    logger.warning(
+        "%s: the teacher's schema is neither in its config.yaml nor readable from its data (data.dir=%s); "
+        "taking the student's, checked by tensor shapes only",
+        where,
+        config.data.dir,
+    )
+    return student
+
+
+def check_shapes(state: dict, saved: dict, where: str) -> None:
+    """Every tensor of the rebuilt teacher is in its checkpoint (``saved``: the manifest's
+    ``{key: [shape, dtype]}``) with that shape, or the teacher was trained on another schema."""
+    problems = [f"{k}: not in the checkpoint" for k in state if k not in saved]
+    problems += [
+        f"{k}: {saved[k][0]} in the checkpoint, {list(v.size())} for this data"
+        for k, v in state.items()
+        if k in saved and list(saved[k][0]) != list(v.size())
+    ]
+    if problems:
+        raise CheckpointError(
+            f"{where}: the teacher does not fit the model its config.yaml builds for this data's schema: "
+            + "; ".join(problems[:6])
+            + ("; ..." if len(problems) > 6 else "")
+            + ". It was trained on another schema (feature cardinalities, num_dense, tasks); use a teacher "
+            "trained on this data's features, or train the student on the teacher's"
+        )
+
+
 def _inputs(schema: FeatureSchema) -> dict:
     cfg = schema.to_config()
     return {k: v for k, v in cfg.items() if k != "tasks"}
@@ -50,7 +93,9 @@ def check_inputs(teacher: FeatureSchema, student: FeatureSchema, where: str) -> 
         ]
         raise CheckpointError(
             f"{where}: the teacher was trained on another feature schema than the student's data "
-            f"(tasks may differ, inputs may not): " + "; ".join(d[:300] for d in diff)
+            f"(tasks may differ, inputs may not): "
+            + "; ".join(d[:300] for d in diff)
+            + "; use a teacher trained on this data's features, or train the student on the teacher's"
         )
 
 
@@ -139,7 +184,7 @@ def load_teacher(
 
     path = resolve_checkpoint(path, key)
     config = checkpoint_config(path)
-    schema = FeatureSchema.from_config(config.data.schema) if config.data.schema else student
+    schema = teacher_schema(config, student, f"{key}={path}")
     check_inputs(schema, student, f"{key}={path}")
     s = config.sparse
     sparse = SparseArch.from_config(schema, s.embedding_dim, s.init_scale, s.dims, s.backend, device=device)
@@ -154,6 +199,9 @@ def load_teacher(
     model = GEMModel(sparse, dense)
     state = {f"model.sparse.{k}": v for k, v in sparse.state_dict().items()}
     state |= {f"model.dense.{k}": v for k, v in dense.state_dict().items()}
+    from gem.transfer.params import manifest_shapes
+
+    check_shapes(state, manifest_shapes(path), f"{key}={path}")
     try:
         dcp.load(
             state,
