@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from gem.plan.planner import GiB, dense_memory, make_plan, table_memory
+from gem.plan.planner import GiB, dense_memory, host_table_memory, make_plan, table_memory
 from gem.train.config import ConfigError, validate
 from tests.conftest import compose
 from tests.test_distributed import _errors, torchrun
@@ -137,6 +137,46 @@ def test_table_and_dense_memory_formulas():
     mem = dense_memory(config, 1000, [400, 400], ParallelDims(-1, -1, 16, 8), fsdp=True)
     assert mem["dense params"] == 4000 / 8 and mem["dense optimizer (AdamW)"] == 8000 / 8
     assert mem["gathered dense blocks"] == 2 * (2 * 400 + 200) + 4 * 400  # bf16: two blocks and the root
+
+
+def test_tables_in_uvm_count_as_host_memory_with_their_cache_in_hbm():
+    """A fused_uvm table lives in host memory; a fused_uvm_caching one there too, with TorchRec's
+    planner's cache share (0.2) of its weights and optimizer state in HBM."""
+    from torchrec.distributed.planner.constants import UVM_CACHING_RATIO
+
+    def table(kernel):
+        shards = [{"rank": 0, "sizes": [6, 4]}, {"rank": 1, "sizes": [4, 4]}]
+        return {"sharding_type": "row_wise", "rows": 10, "dim": 4, "compute_kernel": kernel, "shards": shards}
+
+    sharding = {
+        "tables": {"t_hbm": table("fused"), "t_cached": table("fused_uvm_caching"), "t_uvm": table("fused_uvm")}
+    }
+    device = table_memory(sharding, 2, "rowwise_adagrad")
+    host = host_table_memory(sharding, 2, "rowwise_adagrad")
+    assert device["tables"].tolist() == [4 * 24, 4 * 16] and device["table optimizer"].tolist() == [4 * 6, 4 * 4]
+    cache = [round(UVM_CACHING_RATIO * (4 * 24 + 4 * 6)), round(UVM_CACHING_RATIO * (4 * 16 + 4 * 4))]
+    assert UVM_CACHING_RATIO == 0.2 and device["UVM table caches"].tolist() == cache
+    assert host["UVM tables"].tolist() == [2 * 4 * 24, 2 * 4 * 16]  # both UVM tables, whole
+    assert host["UVM table optimizer"].tolist() == [2 * 4 * 6, 2 * 4 * 4]
+    assert host_table_memory({"tables": {"t_hbm": table("fused")}}, 2, "rowwise_adagrad") == {}
+
+
+def test_a_plan_with_a_table_in_uvm_fits_the_budget_its_host_copy_would_break():
+    """3 MiB of HBM per rank: TorchRec's planner puts t_ad_id (1.3 MB) in UVM with a cache; counting its
+    host copy as HBM (as before) would put both ranks over the budget and warn."""
+    plan = _plan(
+        "plan.world_size=2", "plan.gpus_per_node=2", "plan.hbm_gb=0.003", "plan.reserve_gb=0", "plan.activations=none"
+    )
+    kernels = {name: t["compute_kernel"] for name, t in plan.sharding["tables"].items()}
+    assert kernels["t_ad_id"] == "fused_uvm_caching", kernels
+    host = sum(plan.host_memory.values())
+    assert host.tolist() == [4 * 5000 * 32 + 4 * 5000] * 2  # row-wise halves: weights and row-wise Adagrad state
+    total = plan.total()
+    assert (total <= plan.budget).all() and not any("ranks need more" in w for w in plan.warnings), plan.warnings
+    assert (total - plan.memory["UVM table caches"] + host > plan.budget).all()  # the old count would not fit
+    report = plan.text()
+    assert "host memory per rank (TorchRec's planner put t_ad_id in UVM" in report and "UVM table caches" in report
+    assert plan.to_json()["host_memory_bytes"]["UVM tables"]["max"] == 4 * 5000 * 32
 
 
 def test_the_step_time_model_scales_down_with_communication():

@@ -9,6 +9,10 @@ What each figure is (per rank, bytes; docs/planning.md has the worked example):
 - **table optimizer**: row-wise Adagrad keeps one float per row of each shard (per column
   shard too), element-wise Adagrad one per weight, Adam two per weight. Data-parallel tables also
   hold a full gradient.
+- **UVM tables**: a shard TorchRec's planner puts in host memory (``fused_uvm``, or
+  ``fused_uvm_caching`` when no HBM is left for it) counts there, in a host-memory report outside
+  the budget, weights and optimizer state; in HBM only the caching kernels' cache (the planner's
+  cache load factor, 0.2, of both), as the planner itself sized it.
 - **embedding I/O**: the looked-up embeddings a rank receives for its batch and their gradients
   (the all-to-all buffers), ``2 x 4 x (B x pooled dims + tokens x sequence dims)``.
 - **dense**: parameters, gradients and AdamW's two moments in fp32, each divided by
@@ -105,6 +109,8 @@ class Plan:
     forward_flops: float | None = None  # the forward's share (recomputed under activation checkpointing)
     group_size: int | None = None  # sparse.sharding_group_size: tables sharded in groups of this many ranks
     groups: Any = None  # gem.plan.steptime.GroupComparison, filled by __main__
+    # component -> host bytes per rank [world_size]: tables TorchRec keeps in UVM; not in the budget
+    host_memory: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def sharding_world(self) -> int:
@@ -146,6 +152,7 @@ class Plan:
             },
             "memory_bytes": mem,
             "memory_bytes_per_rank": {k: v.tolist() for k, v in self.memory.items()} if self.world_size <= 64 else None,
+            "host_memory_bytes": {k: _stats(v) for k, v in self.host_memory.items()},
             "warnings": self.warnings,
         }
         out["cluster"]["sharding_group_size"] = self.group_size
@@ -399,21 +406,60 @@ def _probe_batch(schema: FeatureSchema, n: int, lengths: dict[str, int]):
 # -- memory ----------------------------------------------------------------------------------------------
 
 
+# TorchRec's compute kernels that keep a table's rows in host memory (UVM): all of them there, or (the
+# caching ones) there with a cache of a share of them in HBM.
+UVM_KERNELS = ("fused_uvm", "fused_uvm_caching")
+
+
+def uvm_cache_share(kernel: str) -> float:
+    """The share of a table shard (weights and optimizer state) in HBM under ``kernel``: 1 for HBM
+    kernels, 0 for ``fused_uvm``, TorchRec's planner's cache load factor for ``fused_uvm_caching``
+    (the storage it planned; gem's sharders set no other)."""
+    from torchrec.distributed.planner.constants import UVM_CACHING_RATIO
+
+    return {"fused_uvm": 0.0, "fused_uvm_caching": UVM_CACHING_RATIO}.get(kernel, 1.0)
+
+
 def table_memory(sharding: dict, world_size: int, optimizer: str) -> dict[str, np.ndarray]:
-    """Per rank: table weights, their optimizer state and (data-parallel tables) gradients."""
+    """Per rank, in device memory: table weights, their optimizer state, (data-parallel tables)
+    gradients and the HBM caches of tables kept in host memory (:func:`host_table_memory`)."""
     state = SPARSE_STATE[optimizer]
-    weights, opt, grads = (np.zeros(world_size, dtype=np.int64) for _ in range(3))
+    weights, opt, grads, cache = (np.zeros(world_size, dtype=np.int64) for _ in range(4))
     for t in sharding["tables"].values():
         if t["sharding_type"] == "data_parallel":
             weights += 4 * t["rows"] * t["dim"]
             opt += state(t["rows"], t["dim"])
             grads += 4 * t["rows"] * t["dim"]
             continue
+        share = uvm_cache_share(str(t.get("compute_kernel")))
+        for shard in t["shards"]:
+            rows, cols = shard["sizes"]
+            if share == 1.0:
+                weights[shard["rank"]] += 4 * rows * cols
+                opt[shard["rank"]] += state(rows, cols)
+            else:
+                cache[shard["rank"]] += round(share * (4 * rows * cols + state(rows, cols)))
+    out = {"tables": weights, "table optimizer": opt, "data-parallel table grads": grads}
+    if cache.any():
+        out["UVM table caches"] = cache
+    return out
+
+
+def host_table_memory(sharding: dict, world_size: int, optimizer: str) -> dict[str, np.ndarray]:
+    """Per rank, in host memory: the weights and optimizer state of the shards TorchRec's planner
+    put in UVM (``fused_uvm`` / ``fused_uvm_caching``); empty when there are none."""
+    state = SPARSE_STATE[optimizer]
+    weights, opt = np.zeros(world_size, dtype=np.int64), np.zeros(world_size, dtype=np.int64)
+    for t in sharding["tables"].values():
+        if str(t.get("compute_kernel")) not in UVM_KERNELS:
+            continue
         for shard in t["shards"]:
             rows, cols = shard["sizes"]
             weights[shard["rank"]] += 4 * rows * cols
             opt[shard["rank"]] += state(rows, cols)
-    return {"tables": weights, "table optimizer": opt, "data-parallel table grads": grads}
+    if not weights.any():
+        return {}
+    return {"UVM tables": weights, "UVM table optimizer": opt}
 
 
 def embedding_io_bytes(schema: FeatureSchema, sparse, batch_size: int, lengths: Lengths) -> float:
@@ -575,8 +621,10 @@ def make_plan(config: Config, probe: tuple[Activations | None, str] | None = Non
                 f"fix: +sparse.constraints.{name}=[table_wise,data_parallel]"
             )
     memory = table_memory(sharding, plan_world, config.optim.sparse.name)
+    host = host_table_memory(sharding, plan_world, config.optim.sparse.name)
     if group:  # global rank r holds the shards of group rank r // (W / G)
         memory = {k: np.repeat(v, world // group) for k, v in memory.items()}
+        host = {k: np.repeat(v, world // group) for k, v in host.items()}
         if p.device != "cuda":
             warnings.append(
                 "sparse.sharding_group_size: TorchRec's DMPCollection runs on CUDA only; training on CPU refuses it"
@@ -604,6 +652,7 @@ def make_plan(config: Config, probe: tuple[Activations | None, str] | None = Non
         warnings,
         forward_flops=forward_flops,
         group_size=group,
+        host_memory=host,
     )
     warnings += budget_warnings(result)
     return result
@@ -781,6 +830,18 @@ def format_report(plan: Plan) -> str:
         rows.append([k, _human(v.min()), _human(v.max()), str(int(v.argmax())) if v.max() > v.min() else "all"])
     lines += _table(rows, right=(1, 2, 3))
     lines.append(f"activations: {plan.activation_note}")
+    if plan.host_memory:
+        uvm = [n for n, t in plan.sharding["tables"].items() if str(t.get("compute_kernel")) in UVM_KERNELS]
+        lines += [
+            "",
+            f"host memory per rank (TorchRec's planner put {', '.join(uvm)} in UVM; not in the budget above, "
+            f"which holds their HBM caches):",
+        ]
+        rows = [["part", "min", "max", "max at rank"]]
+        host_total = sum(plan.host_memory.values())
+        for k, v in list(plan.host_memory.items()) + [("total", host_total)]:
+            rows.append([k, _human(v.min()), _human(v.max()), str(int(v.argmax())) if v.max() > v.min() else "all"])
+        lines += _table(rows, right=(1, 2, 3))
     if plan.step_time is not None:
         lines += ["", *plan.step_time.text().splitlines()]
     if plan.groups is not None:

@@ -321,7 +321,7 @@ def memory_at(plan: Plan, world: int) -> float:
     evenly, data-parallel tables whole, the dense part under the layout at that size, the plan's
     activations, embedding I/O (none on one GPU) and reserve."""
     from gem.distributed.parallel_dims import ParallelDims
-    from gem.plan.planner import SPARSE_STATE, dense_memory
+    from gem.plan.planner import SPARSE_STATE, dense_memory, uvm_cache_share
 
     c = plan.config
     state = SPARSE_STATE[c.optim.sparse.name]
@@ -330,8 +330,8 @@ def memory_at(plan: Plan, world: int) -> float:
         size = 4 * t["rows"] * t["dim"] + state(t["rows"], t["dim"])
         if t["sharding_type"] == "data_parallel":
             replicated += size + 4 * t["rows"] * t["dim"]  # + the gradient
-        else:
-            sharded += size
+        else:  # a table in host memory (UVM) keeps only its cache in HBM
+            sharded += size * uvm_cache_share(str(t.get("compute_kernel")))
     replicate, shard = _layout(plan, world) or (1, world)
     dims = ParallelDims(replicate, shard, world, min(c.plan.gpus_per_node, world))
     dense = sum(dense_memory(c, plan.dense_params, plan.block_params, dims, plan.fsdp or world > 1).values())
@@ -486,7 +486,8 @@ class GroupComparison:
             if c.uvm:
                 lines.append(
                     f"  + group size {c.group_size}: TorchRec's planner put {', '.join(c.uvm)} in host memory "
-                    f"(UVM caching kernels), which the memory and step-time model count as in HBM"
+                    f"(UVM kernels): the memory column holds their HBM caches only; the step-time model "
+                    f"still reads their lookups at HBM speed"
                 )
         best = self.best
         lines.append(
