@@ -21,9 +21,10 @@ nodes of ``G``::
   embeddings'), plus ``plan.collective_latency_ms`` per collective.
 - **FSDP / HSDP**: all-gathers of the compute-dtype parameters (two per block per step with
   ``reshard_after_forward``, one without), reduce-scatters of the gradients in ``reduce_dtype``,
-  and across replicas an all-reduce of the shards; bandwidth time hides behind the dense compute,
-  but every all-gather waits ``plan.collective_latency_ms``: calibrated on two H200s, where
-  FSDP's 34 all-gathers per step added 26 ms that bandwidth does not explain.
+  and across replicas an all-reduce of the shards; on GPUs bandwidth time hides behind the dense
+  compute (on a CPU, ``plan.device=cpu``, it does not: gloo collectives block), but every
+  all-gather waits ``plan.collective_latency_ms``: calibrated on two H200s, where FSDP's 34
+  all-gathers per step added 26 ms that bandwidth does not explain.
 - **data-parallel tables**: an all-reduce of their full gradient.
 - **2-D sparse parallelism** (``sparse.sharding_group_size=n``, TorchRec's DMPCollection): the
   all-to-all spans a sharding group of ``n`` ranks (strided: ranks ``i, i + W/n, ...``, so
@@ -37,7 +38,8 @@ table-wise on one, column-wise over its shard count, table-row-wise over a node)
 placement TorchRec's planner chose at ``plan.world_size``; the planner is not run again per size.
 ``calibrate()`` fits ``mfu``, ``embedding_efficiency`` and ``collective_latency_ms`` to the
 measured H200 runs (benchmarks/results/e2e-h200*.json, scaling-h200*.json) and reports the
-model's error on the runs it was not fitted to (benchmarks/plan_model.py).
+model's error on the runs it was not fitted to (benchmarks/plan_model.py); gem/plan/cpu_calibration.py
+does the same for gloo runs on a CPU host (benchmarks/plan_cpu.py).
 """
 
 from __future__ import annotations
@@ -306,7 +308,9 @@ def predict(plan: Plan, t: Traffic) -> Row:
     dp_tables = t.dp_table_bytes / (inter if multi_node else intra) * 1e3
     fsdp_bw = (t.fsdp_gather_bytes + t.fsdp_reduce_bytes) / (intra if t.fsdp_intra else inter) * 1e3
     fsdp_bw += t.replica_bytes / (inter if multi_node else intra) * 1e3
-    fsdp = max(0.0, fsdp_bw - dense) + t.gathers * cp.collective_latency_ms
+    # FSDP2 overlaps its collectives with compute through CUDA streams; on a CPU (gloo) each one blocks
+    exposed = max(0.0, fsdp_bw - dense) if cp.device == "cuda" else fsdp_bw
+    fsdp = exposed + t.gathers * cp.collective_latency_ms
     parts = {"dense": dense, "embedding": emb, "all-to-all": a2a + dp_tables}
     if plan.group_size:  # 2-D: the replicas' all-reduce of table gradients, not overlapped
         parts["replica sync"] = t.replica_table_bytes / (intra if t.replica_intra else inter) * 1e3 + (
