@@ -4,7 +4,8 @@
                                 [--experiment seqrec_gen] [--split test] [-- hydra overrides]
 
 Each (set, seed) is ``python -m gem.train experiment=<experiment> data.name=<set> trainer.seed=<seed>
-data.seqrec.seed=<seed>`` in its own process (the evaluation negatives stay fixed: the paper's file
+data.seqrec.seed=<seed>`` in its own process, with the set's own experiment where there is one
+(``<experiment>_<set, lower case>``: ``seqrec_gen_lastfm``) (the evaluation negatives stay fixed: the paper's file
 for LastFM, numpy seed 12345 otherwise). The metrics are those of the final evaluation of
 ``--split``: ``test`` for the figures to report, ``val`` (with ``trainer.eval_every`` at the end)
 to choose a recipe. Writes ``benchmarks/results/seqrec-<experiment>-<hardware>.json`` with every
@@ -38,7 +39,14 @@ PUBLISHED = {
 }
 
 
+def experiment_for(experiment: str, name: str) -> str:
+    """The set's own variant of ``experiment`` where configs/experiment has one, else ``experiment``."""
+    own = f"{experiment}_{name.lower()}"
+    return own if (ROOT / "configs" / "experiment" / f"{own}.yaml").exists() else experiment
+
+
 def run(experiment: str, name: str, seed: int, split: str, overrides: list[str], run_dir: Path) -> dict:
+    experiment = experiment_for(experiment, name)
     cmd = [
         sys.executable,
         "-m",
@@ -59,6 +67,7 @@ def run(experiment: str, name: str, seed: int, split: str, overrides: list[str],
     final = [r for r in rows if r["kind"] == split][-1]
     return {
         "set": name,
+        "experiment": experiment,
         "seed": seed,
         "split": split,
         "step": final["step"],
