@@ -185,6 +185,10 @@ def main() -> None:
             for c in checks
         ],
     }
+    if args.refit:  # the measurements' date, commit and notes stay; the fit's are added
+        out |= {k: old[k] for k in ("date", "commit", "notes") if k in old}
+        out["refit"] = {"date": datetime.datetime.now(datetime.UTC).isoformat(), "commit": environment()["commit"]}
+        out = {k: out[k] for k in ("benchmark", "date", "commit", "notes", "refit") if k in out} | out
     OUT.write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {OUT}")
 
