@@ -3,8 +3,8 @@
 #   . tools/gpu_env.sh
 # Wheels (downloaded on a machine with PyPI, for CPython 3.12, manylinux x86_64): torchrec 1.6.1,
 # fbgemm-gpu-cpu 1.6.0, tensordict 0.13.0, hydra-core, omegaconf, antlr4-python3-runtime 4.9.3,
-# iopath, pyvers, orjson, importlib_metadata (the image has torch 2.11, triton 3.6, pyarrow,
-# torchmetrics, tqdm, pyre-extensions).
+# iopath, pyvers, orjson, importlib_metadata, and pytest-xdist + execnet for tools/gpu_kernels_check.sh
+# (the image has torch 2.11, triton 3.6, pyarrow, torchmetrics, tqdm, pyre-extensions).
 if [ ! -f /tmp/site/.installed ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && touch /tmp/site/.installed || return 1

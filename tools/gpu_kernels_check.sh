@@ -7,7 +7,8 @@
 #    $OUT/attention-h200.json (the committed file is copied there first: --keep-sweeps reads its sweep
 #    rows), then every target row (gem and baselines) against the committed one ($OUT/compare.txt);
 # 2. the GPU kernel tests, `pytest tests/kernels -m gpu` ($OUT/pytest-gpu.txt, junit XML; -n 4 with
-#    pytest-xdist; a run cut by the budget says so: rc 124). `bash ... tests` runs them alone (470 s).
+#    pytest-xdist; a run cut by the budget says so: rc 124). `bash ... tests` runs them alone (2026-12-01:
+#    the compile tests 102 s, then the 107 GPU tests 233 s with -n 4 on a 16-core H200 host).
 # 0. torch.compile (Inductor) on CUDA: test_torch_compile_fullgraph and the FLOP counter (<= 120 s).
 # Budget: 470 s in all (compile tests <= 120 s, benchmark <= 300 s, the GPU tier the rest, at
 # least 60 s), each under `timeout`.
