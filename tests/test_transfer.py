@@ -595,3 +595,17 @@ def test_a_task_the_teacher_never_learned_stops_the_student_run(tiny_dataset, te
     )
     with pytest.raises(CheckpointError, match=r"never learned task\(s\) \['like'\].*trainer.distill.tasks"):
         train(compose(args))
+
+
+def test_a_gem_student_reading_representations_counts_the_projections_flops(exported):
+    from gem.train.flops import batch_lengths
+
+    data, model = _student(exported, "model=gem_tiny", "trainer.distill.representation=8")
+    dense = model.dense_arch
+    batch = _batch(exported, data.schema)
+    lengths = batch_lengths(batch, data.schema)
+    inner, outer = dense.student.flops(batch.batch_size, lengths), dense.flops(batch.batch_size, lengths)
+    assert outer["forward"] - inner["forward"] == 2 * batch.batch_size * 32 * 8
+    assert outer["backward"] - inner["backward"] == 2 * batch.batch_size * 32 * 8
+    _, dlrm = _student(exported, "model=dlrm", "trainer.distill.representation=8")
+    assert dlrm.dense_arch.flops is None  # DLRM has no analytic count

@@ -83,6 +83,24 @@ class TransferStudent(nn.Module):
             nn.init.ones_(self.teacher_scale)
             nn.init.zeros_(self.student_gate)
 
+    @property
+    def flops(self) -> Callable[..., dict[str, int]] | None:
+        """The student arch's analytic FLOP count (None without one) plus the projection's: what the
+        trainer logs as TFLOP/s. The appended inputs' share of the student's first layer is in its own."""
+        count = getattr(self.student, "flops", None)
+        if count is None:
+            return None
+
+        def total(batch_size: int, *args, **kwargs) -> dict[str, int]:
+            out = dict(count(batch_size, *args, **kwargs))
+            if self.project is not None:
+                extra = 2 * batch_size * self.project.in_features * self.project.out_features
+                out["forward"] += extra
+                out["backward"] += extra  # the weight gradient (its input, the teacher's, needs none)
+            return out
+
+        return total
+
     def forward(
         self,
         sparse: SparseOutput,
