@@ -16,7 +16,10 @@ training target of every user; the students on each user's most recent few targe
 
 Both: the teacher's logits and representation are exported onto the students' data
 (``python -m gem.transfer.export transfer.representation=true``); every student trains on that copy
-(the columns are ignored where a route is off), so all rows see the same examples. Shared tables:
+(the columns are ignored where a route is off), so all rows see the same examples. Each student
+trains for up to ``--max-epochs``, its validation split scored after every epoch; its row is the
+test score of the same run stopped after its best validation epoch (early stopping: the small
+fresh data is overfitted within a few epochs, by every route differently). Shared tables:
 ``checkpoint.init_from`` the teacher's checkpoint, every table, trained on. FLOPs per example:
 forward, ``torch.utils.flop_counter.FlopCounterMode`` over one test batch (matmuls; embedding
 lookups are not FLOPs), the same counter for every model. ``serving_flops`` adds the teacher's
@@ -29,10 +32,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,7 +71,8 @@ def setups(args) -> dict:
             ],
             "teacher_model": ["model=gem_tiny", "model.dim=32", "model.num_layers=2", "trainer.epochs=1"],
             "student_model": ["model=dlrm", "model.dim=16", "model.bottom_mlp=[32]", "model.top_mlp=[32]"],
-            "student_epochs": args.epochs or 2,
+            "max_epochs": args.max_epochs or 4,
+            "batch_size": 256,
             "student_train": [],
             "metrics": ("click/auc", "click/ne", "conversion/auc", "conversion/ne"),
             "gap_metrics": ("click/auc",),
@@ -83,7 +89,8 @@ def setups(args) -> dict:
         "student_data": [f"data.seqrec.max_targets_per_user={args.student_targets}"],
         "teacher_model": ["model=gem_tiny", "model.dim=32", f"trainer.epochs={args.teacher_epochs}"],
         "student_model": ["model=dlrm", "model.dim=16", "model.bottom_mlp=[16]", "model.top_mlp=[32]"],
-        "student_epochs": args.epochs or 5,  # 64 steps an epoch of 256 rows
+        "max_epochs": args.max_epochs or 6,  # 64 steps an epoch of 256 rows
+        "batch_size": 256,
         # experiment=seqrec's settings, which the students' data=parquet runs do not compose
         "student_train": [
             "data.batch_size=256",
@@ -114,6 +121,32 @@ def variants(args, ckpt: Path) -> dict[str, list[str]]:
     }
 
 
+def val_curve(run_dir: Path, key: str) -> list[float]:
+    """``key`` on the validation split after each evaluation of a run (its metrics.jsonl)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r[key] for r in rows if r["kind"] == "val"]
+
+
+def train_selected(overrides, run_dir: Path, max_epochs: int, steps_per_epoch: int, key: str):
+    """Train for ``max_epochs``, scoring the validation split after each; then again for the epoch
+    count whose validation ``key`` was best (the same seed: the same trajectory up to there, which
+    its last validation score checks). Returns (test metrics, what was chosen)."""
+    from gem.train.trainer import train
+
+    shutil.rmtree(run_dir, ignore_errors=True)
+    every = [f"trainer.eval_every={steps_per_epoch}"]
+    probe = run_dir / "select"
+    test = train(compose([*overrides, *every, f"trainer.run_dir={probe}", f"trainer.epochs={max_epochs}"]))
+    curve = val_curve(probe, key)[:max_epochs]
+    best = 1 + max(range(len(curve)), key=curve.__getitem__)
+    chosen = {"epochs": best, f"val_{key}_by_epoch": curve}
+    if best < max_epochs:
+        final = run_dir / "final"
+        test = train(compose([*overrides, *every, f"trainer.run_dir={final}", f"trainer.epochs={best}"]))
+        chosen["reproduced"] = abs(val_curve(final, key)[-1] - curve[best - 1]) < 1e-6
+    return test, chosen
+
+
 def needs_teacher_at_serving(name: str) -> bool:
     return any(k in name for k in ("representations", "adapter", "all together"))
 
@@ -131,7 +164,7 @@ def main() -> None:
     parser.add_argument("--distill-weight", type=float, default=0.5)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--representation", type=int, default=16, help="trainer.distill.representation")
-    parser.add_argument("--epochs", type=int, default=None, help="student epochs (synthetic 2, lastfm 5)")
+    parser.add_argument("--max-epochs", type=int, default=None, help="student epochs at most (synthetic 4, lastfm 6)")
     parser.add_argument("--work", default=None, help="default /tmp/gem-transfer-bench[-lastfm]")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -197,12 +230,15 @@ def main() -> None:
     first = next(iter(split_loader(config, env, source, "test", 2048)))
     flops = {TEACHER: forward_flops_per_example(teacher.model, first)}
 
+    train_rows = sum(pq.read_metadata(f).num_rows for f in source.files("train"))
+    steps_per_epoch = train_rows // s["batch_size"]  # one rank, whole batches
+    selection = {}
     for name, extra in variants(args, ckpt).items():
         tick = time.perf_counter()
         run_dir = work / name.replace(" ", "_").replace("+", "p").replace(",", "")
-        overrides = [*on_export, *s["student_model"], *extra]
-        results[name] = train(
-            compose([*overrides, f"trainer.run_dir={run_dir}", f"trainer.epochs={s['student_epochs']}"])
+        overrides = [*on_export, *s["student_model"], *extra, f"data.batch_size={s['batch_size']}"]
+        results[name], selection[name] = train_selected(
+            overrides, run_dir, s["max_epochs"], steps_per_epoch, s["gap_metrics"][0]
         )
         timings[f"{name}_s"] = time.perf_counter() - tick
         flops[name] = forward_flops_per_example(gem.build_model(gem.build_data(compose(overrides))), first)
@@ -220,6 +256,8 @@ def main() -> None:
         rows[name]["gap_closed"] = gap(r, key)
         rows[name] |= {f"gap_closed_{k}": gap(r, k) for k in s["gap_metrics"][1:]}
         rows[name]["flops"] = flops[name]
+        if name in selection:
+            rows[name]["selected"] = selection[name]
         serving = flops[name] + (flops[TEACHER] if needs_teacher_at_serving(name) else 0.0)
         rows[name]["serving_flops"] = serving
         rows[name]["teacher_over_serving_flops"] = flops[TEACHER] / serving
@@ -247,10 +285,13 @@ def main() -> None:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(out, indent=1))
     names = [k.split("/")[-1] for k in s["metrics"]]
-    print(f"{'':40s} " + " ".join(f"{n:>9s}" for n in names) + f" {'gap':>6s} {'FLOPs':>10s} {'serving':>10s}")
+    print(
+        f"{'':40s} " + " ".join(f"{n:>9s}" for n in names) + f" {'gap':>6s} {'FLOPs':>10s} {'serving':>10s} {'ep':>3s}"
+    )
     for name, r in rows.items():
         values = " ".join(f"{r.get(k, float('nan')):9.4f}" for k in s["metrics"])
-        print(f"{name:40s} {values} {r['gap_closed']:6.2f} {r['flops']:10,.0f} {r['serving_flops']:10,.0f}")
+        epochs = r.get("selected", {}).get("epochs", "")
+        print(f"{name:40s} {values} {r['gap_closed']:6.2f} {r['flops']:10,.0f} {r['serving_flops']:10,.0f} {epochs:>3}")
     print(f"target (>= half the {key} gap closed, serving >= 10x cheaper) met: {out['target']['met']} ({best})")
 
 
