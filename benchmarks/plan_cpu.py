@@ -9,8 +9,9 @@
    10-30 s each), taking the median over the logged windows after the first ``--skip``
    (warm-up), then over repeats; the spread (min, max over repeats) is kept. Before each
    training the matmul and copy rates are measured again with as many processes as it has ranks
-   (the host is shared: its load drifts), and the run is predicted with them. ``--profile``: one
-   more training of each multi-rank run under the profiler, its time by model part.
+   (the host is shared: its load drifts, and each training records the load average), and the run
+   is predicted with them. ``--profile``: one more training of each run under the profiler (rank
+   0), its time by model part.
 3. Fits ``plan.mfu``, ``plan.embedding_efficiency`` and ``plan.step_overhead_ms`` on the one-rank
    runs marked ``fit`` and predicts the others; prints the table and writes
    ``benchmarks/results/plan_model-cpu.json`` (hardware, versions, commit, every measurement).
@@ -66,6 +67,7 @@ def train_once(run: cpu_calibration.CPURun, run_dir: Path, cache: Path, skip: in
         *extra,
     ]
     env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    load = os.getloadavg()[0]  # the host's 1-minute load average (other users' jobs share its cores)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     if proc.returncode:
         raise SystemExit(f"{run.label}: training failed\n{proc.stderr[-3000:]}")
@@ -78,6 +80,7 @@ def train_once(run: cpu_calibration.CPURun, run_dir: Path, cache: Path, skip: in
         "step_ms_with_data": statistics.median(r["step_ms"] for r in windows),
         "examples_per_s": statistics.median(r["examples_per_s"] for r in windows),
         "windows": len(windows),
+        "load_average": [load, os.getloadavg()[0]],  # before and after
     }
 
 
@@ -119,7 +122,7 @@ def measure_runs(repeats: int, skip: int, out_dir: Path, profile: bool) -> list[
                 "repeats": reps,
             }
         )
-        if profile and run.nproc > 1:
+        if profile:
             results[-1]["profile"] = profiled(run, out_dir / "profiled", out_dir / "cache")
         print(f"{run.label:<55} {results[-1]['step_ms']:8.2f} ms  ({min(ms):.2f}-{max(ms):.2f})", flush=True)
     return results
@@ -131,10 +134,12 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=2, help="logged windows to drop as warm-up")
     parser.add_argument("--out-dir", default=str(ROOT / "runs" / "plan_cpu"))
     parser.add_argument("--refit", action="store_true", help="fit again from the measurements in " + OUT.name)
-    parser.add_argument("--profile", action="store_true", help="one profiled training more per multi-rank run")
+    parser.add_argument("--profile", action="store_true", help="one profiled training more per run")
+    parser.add_argument("--tag", default=None, help="write plan_model-cpu-<tag>.json (e.g. another load)")
     args = parser.parse_args()
+    out_path = OUT.with_name(f"{OUT.stem}-{args.tag}.json") if args.tag else OUT
     if args.refit:
-        old = json.loads(OUT.read_text())
+        old = json.loads(out_path.read_text())
         env, machine, runs = old["environment"], CPUMachine(**old["machine"]), old["runs"]
     else:
         env = environment() | {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
@@ -170,6 +175,11 @@ def main() -> None:
         "environment": env,
         "machine": machine.to_json(),
         "machine_after_runs": after.to_json() if not args.refit else old.get("machine_after_runs"),
+        "notes": "step_ms: the trainer's step less its data wait, median over windows, then repeats; rates: "
+        "the per-rank matmul / copy rates measured before each repeat with as many processes as ranks; "
+        "load_average: the host's 1-minute load before and after each training; profile: one more "
+        "training under torch.profiler, rank 0, ms per step by model part (cpu_calibration.profile_parts; "
+        "profiled steps run longer than unprofiled ones)",
         "plan_overrides": {n: machine.overrides(n) + [f"plan.{k}={v:.6g}" for k, v in fitted.items()] for n in (1, 2)},
         "fitted": fitted,
         "runs": runs,
@@ -189,8 +199,8 @@ def main() -> None:
         out |= {k: old[k] for k in ("date", "commit", "notes") if k in old}
         out["refit"] = {"date": datetime.datetime.now(datetime.UTC).isoformat(), "commit": environment()["commit"]}
         out = {k: out[k] for k in ("benchmark", "date", "commit", "notes", "refit") if k in out} | out
-    OUT.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {OUT}")
+    out_path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {out_path}")
 
 
 if __name__ == "__main__":
