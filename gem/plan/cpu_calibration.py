@@ -18,7 +18,8 @@ the all-to-all and FSDP terms come from the measured link alone.
 
 Measured step time is the trainer's ``step_ms`` less its data wait (``data.num_workers=0``: the
 loader runs in the step; the model leaves the input pipeline out), the median over logged windows
-after warm-up, then over repeats.
+after warm-up, then over repeats. The results, and which of the model's terms miss on a CPU host:
+docs/planning.md, "On a CPU host".
 """
 
 from __future__ import annotations
