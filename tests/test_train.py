@@ -210,6 +210,8 @@ def test_profile_writes_a_trace_and_a_breakdown(cache_dir, tmp_path):
         ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "elementwise"),
         ("void at::native::(anonymous namespace)::indexSelectLargeIndex<float, long, unsigned int>", "embedding"),
         ("triton_red_fused_embedding_dense_backward_2", "embedding"),
+        ("fbgemm::jagged_to_padded_dense_forward", "embedding"),
+        ("void fbgemm_gpu::batch_index_select_dim0_codegen_forward_kernel<float, float>", "embedding"),
         ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
         ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "communication"),
         ("Memcpy HtoD (Pinned -> Device)", "memcpy"),

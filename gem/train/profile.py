@@ -29,9 +29,9 @@ from torch.profiler import ProfilerActivity, profile, schedule
 from gem.train.config import ProfileConfig
 from gem.train.logging import logger
 
-# Kinds in the order they are tried: the first whose patterns occur in a (lower-cased) kernel or
-# operator name wins; whatever matches none is elementwise work (Inductor's fused pointwise and
-# reduction kernels, aten's elementwise, normalization, copies and casts).
+# The breakdown's kinds. _PATTERNS are tried in their order: the first kind whose patterns occur
+# in a (lower-cased) kernel or operator name wins; whatever matches none is elementwise work
+# (Inductor's fused pointwise and reduction kernels, aten's elementwise, normalization, copies and casts).
 KINDS = ("communication", "memcpy", "attention", "gemm", "embedding", "optimizer", "elementwise")
 _PATTERNS = {
     "communication": (
@@ -63,6 +63,21 @@ _PATTERNS = {
         "sdpa",
         "cudnn_generated_fort_native_sdpa",
     ),
+    # before "gemm", which "fbgemm" (the embedding kernels' library) contains
+    "embedding": (
+        "embedding",
+        "index_select",
+        "indexselect",
+        "index_add",
+        "indexing_backward",
+        "index_put",
+        "gather",
+        "scatter",
+        "aten::index",
+        "segment_reduce",
+        "compute_grad_weight",
+        "fbgemm",
+    ),
     "gemm": (
         "gemm",
         "nvjet",
@@ -77,20 +92,6 @@ _PATTERNS = {
         "triton_tem_fused",
         "_scaled_mm",
         "splitk",
-    ),
-    "embedding": (
-        "embedding",
-        "index_select",
-        "indexselect",
-        "index_add",
-        "indexing_backward",
-        "index_put",
-        "gather",
-        "scatter",
-        "aten::index",
-        "segment_reduce",
-        "compute_grad_weight",
-        "fbgemm",
     ),
     "optimizer": ("adam", "adagrad", "multi_tensor_apply", "optimizer", "_foreach_"),
 }
