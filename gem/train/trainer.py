@@ -243,9 +243,7 @@ def apply_transfer(config: Config, model: nn.Module, ckpt_dir: Path) -> None:
     freeze(model, c.init_frozen)
 
 
-def distill_loss(
-    config: Config, schema: FeatureSchema, env: DistEnv, source: DataSource, task_weights: torch.Tensor, group
-):
+def distill_loss(config: Config, schema: FeatureSchema, env: DistEnv, task_weights: torch.Tensor, group):
     """The loss function with ``trainer.distill`` (None when it is off): true labels mixed with a
     teacher's logits, ``batch.teacher``: the data's ``teacher_<task>`` columns, or filled by the
     online teacher (``gem.transfer.student.prepare_teacher`` checks or attaches either)."""
@@ -492,7 +490,7 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
     if getattr(model.dense_arch, "returns_loss", False):  # e.g. gem.models.generative: its own objective
         loss_fn = lambda loss, b: (loss.sum(), loss.detach().reshape(1).expand(len(schema.tasks)))  # noqa: E731
     else:
-        loss_fn = distill_loss(config, schema, env, source, task_weights, group) or (
+        loss_fn = distill_loss(config, schema, env, task_weights, group) or (
             lambda logits, b: multitask_bce(logits, b.labels, b.label_mask, task_weights, b.weights, group=group)
         )
     # (the fused table optimizer's zero_grad / step only hand the scheduled learning rate to FBGEMM)
