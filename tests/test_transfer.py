@@ -194,7 +194,7 @@ def test_export_writes_teacher_columns_resumably_and_the_loader_reads_them(tiny_
         f"transfer.checkpoint={teacher_ckpt.parent}",
         f"transfer.out={out}",
         "transfer.splits=[train,val]",
-        "transfer.representation=true",
+        "transfer.representation=heads",
         "transfer.batch_size=128",
     ]
     cfg, overrides = parse(args)
@@ -360,7 +360,7 @@ def exported(tiny_dataset, teacher_ckpt, tmp_path_factory):
                 tiny_dataset,
                 f"transfer.checkpoint={teacher_ckpt}",
                 f"transfer.out={out}",
-                "transfer.representation=true",
+                "transfer.representation=heads",
             )
         )
     )
@@ -436,6 +436,115 @@ def test_the_adapter_starts_as_the_teacher_and_trains_its_own_parameters(exporte
     # the student's logits are no longer the teacher's
     with torch.no_grad():
         assert not torch.allclose(model(batch), batch.teacher, atol=1e-3)
+
+
+CANDIDATE = "transfer.candidate_features=[ad_id,ad_cluster]"
+
+
+def _export_history(data_dir, teacher_ckpt, out, *extra):
+    from gem.transfer.export import parse, run
+
+    args = [f"transfer.checkpoint={teacher_ckpt}", f"transfer.out={out}", "transfer.representation=history"]
+    return run(*parse(_data(data_dir, *args, CANDIDATE, *extra)))
+
+
+@pytest.fixture(scope="module")
+def exported_history(tiny_dataset, teacher_ckpt, tmp_path_factory):
+    """The tiny data set with the teacher's logits and its history representation, every split."""
+    out = tmp_path_factory.mktemp("exported_history")
+    _export_history(tiny_dataset, teacher_ckpt, out)
+    return out
+
+
+def _other_candidates(src, dst):
+    """A copy of the data set ``src`` in which every row has the next row's candidate (ad_id, ad_cluster)."""
+    for f in sorted(src.rglob("*.parquet")):
+        table = pq.read_table(f)
+        for name in ("ad_id", "ad_cluster"):
+            i = table.column_names.index(name)
+            column = table.column(name).combine_chunks()
+            table = table.set_column(i, table.field(name), pa.concat_arrays([column[1:], column[:1]]))
+        out = dst / f.relative_to(src)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table, out)
+    return dst
+
+
+def test_history_representation_is_the_same_for_every_candidate_and_differs_between_users(
+    tiny_dataset, exported_history, teacher_ckpt, tmp_path
+):
+    from gem.transfer.student import representation_kind
+    from gem.transfer.teacher import load_teacher
+
+    other = _other_candidates(tiny_dataset, tmp_path / "other_candidates")
+    done = _export_history(other, teacher_ckpt, tmp_path / "out", "transfer.splits=[val]")
+    (written,) = done["written"]
+    a, b = pq.read_table(exported_history / "val" / "part-00000.parquet"), pq.read_table(written)
+    assert not np.array_equal(a.column("ad_id").to_numpy(), b.column("ad_id").to_numpy())
+    # the same users and histories with other candidates: the teacher scores them differently ...
+    assert not np.allclose(a.column("teacher_click").to_numpy(), b.column("teacher_click").to_numpy(), atol=1e-3)
+    rep_a, rep_b = (np.stack(t.column("teacher_repr").to_numpy(zero_copy_only=False)) for t in (a, b))
+    assert rep_a.shape == (a.num_rows, 16 * 6)  # gem_tiny: dim 16 x (2 CLS + 2 PMA + 2 recent) summary tokens
+    assert np.array_equal(rep_a, rep_b)  # ... and gives them the same history vector
+    # while the head input (per candidate) changes with the candidate
+    schema = _schema_of(tiny_dataset)
+    teacher = load_teacher(teacher_ckpt, schema, None, torch.device("cpu"))
+    heads_a, heads_b = (teacher(_batch(d, schema, rows=1000))[1] for d in (exported_history, other))
+    assert not torch.allclose(heads_a, heads_b, atol=1e-3)
+    # other users (other histories) get other vectors
+    users = np.array([u[0] for u in a.column("user_id").to_pylist()])
+    differ = np.flatnonzero(users[1:] != users[:-1])
+    assert len(differ) > 50 and all(np.abs(rep_a[i + 1] - rep_a[i]).max() > 1e-4 for i in differ)
+    assert representation_kind(written) == {
+        "kind": "history",
+        "candidate_features": ["ad_id", "ad_cluster"],
+        "width": 96,
+    }
+    # resumable like the rest: a rerun writes nothing
+    again = _export_history(other, teacher_ckpt, tmp_path / "out", "transfer.splits=[val]")
+    assert not again["written"] and again["skipped"] == [written]
+
+
+@pytest.mark.parametrize("block", ["interformer", "kunlun"])
+def test_history_pass_leaves_the_candidate_and_the_dense_features_out_of_either_block(tiny_dataset, tmp_path, block):
+    from gem.transfer.teacher import Teacher
+
+    data, model = _student(tiny_dataset, "model=gem_tiny", f"model.block={block}", "sparse.backend=native")
+    teacher = Teacher(model, data.schema.tasks, data.schema.tasks, torch.device("cpu"), "test")
+    other = _other_candidates(tiny_dataset, tmp_path / "other")
+    a, b = _batch(tiny_dataset, data.schema), _batch(other, data.schema)
+    assert torch.equal(teacher.history(a, ("ad_id", "ad_cluster")), teacher.history(b, ("ad_id", "ad_cluster")))
+    assert not torch.allclose(teacher.history(a, ("ad_id",)), teacher.history(b, ("ad_id",)))  # ad_cluster tells
+    b.dense = torch.randn_like(b.dense)
+    assert not torch.allclose(teacher.history(a, ("ad_id", "ad_cluster")), teacher.history(b, ("ad_id", "ad_cluster")))
+    assert torch.equal(
+        teacher.history(a, ("ad_id", "ad_cluster", "dense")), teacher.history(b, ("ad_id", "ad_cluster", "dense"))
+    )
+
+
+def test_a_student_reads_the_history_representation(exported_history):
+    data, model = _student_on(exported_history, "trainer.distill.representation=8")
+    dense = model.dense_arch
+    assert dense.project.in_features == 96
+    batch = _batch(exported_history, data.schema)
+    data.loss(model(batch), batch)[0].backward()
+    assert dense.project.weight.grad is not None and dense.project.weight.grad.abs().sum() > 0
+
+
+def test_bad_representation_settings_name_the_values(tiny_dataset, teacher_ckpt, tmp_path):
+    from gem.transfer.export import parse, run
+
+    base = _data(tiny_dataset, f"transfer.checkpoint={teacher_ckpt}", f"transfer.out={tmp_path}")
+    with pytest.raises(SystemExit, match=r"representation=True must be one of \['none', 'heads', 'history'\]"):
+        parse([*base, "transfer.representation=true"])
+    with pytest.raises(SystemExit, match=r"history needs transfer.candidate_features=\[\.\.\.\]"):
+        parse([*base, "transfer.representation=history"])
+    with pytest.raises(SystemExit, match=r"candidate_features=\['ad_id'\] is read only with .*history \(not heads"):
+        parse([*base, "transfer.representation=heads", "transfer.candidate_features=[ad_id]"])
+    assert parse([*base, "transfer.representation=false"])[0].representation == "none"
+    cfg, overrides = parse([*base, "transfer.representation=history", "transfer.candidate_features=[ad_id,hist_item]"])
+    with pytest.raises(ValueError, match=r"unknown \['hist_item'\].*\['user_id', 'ad_id', 'ad_cluster', 'user_in"):
+        run(cfg, overrides)
 
 
 def test_online_teacher_fills_the_batch_and_stays_frozen(tiny_dataset, teacher_ckpt):
@@ -551,7 +660,7 @@ def test_missing_teacher_columns_for_representation_or_adapter_are_named(tiny_da
     from gem.train.trainer import train
 
     run = [*_data(tiny_dataset, "model=dlrm", "trainer.max_steps=1", f"trainer.run_dir={tmp_path}")]
-    with pytest.raises(DataError, match=r"no column\(s\) \['teacher_repr'\].*transfer.representation=true"):
+    with pytest.raises(DataError, match=r"no column\(s\) \['teacher_repr'\].*transfer.representation=heads\|history"):
         train(compose([*run, "trainer.distill.representation=4"]))
     with pytest.raises(
         DataError, match=r"no column\(s\) \['teacher_click', 'teacher_conversion'\].*gem.transfer.export"

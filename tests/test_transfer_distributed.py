@@ -13,7 +13,7 @@ from tests.test_transfer import _data, teacher_ckpt  # noqa: F401 (the module's 
 def test_export_under_torchrun_splits_the_files_between_ranks(tiny_dataset, teacher_ckpt, tmp_path):  # noqa: F811
     from gem.transfer.export import parse, run
 
-    args = _data(tiny_dataset, f"transfer.checkpoint={teacher_ckpt}", "transfer.representation=true")
+    args = _data(tiny_dataset, f"transfer.checkpoint={teacher_ckpt}", "transfer.representation=heads")
     proc = torchrun(["-m", "gem.transfer.export", *args, f"transfer.out={tmp_path / 'two'}"], nproc=2)
     assert proc.returncode == 0, proc.stderr[-4000:]
     # 3 train files, 1 val, 1 test: rank 0 takes train 0 and 2, val 0, test 0; rank 1 train 1

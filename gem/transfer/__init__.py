@@ -3,10 +3,11 @@
 - :mod:`gem.transfer.params`: parameter sharing, ``checkpoint.init_from`` / ``init_modules`` /
   ``init_frozen`` (load some tensors of another run's checkpoint, freeze some);
 - :mod:`gem.transfer.teacher`: a checkpoint rebuilt as a frozen teacher (per-task logits, the
-  representation its heads read), for online distillation;
+  representation its heads read, a history representation from a pass without the candidate),
+  for online distillation;
 - :mod:`gem.transfer.export`: ``python -m gem.transfer.export``, the teacher's outputs written as
-  ``teacher_<task>`` columns of a copy of a data set (offline distillation), and on request its
-  representation, ``teacher_repr``;
+  ``teacher_<task>`` columns of a copy of a data set (offline distillation), and on request one of
+  its representations, ``teacher_repr`` (``heads``: per candidate; ``history``: per request);
 - :mod:`gem.transfer.student`: a student that reads the teacher's representation as an input
   (``trainer.distill.representation``) or corrects the teacher's logits (``trainer.distill.adapter``),
   from those columns or from an online teacher that fills the batch before each forward.

@@ -2,8 +2,10 @@
 
 ``trainer.distill.representation=P`` (P > 0): the student's dense arch also reads the teacher's
 representation of each example (``Batch.teacher_repr [B, R]``: the Parquet column
-``teacher_repr`` that ``python -m gem.transfer.export transfer.representation=true`` writes, or the
-online teacher's), through a learned projection to ``P`` values appended to its dense features.
+``teacher_repr`` that ``python -m gem.transfer.export transfer.representation=heads|history``
+writes, or the online teacher's head input), through a learned projection to ``P`` values appended
+to its dense features. The student reads either kind the same way; which one a data set holds is
+in its files' ``gem.teacher_repr`` metadata (:func:`representation_kind`).
 
 ``trainer.distill.adapter=true``: the student corrects the teacher instead of replacing it. Its
 logits are ``a * t + g * r`` per task, with ``t`` the teacher's logits (``Batch.teacher``, appended
@@ -116,7 +118,7 @@ class TransferStudent(nn.Module):
                 raise DataError(
                     f"trainer.distill.representation: the student reads a teacher representation of width "
                     f"{self.representation_in}, the batch has {got}; train on data exported with "
-                    f"transfer.representation=true by the same teacher, or use trainer.distill.source=model"
+                    f"transfer.representation=heads|history by the same teacher, or use trainer.distill.source=model"
                 )
             inputs.append(self.project(teacher_repr.to(dense.dtype)))
         if self.adapter:
@@ -174,7 +176,24 @@ def representation_width(config, schema: FeatureSchema) -> int:
     if REPR_COLUMN not in file.schema_arrow.names:
         raise DataError(missing_columns_message(files[0], [REPR_COLUMN]))
     first = file.read_row_group(0, columns=[REPR_COLUMN]).column(REPR_COLUMN)
+    from gem.train.logging import logger
+
+    logger.info("trainer.distill.representation: the data's teacher_repr is %s", representation_kind(files[0]))
     return len(first[0]) if len(first) else 0
+
+
+def representation_kind(path) -> dict:
+    """What the ``teacher_repr`` column of the Parquet file ``path`` holds, from its ``gem.teacher_repr``
+    metadata: ``{"kind": "heads" | "history", "candidate_features": [...], "width": R}``
+    (``{"kind": "unknown"}`` for a file written without it)."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from gem.transfer.export import META_KEY
+
+    meta = pq.read_schema(path).metadata or {}
+    return json.loads(meta[META_KEY]) if META_KEY in meta else {"kind": "unknown"}
 
 
 def teacher_representation_dim(checkpoint: str, student: FeatureSchema) -> int:
@@ -223,8 +242,8 @@ def missing_columns_message(path, missing: list[str]) -> str:
     return (
         f"trainer.distill.source=data: {path} has no column(s) {missing}; write the teacher's "
         f"outputs with `python -m gem.transfer.export ... transfer.checkpoint=<teacher step_N> "
-        f"transfer.out=<dir>{' transfer.representation=true' if REPR_COLUMN in missing else ''}` and train on "
-        f"data.dir=<dir>, or use trainer.distill.source=model"
+        f"transfer.out=<dir>{' transfer.representation=heads|history' if REPR_COLUMN in missing else ''}` and "
+        "train on data.dir=<dir>, or use trainer.distill.source=model"
     )
 
 

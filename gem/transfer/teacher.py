@@ -1,5 +1,6 @@
-"""A trained model, rebuilt from its checkpoint, as a frozen teacher: per-task logits (and the
-representation its heads read) for a student's batches.
+"""A trained model, rebuilt from its checkpoint, as a frozen teacher: per-task logits, the
+representation its heads read (per candidate) and a history representation (per request, the
+candidate left out) for a student's batches.
 
 The teacher is rebuilt from the ``config.yaml`` its checkpoint carries (model, sparse tables,
 schema), with plain (unsharded) tables on this process's device, every tensor loaded by DCP
@@ -12,6 +13,7 @@ copy: meant for teachers whose tables fit one device (larger ones: export their 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -20,6 +22,7 @@ from torch import nn
 
 from gem.data.pipeline.batch import Batch
 from gem.data.pipeline.schema import FeatureSchema
+from gem.sparse.arch import SparseOutput
 from gem.train.checkpoint import CheckpointError
 from gem.transfer.params import resolve_checkpoint
 
@@ -99,12 +102,49 @@ def check_inputs(teacher: FeatureSchema, student: FeatureSchema, where: str) -> 
         )
 
 
+DENSE = "dense"  # the name that leaves the dense features out of the history pass
+
+
+def check_candidate_features(schema: FeatureSchema, names, key: str) -> tuple[str, ...]:
+    """``names`` as the candidate-side inputs of :meth:`Teacher.history`: id features of ``schema``
+    (the candidate ad's id, its cluster, its attributes ...) and ``dense`` (all dense features, when
+    they describe the candidate); at least one. Raises naming ``key`` and the allowed names."""
+    names = tuple(names)
+    allowed = [*schema.id_feature_names, DENSE]
+    unknown = [n for n in names if n not in allowed]
+    if unknown or not names:
+        history = [f for g in schema.sequence_groups for f in g.feature_names]
+        raise ValueError(
+            f"{key}={list(names)}: "
+            + (f"unknown {unknown}; " if unknown else "empty; ")
+            + f"name the candidate-side inputs the history pass leaves out, among the id features {allowed[:-1]} "
+            f"and {DENSE!r} (every dense feature), e.g. {key}=[ad_id,ad_cluster] for the synthetic schema; the "
+            f"sequence features {history} are the history, the domain the request's surface: both stay in"
+        )
+    return names
+
+
+def _leave_out(names: tuple[str, ...]):
+    """A forward hook on the sparse arch: the pooled embeddings of ``names`` replaced by zeros, what
+    the sum-pooled tables give for an empty id list."""
+
+    def hook(module, args, out: SparseOutput) -> SparseOutput:
+        pooled = {f: torch.zeros_like(v) if f in names else v for f, v in out.pooled.items()}
+        return SparseOutput(pooled, out.sequences)
+
+    return hook
+
+
 class Teacher(nn.Module):
     """``logits(batch) -> [B, len(tasks)]``: the teacher's logit of each of ``tasks`` (the student's
     task names; a task the teacher never learned is an error at construction).
 
-    ``representation(batch) -> [B, R]``: the input of the teacher's heads (the shared top MLP's
-    output: one vector per example, user + history + candidate)."""
+    ``forward(batch)[1] -> [B, R]``: the input of the teacher's heads (the shared top MLP's
+    output: one vector per example, user + history + candidate).
+
+    ``history(batch, candidate_features) -> [B, H]``: the teacher's sequence summary tokens (its
+    dense arch's ``final`` modules) from a pass with the candidate-side inputs left out: one vector
+    per request, the same for every candidate of it."""
 
     def __init__(
         self, model: nn.Module, teacher_tasks: tuple[str, ...], tasks: tuple[str, ...], device: torch.device, where: str
@@ -144,6 +184,35 @@ class Teacher(nn.Module):
             logits = self.model(batch)
         rep = self._repr.float() if self._repr is not None else None
         return logits.float().index_select(1, self.index), rep
+
+    @torch.no_grad()
+    def history(self, batch: Batch, candidate_features: tuple[str, ...]) -> torch.Tensor:
+        """The history representation ``[B, H]``: every stream's sequence summary tokens, flattened and
+        concatenated (``H = d * sum of the summaries' token counts``), from a forward in which the
+        pooled embeddings of ``candidate_features`` are zeros (and the dense features, if ``dense``
+        is named). Candidate-free: that pass reads only the user-side ids, the history, the domain
+        (and the dense features), and every module of the arch is a function of its own example's
+        rows (no batch statistics; eval mode), so rows of one request give the same vector.
+        ``candidate_features``: checked by :func:`check_candidate_features`."""
+        final = getattr(self.model.dense_arch, "final", None)
+        if not isinstance(final, nn.ModuleDict) or not len(final):
+            raise CheckpointError(
+                f"{self.where}: the teacher's dense arch {type(self.model.dense_arch).__name__} has no `final` "
+                "sequence summaries (GEMDenseArch's), so it has no history representation; use the head input "
+                "(transfer.representation=heads)"
+            )
+        kept: dict[str, torch.Tensor] = {}
+        hooks = [m.register_forward_hook(lambda _, a, out, n=n: kept.__setitem__(n, out)) for n, m in final.items()]
+        hooks.append(self.model.sparse_arch.register_forward_hook(_leave_out(candidate_features)))
+        if DENSE in candidate_features:
+            batch = dataclasses.replace(batch, dense=torch.zeros_like(batch.dense))
+        try:
+            with self._autocast():
+                self.model(batch)
+        finally:
+            for h in hooks:
+                h.remove()
+        return torch.cat([kept[n].flatten(1) for n in final], dim=1).float()
 
     def logits(self, batch: Batch, check: bool = True) -> torch.Tensor:
         """The teacher's logits ``[B, len(tasks)]``; with ``check`` a NaN / inf one raises, naming the task
