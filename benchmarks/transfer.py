@@ -39,6 +39,7 @@ import json
 import platform
 import re
 import shutil
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -47,6 +48,10 @@ import pyarrow.parquet as pq
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.scaling import environment  # noqa: E402
+
 TEACHER = "teacher"
 
 
@@ -363,6 +368,7 @@ def main() -> None:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
         f"torch {torch.__version__}",
+        "environment": environment(),  # versions, hardware, commit
         "seeds": 1,
         "args": vars(args),
         "gap_metric": key,
