@@ -5,10 +5,10 @@
 
 Each (set, seed) is ``python -m gem.train experiment=<experiment> data.name=<set> trainer.seed=<seed>
 data.seqrec.seed=<seed>`` in its own process, with the set's own experiment where there is one
-(``<experiment>_<set, lower case>``: ``seqrec_gen_lastfm``) (the evaluation negatives stay fixed: the paper's file
-for LastFM, numpy seed 12345 otherwise). The metrics are those of the final evaluation of
-``--split``: ``test`` for the figures to report, ``val`` (with ``trainer.eval_every`` at the end)
-to choose a recipe. Writes ``benchmarks/results/seqrec-<experiment>-<hardware>.json`` with every
+(``<experiment>_<set, lower case>``, as ``seqrec_gen_lastfm``). The evaluation negatives stay fixed:
+the paper's file for LastFM, numpy seed 12345 otherwise. The metrics are those of the final
+evaluation of ``--split``: ``test`` for the figures to report, ``val`` (with ``trainer.eval_every``
+at the end) to choose a recipe. Writes ``benchmarks/results/seqrec-<experiment>-<hardware>.json`` with every
 run's metrics and time, and prints mean +- standard deviation per set.
 """
 
