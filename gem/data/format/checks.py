@@ -170,6 +170,10 @@ def row_violations(table: pa.Table, schema: FeatureSchema) -> list[tuple[str, st
         if rows.size:
             out.append((case, column, rows, message))
 
+    def rows_with(lengths: np.ndarray, bad_values: np.ndarray) -> np.ndarray:
+        """Per row, whether any of its list values is flagged (``bad_values``: a flag per value)."""
+        return np.bincount(np.repeat(np.arange(num_rows), lengths)[bad_values], minlength=num_rows) > 0
+
     def list_parts(name: str) -> tuple[np.ndarray, np.ndarray]:
         col = table.column(name).combine_chunks()
         offsets = col.offsets.to_numpy()
@@ -183,11 +187,10 @@ def row_violations(table: pa.Table, schema: FeatureSchema) -> list[tuple[str, st
         lengths, values = list_parts(name)
         bad_values = (values < 0) | (values >= cardinality)
         if bad_values.any():
-            owner = np.repeat(np.arange(num_rows), lengths)
             add(
                 "id_out_of_range",
                 name,
-                np.bincount(owner[bad_values], minlength=num_rows) > 0,
+                rows_with(lengths, bad_values),
                 f"an id outside [0, {cardinality}); raise the feature's cardinality in data.schema or remap (hash) "
                 f"the ids into range",
             )
@@ -208,11 +211,10 @@ def row_violations(table: pa.Table, schema: FeatureSchema) -> list[tuple[str, st
     add("dense_length", "dense", wrong, f"not exactly data.schema.num_dense={schema.num_dense} values")
     non_finite = ~np.isfinite(values.astype(np.float64, copy=False))
     if non_finite.any():
-        owner = np.repeat(np.arange(num_rows), lengths)
         add(
             "non_finite_dense",
             "dense",
-            np.bincount(owner[non_finite], minlength=num_rows) > 0,
+            rows_with(lengths, non_finite),
             "NaN or inf; clean the data or impute the value",
         )
 
@@ -265,11 +267,10 @@ def row_violations(table: pa.Table, schema: FeatureSchema) -> list[tuple[str, st
         )
         non_finite = ~np.isfinite(values.astype(np.float64, copy=False))
         if non_finite.any():
-            owner = np.repeat(np.arange(num_rows), lengths)
             add(
                 "non_finite_teacher",
                 TEACHER_REPR,
-                np.bincount(owner[non_finite], minlength=num_rows) > 0,
+                rows_with(lengths, non_finite),
                 "NaN or inf in the teacher representation; re-export it (python -m gem.transfer.export) from a "
                 "checkpoint that trained without NaNs",
             )
