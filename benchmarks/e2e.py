@@ -49,6 +49,7 @@ from gem.models.gem_arch import GEMDenseArch  # noqa: E402
 from gem.sparse.arch import JaggedEmbeddings, SparseOutput  # noqa: E402
 from kernels.jagged import jagged_to_padded, offsets_to_lengths  # noqa: E402
 from kernels.jagged_attention.reference import pointwise_activation  # noqa: E402
+from kernels.rotary import rotary_reference  # noqa: E402
 
 _jagged_attention = sequence.jagged_attention
 _valid_rows: dict[str, torch.Tensor] = {}  # the padded batch's true rows per example [B] (one event stream)
@@ -112,6 +113,11 @@ def padded_attention(
     return o.transpose(1, 2).reshape(q.shape)
 
 
+def padded_rotary(qkv, cos, sin, backend=None):
+    """``kernels.rotary.rotary_qkv`` as a padded model computes it: the PyTorch formula."""
+    return rotary_reference(qkv, cos, sin)
+
+
 class PaddedGEMDenseArch(GEMDenseArch):
     """GEMDenseArch on padded histories (see the module docstring); FLOPs counted on true lengths."""
 
@@ -120,6 +126,7 @@ class PaddedGEMDenseArch(GEMDenseArch):
             raise ValueError("the padded baseline pads one event stream")
         super().__init__(*args, **(kwargs | {"attention_backend": "padded"}))
         sequence.jagged_attention = padded_attention  # the blocks' attention calls, in this process
+        sequence.rotary_qkv = padded_rotary  # and their rotary embedding: plain PyTorch, compiled
 
     def forward(self, sparse: SparseOutput, dense: torch.Tensor, domain: torch.Tensor) -> torch.Tensor:
         ((name, s),) = sparse.sequences.items()

@@ -18,6 +18,7 @@ from torch import nn
 
 from kernels.jagged import jagged_positions
 from kernels.jagged_attention import jagged_attention
+from kernels.rotary import rotary_qkv
 
 
 def linear_flops(rows: int, in_dim: int, out_dim: int) -> int:
@@ -57,22 +58,13 @@ def attention_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def rotary_tables(
     offsets: torch.Tensor, total: int, head_dim: int, base: float = 10000.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cos, sin)`` float32 ``[T, 1, D/2]`` of the rotary embedding at every row's position in
-    its own sequence (0 = oldest). The tables depend only on the offsets: computed once per event
-    stream and batch, every layer reuses them (a compiled layer that builds its own evaluates sin
-    and cos per element of Q and K, in forward and again in backward)."""
+    """``(cos, sin)`` float32 ``[T, D/2]`` of the rotary embedding at every row's position in
+    its own sequence (0 = oldest), for :func:`kernels.rotary.rotary_qkv`. The tables depend only
+    on the offsets: computed once per event stream and batch, every layer reuses them."""
     half = head_dim // 2
     inv_freq = base ** (-torch.arange(half, device=offsets.device, dtype=torch.float32) / half)
     angles = jagged_positions(offsets, total).to(torch.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    return angles.cos()[:, None, :], angles.sin()[:, None, :]
-
-
-def rotary(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotary position embedding of ``x [T, H, D]`` with :func:`rotary_tables` ``(cos, sin)``."""
-    half = x.shape[-1] // 2
-    cos, sin = (t.to(x.dtype) for t in tables)
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return angles.cos(), angles.sin()
 
 
 class SelfGate(nn.Module):
@@ -122,8 +114,8 @@ class JaggedSelfAttention(nn.Module):
         """``rope``: the stream's :func:`rotary_tables` (computed here when None)."""
         if rope is None:
             rope = rotary_tables(offsets, x.shape[0], self.head_dim)
-        q, k, v = self.qkv(self.norm(x)).view(-1, 3, self.num_heads, self.head_dim).unbind(1)  # [T, H, D] each
-        q, k, v = attention_inputs(rotary(q, rope), rotary(k, rope), v)
+        qkv = self.qkv(self.norm(x)).view(-1, 3, self.num_heads, self.head_dim)
+        q, k, v = attention_inputs(*rotary_qkv(qkv, *rope, backend=self.backend))  # [T, H, D] each
         o = jagged_attention(
             q, k, v, offsets, offsets, max_len, max_len, causal=self.causal, window=self.window, backend=self.backend
         )

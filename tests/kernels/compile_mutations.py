@@ -28,6 +28,8 @@ from kernels.jagged_attention import settings  # noqa: E402
 from kernels.jagged_attention.batch_order import batch_order  # noqa: E402
 from kernels.jagged_attention.inputs import make_inputs  # noqa: E402
 from kernels.jagged_attention.testing import launch_backward, launch_forward  # noqa: E402
+from kernels.rotary import _backward as rotary_backward  # noqa: E402
+from kernels.rotary import _forward as rotary_forward  # noqa: E402
 
 OUTPUTS = {
     "_batch_order_kernel": {"ORDER"},
@@ -36,6 +38,7 @@ OUTPUTS = {
     "_bwd_dkdv_kernel": {"DK", "DV", "DS"},
     "_bwd_dq_kernel": {"DQ"},
     "_bwd_dq_from_ds_kernel": {"DQ"},
+    "_rotary_kernel": {"Q", "K", "V"},  # the forward; the backward writes QKV (set below)
 }
 
 
@@ -124,6 +127,11 @@ def main() -> None:
             )
             out, lse = launch_forward(q, k, v, *common, wrap=checked, config=config)
             launch_backward(torch.randn_like(out), q, k, v, out, lse, *common, wrap=checked, config=config)
+    qkv = torch.randn(6, 3, 2, 64, dtype=torch.bfloat16)
+    cos, sin = torch.randn(2, 6, 32).unbind(0)
+    rotary_forward(qkv, cos, sin, wrap=checked)
+    OUTPUTS["_rotary_kernel"] = {"QKV"}
+    rotary_backward(*qkv.unbind(1), cos, sin, wrap=checked)
     print("every kernel writes only its outputs")
 
 
