@@ -84,11 +84,13 @@ def _batch(out, split="train", batch_size=8):
     return schema, next(iter(build_loader(split_files(out, split), schema, batch_size, num_workers=0, options=options)))
 
 
-@pytest.mark.parametrize("in_batch, logq", [(1000, True), (5, True), (1000, False)])
-def test_sampled_softmax_equals_a_loop_over_positions(generative_data, in_batch, logq):
+@pytest.mark.parametrize(
+    "in_batch, logq, smoothing", [(1000, True, 0.0), (5, True, 0.0), (1000, False, 0.0), (5, True, 0.2)]
+)
+def test_sampled_softmax_equals_a_loop_over_positions(generative_data, in_batch, logq, smoothing):
     _, out = generative_data
     schema, batch = _batch(out)
-    model = _model(schema, in_batch_negatives=in_batch, logq_correction=logq)
+    model = _model(schema, in_batch_negatives=in_batch, logq_correction=logq, label_smoothing=smoothing)
     arch = model.dense_arch
     seed = torch.random.get_rng_state()
     loss = model(batch)  # training mode: the loss
@@ -126,7 +128,8 @@ def test_sampled_softmax_equals_a_loop_over_positions(generative_data, in_batch,
         target = int(items[t])
         positive = cos(h[r], values[t]) - log_q(target)
         logits = [positive] + [cos(h[r], e) - log_q(i) for e, i in cands if i != target]
-        expected.append(torch.logsumexp(torch.tensor(logits), 0).item() - positive)
+        lse = torch.logsumexp(torch.tensor(logits), 0).item()
+        expected.append((1 - smoothing) * (lse - positive) + smoothing * (lse - sum(logits) / len(logits)))
     assert loss.item() == pytest.approx(sum(expected) / len(expected), rel=1e-4)
 
 

@@ -105,6 +105,8 @@ class GenerativeSeqArch(nn.Module):
         often as an in-batch negative is not pushed down for being popular); False for ablations.
     pffn: the personalized FFN in the layers (False: attention only, for ablations).
     dropout: on the event embeddings and on ``H``.
+    label_smoothing: ``eps``: the next-event loss is ``(1 - eps)`` times its cross-entropy plus
+        ``eps`` times the cross-entropy against a uniform target over the position's candidates.
     attention_backend: ``kernels.jagged_attention`` backend.
     objective: ``next_event`` (the sampled softmax above) or ``ranking``: the ranking logits in
         training too, for labelled (history, candidate) rows and the trainer's task loss, e.g.
@@ -135,6 +137,7 @@ class GenerativeSeqArch(nn.Module):
         logq_correction: bool = True,
         pffn: bool = True,
         dropout: float = 0.0,
+        label_smoothing: float = 0.0,
         attention_backend: str | None = None,
         objective: str = "next_event",
     ) -> None:
@@ -185,6 +188,9 @@ class GenerativeSeqArch(nn.Module):
         self.block, self.similarity, self.temperature = block, similarity, temperature
         self.in_batch_negatives, self.num_heads, self.head_dim = in_batch_negatives, num_heads, head_dim
         self.logq_correction = logq_correction
+        if not 0 <= label_smoothing < 1:
+            raise ValueError(f"model.label_smoothing={label_smoothing!r} must be in [0, 1)")
+        self.label_smoothing = label_smoothing
         width = num_heads * head_dim
 
         self.user_proj = nn.ModuleDict({f: nn.Linear(feature_dims[f], dim) for f in self.user_features})
@@ -279,7 +285,8 @@ class GenerativeSeqArch(nn.Module):
         among the negatives: ``M count(item) / T`` for ``M`` in-batch negatives drawn from the
         ``T`` positions (``count``: how often it is a next event), plus ``U / N`` for ``U`` uniform
         ones over ``N`` items. A negative that is the position's own next item (an accidental hit)
-        is left out.
+        is left out. With ``label_smoothing`` the loss mixes in the uniform target over the
+        candidates a position sees (its next item and its visible negatives).
         """
         s = sparse.sequences[self.sequence]
         total, device = h.shape[0], h.device
@@ -312,7 +319,12 @@ class GenerativeSeqArch(nn.Module):
         logits = self.score(h, cand_emb) - log_q[cand_ids][None, :]  # [T, C]
         hidden = ~cand_ok[None, :] | (cand_ids[None, :] == target_ids[:, None])
         logits = logits.masked_fill(hidden, float("-inf"))
-        loss = torch.logsumexp(torch.cat([positive, logits], dim=1), dim=1) - positive.squeeze(1)
+        lse = torch.logsumexp(torch.cat([positive, logits], dim=1), dim=1)
+        loss = lse - positive.squeeze(1)
+        if self.label_smoothing:
+            seen = (~hidden).sum(1) + 1  # candidates per position, its next item included
+            mean_logit = (positive.squeeze(1) + logits.masked_fill(hidden, 0.0).sum(1)) / seen
+            loss = (1 - self.label_smoothing) * loss + self.label_smoothing * (lse - mean_logit)
         return (loss * weight).sum() / weight.sum().clamp_min(1.0)
 
     def item_rows(self, values: torch.Tensor, ids: dict[str, torch.Tensor], group: str) -> torch.Tensor:
