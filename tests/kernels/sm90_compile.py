@@ -38,6 +38,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E4
 from triton.runtime.jit import mangle_type  # noqa: E402
 
 from kernels.jagged_attention import gluon_bwd, gluon_fwd, settings, testing  # noqa: E402
+from kernels.rotary import _backward as rotary_backward  # noqa: E402
+from kernels.rotary import _forward as rotary_forward  # noqa: E402
 from kernels.jagged_attention.autotune import late_pv_applies  # noqa: E402
 from kernels.jagged_attention.batch_order import batch_order  # noqa: E402
 from kernels.jagged_attention.inputs import make_inputs  # noqa: E402
@@ -216,6 +218,12 @@ def main() -> None:
             compile_fwd_bwd(causal=False, config=stored)
             compile_fwd_bwd(functools.partial(compile_only, float_type="fp64"), causal=False, config=stored)
     batch_order(inputs.q_offsets, inputs.kv_offsets, wrap=compile_only)
+    # the rotary kernel, both ways, bf16 at head dim 128 and 96 (a masked half)
+    for head_dim in (128, 96):
+        qkv = torch.randn(40, 3, 4, head_dim, dtype=torch.bfloat16)
+        cos, sin = torch.randn(2, 40, head_dim // 2).unbind(0)
+        rotary_forward(qkv, cos, sin, wrap=compile_only)
+        rotary_backward(*qkv.unbind(1), cos, sin, wrap=compile_only)
     # float32 inputs: the forward's plain and LATE_PV loops (float32 P)
     q32, k32, v32 = (t.float() for t in (q, k, v))
     testing.launch_forward(
