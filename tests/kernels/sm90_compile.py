@@ -38,11 +38,11 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E4
 from triton.runtime.jit import mangle_type  # noqa: E402
 
 from kernels.jagged_attention import gluon_bwd, gluon_fwd, settings, testing  # noqa: E402
-from kernels.rotary import _backward as rotary_backward  # noqa: E402
-from kernels.rotary import _forward as rotary_forward  # noqa: E402
 from kernels.jagged_attention.autotune import late_pv_applies  # noqa: E402
 from kernels.jagged_attention.batch_order import batch_order  # noqa: E402
 from kernels.jagged_attention.inputs import make_inputs  # noqa: E402
+from kernels.rotary import _backward as rotary_backward  # noqa: E402
+from kernels.rotary import _forward as rotary_forward  # noqa: E402
 
 HOPPER = (9, 0)
 
