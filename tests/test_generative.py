@@ -319,6 +319,8 @@ def test_generative_arch_names_what_it_needs(generative_data):
         _model(schema, negatives="nope")
     with pytest.raises(ValueError, match="leaves no user id feature"):
         _model(schema, candidate_features=("item_id", "item_attr", "user_id"))
+    with pytest.raises(ValueError, match=r"model.label_smoothing=1.0 must be in \[0, 1\)"):
+        _model(schema, label_smoothing=1.0)
     with pytest.raises(ValueError, match="data.seqrec.objective='listwise'"):
         SeqRecOptions.from_config({"objective": "listwise"})
 
