@@ -26,7 +26,7 @@ from torch.library import triton_op, wrap_triton
 from kernels.jagged_attention.triton_common import INTERPRET, identity, no_launch
 
 BACKENDS = ("triton", "reference")
-BLOCK_T = 16  # rows per program: 16 x 3 x H x D elements (49k at 4 x 128)
+BLOCK_T = 16  # rows per program: 16 x 3 x H x D elements (24,576 at 4 heads x 128)
 
 
 def rotary_reference(
