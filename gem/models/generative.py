@@ -315,15 +315,15 @@ class GenerativeSeqArch(nn.Module):
         counts = torch.zeros(self.num_items, device=device).index_add_(0, target_ids, weight)  # next-event counts
         expected = counts * (num_drawn / max(total, 1)) + uniform / max(self.num_items - 1, 1)
         log_q = torch.log(expected.clamp_min(1e-12)) if self.logq_correction else torch.zeros_like(expected)
-        positive = (self._rows(h, target_emb) - log_q[target_ids]).unsqueeze(1)  # [T, 1]
+        positive = self._rows(h, target_emb) - log_q[target_ids]  # [T]
         logits = self.score(h, cand_emb) - log_q[cand_ids][None, :]  # [T, C]
         hidden = ~cand_ok[None, :] | (cand_ids[None, :] == target_ids[:, None])
         logits = logits.masked_fill(hidden, float("-inf"))
-        lse = torch.logsumexp(torch.cat([positive, logits], dim=1), dim=1)
-        loss = lse - positive.squeeze(1)
+        lse = torch.logsumexp(torch.cat([positive[:, None], logits], dim=1), dim=1)
+        loss = lse - positive
         if self.label_smoothing:
             seen = (~hidden).sum(1) + 1  # candidates per position, its next item included
-            mean_logit = (positive.squeeze(1) + logits.masked_fill(hidden, 0.0).sum(1)) / seen
+            mean_logit = (positive + logits.masked_fill(hidden, 0.0).sum(1)) / seen
             loss = (1 - self.label_smoothing) * loss + self.label_smoothing * (lse - mean_logit)
         return (loss * weight).sum() / weight.sum().clamp_min(1.0)
 
