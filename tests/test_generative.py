@@ -197,11 +197,14 @@ def test_item_attributes_need_the_bag_to_hold_what_an_event_carries(generative_d
         _model(schema_from_files(split_files(out, "train")), item_attributes=True)
 
 
-@pytest.mark.parametrize("block, pffn", [("interformer", True), ("kunlun", True), ("interformer", False)])
-def test_each_position_sees_only_its_past(generative_data, block, pffn):
+@pytest.mark.parametrize(
+    "block, pffn, ffn", [("interformer", True, 0), ("kunlun", True, 0), ("interformer", False, 0), ("kunlun", False, 2)]
+)
+def test_each_position_sees_only_its_past(generative_data, block, pffn, ffn):
     _, out = generative_data
     schema, batch = _batch(out)
-    model = _model(schema, block, num_layers=3, window=2 if block == "kunlun" else None, pffn=pffn).eval()
+    window = 2 if block == "kunlun" else None
+    model = _model(schema, block, num_layers=3, window=window, pffn=pffn, ffn=ffn).eval()
     assert all((layer.pffn is not None) == pffn for layer in model.dense_arch.layers[::2])
     sparse = model.sparse_arch(batch.sparse, batch.sequences, batch.max_seq_len)
     h = model.dense_arch.encode(sparse)
@@ -312,6 +315,25 @@ def test_a_pretrained_next_event_model_fine_tunes_on_ranking_rows(tmp_path):
     assert sum(losses[-3:]) < sum(losses[:3]), losses
 
 
+def test_the_shared_ffn_and_residual_dropout(generative_data):
+    _, out = generative_data
+    schema, batch = _batch(out)
+    base = _model(schema, pffn=False).eval()
+    model = _model(schema, pffn=False, ffn=2, residual_dropout=0.5).eval()
+    layer, base_layer = model.dense_arch.layers[0], base.dense_arch.layers[0]
+    assert base_layer.ffn is None and base_layer.attention.dropout is None
+    assert (layer.ffn.up.in_features, layer.ffn.up.out_features) == (16, 32)  # 2 x the row width of 2 x 8
+    lengths = torch.tensor([3, 5])
+    assert layer.flops(lengths, 5, False) - base_layer.flops(lengths, 5, False) == 2 * (2 * 8 * 16 * 32)
+
+    sparse = model.sparse_arch(batch.sparse, batch.sequences, batch.max_seq_len)
+    h = model.dense_arch.encode(sparse)
+    assert torch.equal(h, model.dense_arch.encode(sparse))  # evaluation: no dropout
+    assert not torch.allclose(h, base.dense_arch.encode(sparse))  # the FFN changes the states
+    model.train()  # model.dropout is 0 here: only the residual branches drop
+    assert not torch.allclose(model.dense_arch.encode(sparse), model.dense_arch.encode(sparse))
+
+
 def test_generative_arch_names_what_it_needs(generative_data):
     _, out = generative_data
     schema = schema_from_files(split_files(out, "train"))
@@ -321,6 +343,10 @@ def test_generative_arch_names_what_it_needs(generative_data):
         _model(schema, candidate_features=("item_id", "item_attr", "user_id"))
     with pytest.raises(ValueError, match=r"model.label_smoothing=1.0 must be in \[0, 1\)"):
         _model(schema, label_smoothing=1.0)
+    with pytest.raises(ValueError, match=r"model.ffn=-1 must be >= 0"):
+        _model(schema, ffn=-1)
+    with pytest.raises(ValueError, match=r"model.residual_dropout=1.0 in \[0, 1\)"):
+        _model(schema, residual_dropout=1.0)
     with pytest.raises(ValueError, match="data.seqrec.objective='listwise'"):
         SeqRecOptions.from_config({"objective": "listwise"})
 

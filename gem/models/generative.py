@@ -42,8 +42,30 @@ SIMILARITIES = ("cosine", "dot")
 OBJECTIVES = ("next_event", "ranking")
 
 
+class FeedForward(nn.Module):
+    """Pre-norm position-wise FFN, residual: ``x + drop(W_2 gelu(W_1 LN(x)))``, shared by every
+    row (the personalized FFN generates its weights per user instead)."""
+
+    def __init__(self, width: int, hidden: int, dropout: float) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.dropout(self.down(F.gelu(self.up(self.norm(x)))))
+
+    def flops(self, lengths: torch.Tensor) -> int:
+        rows = int(lengths.sum())
+        return linear_flops(rows, self.up.in_features, self.up.out_features) + linear_flops(
+            rows, self.down.in_features, self.down.out_features
+        )
+
+
 class CausalSequenceLayer(nn.Module):
-    """One block's sequence arch, causal: ``S = MHA_rope(PFFN(S | X_sum))`` (no PFFN on a CompSkip layer)."""
+    """One block's sequence arch, causal: ``S = FFN(MHA_rope(PFFN(S | X_sum)))`` (no PFFN on a
+    CompSkip layer; the shared FFN only with ``ffn_hidden``)."""
 
     def __init__(
         self,
@@ -56,6 +78,8 @@ class CausalSequenceLayer(nn.Module):
         window: int | None,
         use_pffn: bool,
         backend: str | None,
+        ffn_hidden: int = 0,
+        residual_dropout: float = 0.0,
     ) -> None:
         super().__init__()
         self.pffn = (
@@ -63,7 +87,8 @@ class CausalSequenceLayer(nn.Module):
             if use_pffn
             else None
         )
-        self.attention = JaggedSelfAttention(width, num_heads, window, backend, causal=True)
+        self.attention = JaggedSelfAttention(width, num_heads, window, backend, causal=True, dropout=residual_dropout)
+        self.ffn = FeedForward(width, ffn_hidden, residual_dropout) if ffn_hidden else None
 
     def forward(
         self,
@@ -75,10 +100,12 @@ class CausalSequenceLayer(nn.Module):
     ) -> torch.Tensor:
         if self.pffn is not None:
             x = self.pffn(x, offsets, max_len, summary)
-        return self.attention(x, offsets, max_len, rope)
+        x = self.attention(x, offsets, max_len, rope)
+        return x if self.ffn is None else self.ffn(x)
 
     def flops(self, lengths: torch.Tensor, max_len: int, padded: bool) -> int:
         total = self.attention.flops(lengths, max_len, padded)
+        total += self.ffn.flops(lengths) if self.ffn is not None else 0
         return total + (self.pffn.flops(lengths, max_len, padded) if self.pffn is not None else 0)
 
 
@@ -104,7 +131,10 @@ class GenerativeSeqArch(nn.Module):
     logq_correction: subtract each candidate's log expected count from its logit (an item drawn
         often as an in-batch negative is not pushed down for being popular); False for ablations.
     pffn: the personalized FFN in the layers (False: attention only, for ablations).
+    ffn: hidden width of a shared position-wise GELU FFN after each layer's attention, as a
+        multiple of the row width (0: none).
     dropout: on the event embeddings and on ``H``.
+    residual_dropout: on the output of each attention and shared FFN before its residual add.
     label_smoothing: ``eps``: the next-event loss is ``(1 - eps)`` times its cross-entropy plus
         ``eps`` times the cross-entropy against a uniform target over the position's candidates.
     attention_backend: ``kernels.jagged_attention`` backend.
@@ -136,7 +166,9 @@ class GenerativeSeqArch(nn.Module):
         in_batch_negatives: int = 4096,
         logq_correction: bool = True,
         pffn: bool = True,
+        ffn: int = 0,
         dropout: float = 0.0,
+        residual_dropout: float = 0.0,
         label_smoothing: float = 0.0,
         attention_backend: str | None = None,
         objective: str = "next_event",
@@ -191,6 +223,11 @@ class GenerativeSeqArch(nn.Module):
         if not 0 <= label_smoothing < 1:
             raise ValueError(f"model.label_smoothing={label_smoothing!r} must be in [0, 1)")
         self.label_smoothing = label_smoothing
+        if ffn < 0 or not 0 <= residual_dropout < 1:
+            raise ValueError(
+                f"model.ffn={ffn!r} must be >= 0 (0: no shared FFN) and "
+                f"model.residual_dropout={residual_dropout!r} in [0, 1)"
+            )
         width = num_heads * head_dim
 
         self.user_proj = nn.ModuleDict({f: nn.Linear(feature_dims[f], dim) for f in self.user_features})
@@ -207,6 +244,8 @@ class GenerativeSeqArch(nn.Module):
                 window,
                 pffn and not (block == "kunlun" and compskip and i % 2 == 1),
                 attention_backend,
+                ffn * width,
+                residual_dropout,
             )
             for i in range(num_layers)
         )

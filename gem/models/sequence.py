@@ -83,17 +83,24 @@ class SelfGate(nn.Module):
 
 class JaggedSelfAttention(nn.Module):
     """Pre-norm multi-head softmax self-attention over jagged rows with rotary positions and an
-    optional sliding ``window``, residual: ``x + W_o attn(rope(q), rope(k), v)``.
+    optional sliding ``window``, residual: ``x + drop(W_o attn(rope(q), rope(k), v))``.
 
     Args:
         dim: row width, ``num_heads * head_dim``.
         window: each row sees rows at most ``window`` positions away (None: the whole sequence).
         causal: each row sees only itself and earlier rows (next-event prediction).
         backend: ``kernels.jagged_attention`` backend (None: Triton on CUDA, reference elsewhere).
+        dropout: on the attention's output before the residual add (0: none).
     """
 
     def __init__(
-        self, dim: int, num_heads: int, window: int | None = None, backend: str | None = None, causal: bool = False
+        self,
+        dim: int,
+        num_heads: int,
+        window: int | None = None,
+        backend: str | None = None,
+        causal: bool = False,
+        dropout: float = 0.0,
     ) -> None:
         super().__init__()
         if dim % num_heads or (dim // num_heads) % 2:
@@ -103,6 +110,7 @@ class JaggedSelfAttention(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(dim, dim)
+        self.dropout = nn.Dropout(dropout) if dropout else None
 
     def forward(
         self,
@@ -119,7 +127,8 @@ class JaggedSelfAttention(nn.Module):
         o = jagged_attention(
             q, k, v, offsets, offsets, max_len, max_len, causal=self.causal, window=self.window, backend=self.backend
         )
-        return x + self.out(o.reshape(x.shape))
+        o = self.out(o.reshape(x.shape))
+        return x + (o if self.dropout is None else self.dropout(o))
 
     def flops(self, lengths: torch.Tensor, max_len: int, padded: bool) -> int:
         dim = self.num_heads * self.head_dim
