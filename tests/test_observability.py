@@ -3,6 +3,8 @@ curves, one-line configuration errors, empty evaluation splits, and metrics rows
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -47,6 +49,50 @@ def test_threads_are_the_available_cpus_less_the_loader_workers(monkeypatch, res
     assert "3 intra-op (trainer.num_threads)" in startup.configure_threads(3, 1) and torch.get_num_threads() == 3
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert "OMP_NUM_THREADS=2" in startup.configure_threads(None, 1) and torch.get_num_threads() == 3  # left alone
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def _first_step(model: torch.nn.Module) -> tuple[dict | None, float]:
+    """One forward / backward / optimizer step, measured as the trainer measures its first step."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before, tick = startup.compile_counters(), time.perf_counter()
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+    return startup.compile_breakdown(before, startup.compile_counters()), time.perf_counter() - tick
+
+
+def test_a_compiled_first_step_is_broken_down_into_dynamo_and_backend():
+    model = _Tiny()
+    model.compile()
+    c, wall = _first_step(model)
+    assert c is not None and c["frames"] >= 1 and c["graphs"] >= c["frames"], c
+    assert min(c["dynamo"], c["backend"], c["backward"]) >= 0 and c["backend"] > 0, c
+    assert c["dynamo"] + c["backend"] <= c["total"] + 1e-3  # rounded to 1 ms each
+    assert c["dynamo"] + c["backend"] + c["backward"] == pytest.approx(c["total"], abs=2e-3)
+    assert c["total"] <= wall
+    assert _first_step(model)[0] is None  # compiled already
+    timer = startup.StartupTimer()
+    timer.phases["first step"], timer.compile = wall, c
+    values = timer.summary()
+    assert list(values)[-3:] == ["first step compile", "other", "total"]
+    assert f"first step compile {c['total']:.2f}s (dynamo {c['dynamo']:.2f}s, backend" in startup.format_summary(values)
+
+
+def test_an_eager_first_step_has_no_compile_entry():
+    c, _ = _first_step(_Tiny())
+    assert c is None
+    timer = startup.StartupTimer()
+    timer.phases["first step"], timer.compile = 0.1, c
+    assert "first step compile" not in timer.summary()
+    assert "compile" not in startup.format_summary(timer.summary())
 
 
 # ------------------------------------------------------------------------------------- loggers

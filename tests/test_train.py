@@ -152,6 +152,8 @@ def test_regional_compile_trains_like_eager(cache_dir, tmp_path):
             )
         )
         runs[compiled] = _losses(run_dir)[0]
+        entry = json.loads((run_dir / "startup.json").read_text()).get("first step compile")
+        assert (entry is not None and entry["frames"] >= 1 and entry["backend"] > 0) == (compiled == "true"), entry
     assert len(runs["true"]) == 3
     assert runs["true"] == pytest.approx(runs["false"], rel=1e-4), runs
 

@@ -2,15 +2,18 @@
 
 ``imports`` is the time from the process start (the kernel's clock for this process, so it
 includes the interpreter, ``import torch`` / TorchRec and Hydra's composition) to ``train()``;
-every other phase is timed with :meth:`StartupTimer.phase` around its code.
+every other phase is timed with :meth:`StartupTimer.phase` around its code. ``first step compile``
+breaks down torch.compile's share of the first step (:func:`compile_breakdown`).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 
 def seconds_since_process_start() -> float | None:
@@ -32,6 +35,7 @@ class StartupTimer:
         self.start = time.perf_counter()
         since_start = seconds_since_process_start()
         self.phases: dict[str, float] = {"imports": since_start} if since_start is not None else {}
+        self.compile: dict[str, float] | None = None  # compile_breakdown() of the first step
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -41,14 +45,70 @@ class StartupTimer:
         finally:
             self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - tick
 
-    def summary(self) -> dict[str, float]:
-        """Phases in order, ``other`` (untimed work since ``train()``), and ``total``."""
+    def summary(self) -> dict[str, Any]:
+        """Phases in order, ``first step compile`` (a dict, when anything was compiled), ``other``
+        (untimed work since ``train()``), and ``total``."""
         in_train = time.perf_counter() - self.start
         timed = sum(v for k, v in self.phases.items() if k != "imports")
-        out = {k: round(v, 3) for k, v in self.phases.items()}
+        out: dict[str, Any] = {k: round(v, 3) for k, v in self.phases.items()}
+        if self.compile:
+            out["first step compile"] = self.compile
         out["other"] = round(max(0.0, in_train - timed), 3)
         out["total"] = round(in_train + self.phases.get("imports", 0.0), 3)
         return out
+
+
+def format_summary(values: dict[str, Any]) -> str:
+    """:meth:`StartupTimer.summary` for the log: ``phase 1.23s, ...``, the compile breakdown in parentheses."""
+
+    def one(k: str, v: Any) -> str:
+        if not isinstance(v, dict):
+            return f"{k} {v:.2f}s"
+        return (
+            f"{k} {v['total']:.2f}s (dynamo {v['dynamo']:.2f}s, backend {v['backend']:.2f}s, "
+            f"backward {v['backward']:.2f}s; {v['frames']} frames, {v['graphs']} graphs)"
+        )
+
+    return ", ".join(one(k, v) for k, v in values.items() if k != "total")
+
+
+def compile_counters() -> dict[str, float]:
+    """torch.compile's cumulative work in this process: Dynamo's seconds by phase
+    (``calculate_time_spent()``), ``frames`` converted and ``graphs`` compiled. Empty where Dynamo
+    was never imported (so nothing was compiled) or its counters cannot be read."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return {}
+    try:
+        out = {k: float(v) for k, v in utils.calculate_time_spent().items()}
+        out["frames"] = utils.counters.get("frames", {}).get("ok", 0)
+        out["graphs"] = utils.counters.get("stats", {}).get("unique_graphs", 0)
+    except Exception:  # torch's private counters differ between versions; a diagnostic never fails the run
+        return {}
+    return out
+
+
+def compile_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, float] | None:
+    """What torch.compile did between two :func:`compile_counters`, or None if nothing.
+
+    ``total`` seconds = ``dynamo`` (tracing Python frames into graphs) + ``backend`` (AOTAutograd and
+    Inductor on those graphs, loading cached graphs and kernels included) + ``backward`` (a backward
+    graph that Inductor compiles lazily when it first runs; 0 when the cache had it); ``frames``
+    converted and ``graphs`` compiled (more graphs than frames: graph breaks).
+    """
+    d = {k: v - before.get(k, 0) for k, v in after.items()}
+    frame, backend = d.get("entire_frame_compile", 0.0), d.get("backend_compile", 0.0)
+    backward = d.get("entire_backward_compile", 0.0)
+    if frame + backward <= 0 and not d.get("frames"):
+        return None
+    return {
+        "total": round(frame + backward, 3),
+        "dynamo": round(max(0.0, frame - backend), 3),
+        "backend": round(backend, 3),
+        "backward": round(backward, 3),
+        "frames": int(d.get("frames", 0)),
+        "graphs": int(d.get("graphs", 0)),
+    }
 
 
 # -- CPU threads ---------------------------------------------------------------------------------

@@ -38,7 +38,13 @@ from gem.train.losses import multitask_bce
 from gem.train.metrics import RankingEvaluator, TaskEvaluator, id_mapping_counts
 from gem.train.optim import build_optimizers
 from gem.train.profile import StepProfiler
-from gem.train.startup import StartupTimer, configure_threads
+from gem.train.startup import (
+    StartupTimer,
+    compile_breakdown,
+    compile_counters,
+    configure_threads,
+    format_summary,
+)
 from gem.train.step import OptimizerSet, TimedIterator, TrainStep, autocast
 
 StepHook = Callable[[int, int, Batch], None]  # (step, rank, the batch it trained on), after each training step
@@ -538,12 +544,15 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
         for _ in range(steps_left):
             if step >= total_steps:
                 break
+            first = step == progress.step
+            compile_before = compile_counters() if first else {}
             tick, waited, flops = time.perf_counter(), batches.waited, batches.flops
             per_task, batch_size = train_step(batches)
             scheduler.step()
             step += 1
-            if step == progress.step + 1:
+            if first:
                 timer.phases["first batch"] = batches.waited - waited
+                timer.compile = compile_breakdown(compile_before, compile_counters())
                 _log_startup(timer, time.perf_counter() - tick - (batches.waited - waited), metrics, run_dir, env)
             for hook in hooks:
                 hook(step, env.rank, train_step.last_batch)
@@ -628,14 +637,11 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
 
 
 def _log_startup(timer: StartupTimer, first_step_s: float, metrics: MetricsWriter, run_dir: Path, env: DistEnv) -> None:
-    """Time to the end of the first step, by phase; the first step itself includes any compile and warm-up."""
+    """Time to the end of the first step, by phase; the first step itself includes any compile and warm-up,
+    broken down when anything was compiled."""
     timer.phases["first step"] = first_step_s
     values = timer.summary()
-    logger.info(
-        "time to first step %.2fs: %s",
-        values["total"],
-        ", ".join(f"{k} {v:.2f}s" for k, v in values.items() if k != "total"),
-    )
+    logger.info("time to first step %.2fs: %s", values["total"], format_summary(values))
     metrics.write("startup", 0, values)
     if env.is_main:
         (run_dir / "startup.json").write_text(json.dumps(values, indent=2))
