@@ -9,6 +9,7 @@ softmax over in-batch and uniformly sampled negatives (logQ-corrected). Data flo
     user tokens (id features that do not describe the candidate) ─ gate(W flat) ─► X_sum [B, N, d]
     num_layers x   S = PFFN(S | X_sum)          (GDPA form; Kunlun's CompSkip layers skip it)
                    S = causal MHA_rope(S)        (Kunlun: within a sliding window)
+                   S = FFN(S)                    (shared by every row; with ffn > 0)
     LN ─ linear ─► H [T, D_item]: the user after each event
 
     training  H[t] scores item[t+1] against the negatives (loss in ``forward``, see below)
