@@ -167,6 +167,36 @@ def test_item_attributes_score_an_item_alike_in_training_and_ranking(tmp_path):
     assert arch.attr_proj.weight.grad.abs().sum() > 0
 
 
+def test_the_attribute_loss_equals_a_loop_over_positions(tmp_path):
+    _write_s3rec(tmp_path)
+    attrs = {str(i): [1 + i % 5] if i % 2 else [1 + i % 5, 6 + i % 3] for i in range(1, NUM_ITEMS + 1)}
+    attrs.pop("4")  # an item without attributes: its positions are left out
+    (tmp_path / "Tiny_item2attributes.json").write_text(json.dumps(attrs))
+    out = tmp_path / "out"
+    write_seqrec(read_s3rec(tmp_path, "Tiny"), out, dataclasses.replace(OPTIONS, max_attrs=2))
+    schema, batch = _batch(out, batch_size=30)
+    base = _model(schema, item_attributes=True)
+    model = _model(schema, item_attributes=True, attribute_loss=0.5)  # the same weights, and an attribute head
+    arch = model.dense_arch
+    assert arch.attr_head.out_features == schema.cardinality("hist_attr0")
+    loss = model(batch)
+
+    sparse = model.sparse_arch(batch.sparse, batch.sequences, batch.max_seq_len)
+    log_p = torch.log_softmax(arch.attr_head(arch.encode(sparse)).double(), -1).detach()
+    ids = {f: jt.values() for f, jt in batch.sequences.to_dict().items()}
+    offsets = sparse.sequences["hist"].offsets.tolist()
+    per_row = []
+    for b in range(len(offsets) - 1):
+        for r in range(offsets[b], offsets[b + 1] - 1):
+            present = [int(ids[f][r + 1]) for f in ("hist_attr0", "hist_attr1") if int(ids[f][r + 1])]
+            if present:
+                per_row.append(-sum(float(log_p[r, a]) for a in present) / len(present))
+    assert any(int(i) == 4 for i in ids["hist_item"]) and len(per_row) > 10
+    assert loss.item() - base(batch).item() == pytest.approx(0.5 * sum(per_row) / len(per_row), rel=1e-4)
+    loss.sum().backward()
+    assert arch.attr_head.weight.grad.abs().sum() > 0
+
+
 def test_ranking_encodes_each_users_history_once_with_the_same_scores(generative_data):
     """A user's 1 + 9 evaluation rows share one encoding of the history; the scores equal those of
     encoding every row."""
@@ -343,6 +373,8 @@ def test_generative_arch_names_what_it_needs(generative_data):
         _model(schema, candidate_features=("item_id", "item_attr", "user_id"))
     with pytest.raises(ValueError, match=r"model.label_smoothing=1.0 must be in \[0, 1\)"):
         _model(schema, label_smoothing=1.0)
+    with pytest.raises(ValueError, match=r"model.attribute_loss=0.1 must be >= 0 and needs .* model.item_attributes=true"):
+        _model(schema, attribute_loss=0.1)
     with pytest.raises(ValueError, match=r"model.ffn=-1 must be >= 0"):
         _model(schema, ffn=-1)
     with pytest.raises(ValueError, match=r"model.residual_dropout=1.0 in \[0, 1\)"):

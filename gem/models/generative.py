@@ -138,6 +138,9 @@ class GenerativeSeqArch(nn.Module):
     residual_dropout: on the output of each attention and shared FFN before its residual add.
     label_smoothing: ``eps``: the next-event loss is ``(1 - eps)`` times its cross-entropy plus
         ``eps`` times the cross-entropy against a uniform target over the position's candidates.
+    attribute_loss: weight of an auxiliary loss (0: none): each position also predicts the next
+        event's attributes, a softmax over the attribute vocabulary (its own output layer) averaged
+        over the attributes the event carries. Needs ``item_attributes``.
     attention_backend: ``kernels.jagged_attention`` backend.
     objective: ``next_event`` (the sampled softmax above) or ``ranking``: the ranking logits in
         training too, for labelled (history, candidate) rows and the trainer's task loss, e.g.
@@ -171,6 +174,7 @@ class GenerativeSeqArch(nn.Module):
         dropout: float = 0.0,
         residual_dropout: float = 0.0,
         label_smoothing: float = 0.0,
+        attribute_loss: float = 0.0,
         attention_backend: str | None = None,
         objective: str = "next_event",
     ) -> None:
@@ -255,6 +259,15 @@ class GenerativeSeqArch(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.attr_proj = (
             nn.Linear(feature_dims[candidate_features[1]], self.item_dim, bias=False) if self.attr_slots else None
+        )
+        if attribute_loss < 0 or (attribute_loss and not self.attr_slots):
+            raise ValueError(
+                f"model.attribute_loss={attribute_loss!r} must be >= 0 and needs the events' attributes: "
+                "set model.item_attributes=true (and data.seqrec.event_attrs >= 1), or model.attribute_loss=0"
+            )
+        self.attribute_loss = attribute_loss
+        self.attr_head = (
+            nn.Linear(self.item_dim, schema.cardinality(self.attr_slots[sequence][0])) if attribute_loss else None
         )
 
     def init_weights(self) -> None:
@@ -365,7 +378,22 @@ class GenerativeSeqArch(nn.Module):
             seen = (~hidden).sum(1) + 1  # candidates per position, its next item included
             mean_logit = (positive + logits.masked_fill(hidden, 0.0).sum(1)) / seen
             loss = (1 - self.label_smoothing) * loss + self.label_smoothing * (lse - mean_logit)
-        return (loss * weight).sum() / weight.sum().clamp_min(1.0)
+        loss = (loss * weight).sum() / weight.sum().clamp_min(1.0)
+        if self.attr_head is None:
+            return loss
+        return loss + self.attribute_loss * self.next_attribute_loss(h, ids, nxt, has_next)
+
+    def next_attribute_loss(
+        self, h: torch.Tensor, ids: dict[str, torch.Tensor], nxt: torch.Tensor, has_next: torch.Tensor
+    ) -> torch.Tensor:
+        """Mean over positions whose next event has attributes of ``-mean_a log softmax(W H[t])[a]``
+        over that event's attributes ``a`` (id 0: none)."""
+        targets = torch.stack([ids[f] for f in self.attr_slots[self.sequence]], dim=1)[nxt]  # [T, A]
+        present = (targets != 0) & has_next[:, None]
+        log_p = F.log_softmax(self.attr_head(h).float(), dim=-1).gather(1, targets)  # [T, A]
+        per_row = (log_p * present).sum(1) / present.sum(1).clamp_min(1)
+        rows = present.any(1).to(torch.float32)
+        return -(per_row * rows).sum() / rows.sum().clamp_min(1.0)
 
     def item_rows(self, values: torch.Tensor, ids: dict[str, torch.Tensor], group: str) -> torch.Tensor:
         """``[T, D_item]``: the item of each event of ``group`` as it is scored: its id embedding (the
@@ -409,6 +437,8 @@ class GenerativeSeqArch(nn.Module):
         if self.attr_proj is not None:  # the scored items' attributes: the events' and the uniform negatives'
             fwd += linear_flops(rows + uniform, self.attr_proj.in_features, self.attr_proj.out_features)
         fwd += 2 * rows * (num_negatives + 1) * self.item_dim  # the scores
+        if self.attr_head is not None:
+            fwd += linear_flops(rows, self.attr_head.in_features, self.attr_head.out_features)
         return {"forward": fwd, "backward": 2 * fwd}
 
 
