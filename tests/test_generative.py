@@ -373,7 +373,7 @@ def test_generative_arch_names_what_it_needs(generative_data):
         _model(schema, candidate_features=("item_id", "item_attr", "user_id"))
     with pytest.raises(ValueError, match=r"model.label_smoothing=1.0 must be in \[0, 1\)"):
         _model(schema, label_smoothing=1.0)
-    with pytest.raises(ValueError, match=r"model.attribute_loss=0.1 must be >= 0 and needs .* model.item_attributes=true"):
+    with pytest.raises(ValueError, match=r"attribute_loss=0.1 must be >= 0 and needs .* model.item_attributes=true"):
         _model(schema, attribute_loss=0.1)
     with pytest.raises(ValueError, match=r"model.ffn=-1 must be >= 0"):
         _model(schema, ffn=-1)
