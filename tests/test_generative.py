@@ -254,6 +254,7 @@ def test_each_position_sees_only_its_past(generative_data, block, pffn, ffn):
         ["model.block=interformer"],
         ["model.block=kunlun", "model.window=3"],
         ["sparse=torchrec", "model.negatives=null"],
+        ["model.negatives=null", "model.attribute_loss=0.5"],  # as experiment=seqrec_gen_lastfm
         pytest.param(["trainer.device=cuda"], marks=pytest.mark.gpu, id="cuda-native"),
         # the item table shared by the candidate, the history and the negatives, sharded on one GPU (FBGEMM's kernels)
         pytest.param(
