@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -21,7 +22,7 @@ from gem.data.pipeline.schema import FeatureSchema
 from gem.data.sources.synthetic import SyntheticConfig, generate
 from gem.models.gem import GEMModel
 from gem.models.gem_arch import GEMDenseArch
-from gem.models.sequence import self_attention_pairs
+from gem.models.sequence import generate_weights, self_attention_pairs
 from gem.sparse.arch import JaggedEmbeddings, SparseArch, SparseOutput
 from gem.train.flops import batch_lengths, mfu, step_flops
 from gem.train.losses import multitask_bce
@@ -243,6 +244,33 @@ def test_analytic_flops_match_flop_counter_on_the_reference(tiny_schema, tiny_da
     assert jagged["forward"] < padded["forward"]
     assert step_flops(model.dense_arch, batch, tiny_schema) == jagged["forward"] + jagged["backward"]
     assert mfu(1e12, 2.0, 1.0) == 0.5 and mfu(1e12, 2.0, None) is None
+
+
+def test_compiled_personalized_ffn_weights_are_one_kernel_matching_baddbmm():
+    """The PFFN's K/V (``W_0 + M xs_b W``) compiled are a broadcast product summed over the
+    summary tokens, which Inductor writes in one pass without a GEMM; eager, ``baddbmm``. Both
+    give the same values and gradients (``autocast`` leaves the compiled sum in float32 for the
+    attention's cast to fuse into)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    shared = torch.randn(16, 24, requires_grad=True)
+    mix = torch.randn(16, 4, requires_grad=True)
+    generated = torch.randn(3, 4, 24, requires_grad=True)
+    inputs = (shared, mix, generated)
+
+    eager = generate_weights(*inputs)
+    grads = torch.autograd.grad(eager.square().sum(), inputs)
+    torch._dynamo.reset()
+    compiled, codes = run_and_get_code(torch.compile(generate_weights, fullgraph=True), *inputs)
+    code = codes[0]  # the forward's (the backward's too when it is compiled with it)
+    launched = re.findall(r"^\s+(\w+)\(", code.split("def call(")[1].split("\ndef ")[0], re.M)
+    assert [name for name in launched if not name.startswith(("assert_", "empty_strided"))] == [
+        "cpp_fused_add_mul_sum_unsqueeze_0"
+    ], launched  # one fused kernel, no extern (GEMM) call
+    torch.testing.assert_close(compiled, eager)
+    for got, want in zip(torch.autograd.grad(compiled.square().sum(), inputs), grads):
+        torch.testing.assert_close(got, want)
 
 
 def test_bad_stream_settings_name_the_key(tiny_schema):

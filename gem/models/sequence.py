@@ -144,6 +144,20 @@ class JaggedSelfAttention(nn.Module):
         )
 
 
+def generate_weights(shared: torch.Tensor, mix: torch.Tensor, generated: torch.Tensor) -> torch.Tensor:
+    """``shared + mix @ generated_b`` for every example ``b``: ``[N, C] + [N, N_s] @ [B, N_s, C]``
+    -> ``[B, N, C]``, the personalized FFN's weights.
+
+    The product's inner dimension is the few summary tokens, so it is bound by writing the
+    ``[B, N, C]`` result. Compiled, it is written as a broadcast product summed over ``N_s``:
+    Inductor makes that one kernel that writes the result once, in the dtype its consumer casts
+    it to. Eager, ``baddbmm`` (copy ``shared`` into the output, then a GEMM adding to it) keeps
+    the ``[B, N, N_s, C]`` product from being materialized."""
+    if torch.compiler.is_compiling():
+        return shared + (mix.unsqueeze(-1) * generated.unsqueeze(1)).sum(2)
+    return torch.baddbmm(shared, mix.expand(generated.shape[0], -1, -1), generated)
+
+
 class PersonalizedFFN(nn.Module):
     """The personalized FFN of InterFormer / Kunlun in its GDPA form, residual, pre-norm.
 
@@ -186,10 +200,9 @@ class PersonalizedFFN(nn.Module):
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int, summary: torch.Tensor) -> torch.Tensor:
         num_seqs, width = summary.shape[0], self.num_heads * self.head_dim
         generated = self.proj(summary)  # [B, N_s, 2*H*D]
-        mix = self.mix.weight.expand(num_seqs, -1, -1)  # [B, N, N_s], no copy
         # K_b = W_0 + M (xs_b W) per example, K and V apart, each written once in its final layout
         k, v = (
-            torch.baddbmm(self.shared[:, part], mix, generated[..., part]).view(
+            generate_weights(self.shared[:, part], self.mix.weight, generated[..., part]).view(
                 num_seqs, self.num_kv, self.num_heads, self.head_dim
             )
             for part in (slice(0, width), slice(width, None))
