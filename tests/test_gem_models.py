@@ -246,31 +246,39 @@ def test_analytic_flops_match_flop_counter_on_the_reference(tiny_schema, tiny_da
     assert mfu(1e12, 2.0, 1.0) == 0.5 and mfu(1e12, 2.0, None) is None
 
 
-def test_compiled_personalized_ffn_weights_are_one_kernel_matching_baddbmm():
-    """The PFFN's K/V (``W_0 + M xs_b W``) compiled are a broadcast product summed over the
-    summary tokens, which Inductor writes in one pass without a GEMM; eager, ``baddbmm``. Both
-    give the same values and gradients (``autocast`` leaves the compiled sum in float32 for the
-    attention's cast to fuse into)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_personalized_ffn_weights_are_one_kernel_matching_baddbmm(dtype):
+    """The PFFN's K/V (``W_0 + M xs_b W``) compiled: a broadcast product summed over the summary
+    tokens, which Inductor writes in one pass without a GEMM; eager, ``baddbmm``. Both give the
+    float64 values and gradients to the dtype's rounding, in the generated part's dtype (bf16
+    under autocast)."""
     from torch._inductor.utils import run_and_get_code
 
     torch.manual_seed(0)
-    shared = torch.randn(16, 24, requires_grad=True)
-    mix = torch.randn(16, 4, requires_grad=True)
-    generated = torch.randn(3, 4, 24, requires_grad=True)
-    inputs = (shared, mix, generated)
+    inputs = (torch.randn(16, 24), torch.randn(16, 4), torch.randn(3, 4, 24))
+    weights = torch.randn(3, 16, 24)  # the loss sum(weights * out) is linear in out
+    exact = [t.double().requires_grad_() for t in inputs]
+    want = generate_weights(*exact)
+    want_grads = torch.autograd.grad((weights.double() * want).sum(), exact)
 
-    eager = generate_weights(*inputs)
-    grads = torch.autograd.grad(eager.square().sum(), inputs)
+    def check(fn):
+        leaves = [t.clone().requires_grad_() for t in inputs[:2]] + [inputs[2].to(dtype).requires_grad_()]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            out = fn(*leaves)
+        assert out.dtype == dtype
+        grads = torch.autograd.grad((weights * out.float()).sum(), leaves)
+        scale = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the inputs and output rounded
+        for got, ref, leaf in zip([out, *grads], [want, *want_grads], [out, *leaves]):
+            assert got.dtype == leaf.dtype
+            torch.testing.assert_close(got.double(), ref.detach(), atol=scale * ref.abs().max().item(), rtol=0)
+
+    check(generate_weights)
     torch._dynamo.reset()
-    compiled, codes = run_and_get_code(torch.compile(generate_weights, fullgraph=True), *inputs)
-    code = codes[0]  # the forward's (the backward's too when it is compiled with it)
-    launched = re.findall(r"^\s+(\w+)\(", code.split("def call(")[1].split("\ndef ")[0], re.M)
-    assert [name for name in launched if not name.startswith(("assert_", "empty_strided"))] == [
-        "cpp_fused_add_mul_sum_unsqueeze_0"
-    ], launched  # one fused kernel, no extern (GEMM) call
-    torch.testing.assert_close(compiled, eager)
-    for got, want in zip(torch.autograd.grad(compiled.square().sum(), inputs), grads):
-        torch.testing.assert_close(got, want)
+    compiled = torch.compile(generate_weights, fullgraph=True)
+    _, codes = run_and_get_code(check, compiled)
+    launched = re.findall(r"^\s+(\w+)\(", codes[0].split("def call(")[1].split("\ndef ")[0], re.M)
+    kernels = [name for name in launched if not name.startswith("assert_")]
+    assert len(kernels) == 1 and kernels[0].startswith("cpp_fused"), launched  # one fused kernel, no GEMM
 
 
 def test_bad_stream_settings_name_the_key(tiny_schema):

@@ -145,17 +145,37 @@ class JaggedSelfAttention(nn.Module):
 
 
 def generate_weights(shared: torch.Tensor, mix: torch.Tensor, generated: torch.Tensor) -> torch.Tensor:
-    """``shared + mix @ generated_b`` for every example ``b``: ``[N, C] + [N, N_s] @ [B, N_s, C]``
-    -> ``[B, N, C]``, the personalized FFN's weights.
+    """``shared + mix @ generated_b`` for every example ``b`` (``[N, C] + [N, N_s] @ [B, N_s, C]``
+    -> ``[B, N, C]``, in ``generated``'s dtype): the personalized FFN's weights.
 
-    The product's inner dimension is the few summary tokens, so it is bound by writing the
-    ``[B, N, C]`` result. Compiled, it is written as a broadcast product summed over ``N_s``:
-    Inductor makes that one kernel that writes the result once, in the dtype its consumer casts
-    it to. Eager, ``baddbmm`` (copy ``shared`` into the output, then a GEMM adding to it) keeps
-    the ``[B, N, N_s, C]`` product from being materialized."""
+    The product's inner dimension is the few summary tokens, so the result's write bounds it.
+    Eager: ``baddbmm``, which copies ``shared`` into the output and then adds a GEMM's result
+    to it. Compiled: :class:`_GeneratedWeights`, a forward that Inductor fuses into one kernel
+    that writes the result once."""
     if torch.compiler.is_compiling():
-        return shared + (mix.unsqueeze(-1) * generated.unsqueeze(1)).sum(2)
+        return _GeneratedWeights.apply(shared, mix, generated)
     return torch.baddbmm(shared, mix.expand(generated.shape[0], -1, -1), generated)
+
+
+class _GeneratedWeights(torch.autograd.Function):
+    """Forward: the broadcast product summed over ``N_s`` (Inductor unrolls so short a sum, and
+    the ``[B, N, N_s, C]`` product is never written), in float32, rounded once to ``generated``'s
+    dtype. Backward: reductions and GEMMs over the gradient (cuBLAS reads it faster than the
+    reductions Inductor derives from the forward's broadcast)."""
+
+    @staticmethod
+    def forward(ctx, shared, mix, generated):
+        ctx.save_for_backward(mix, generated)
+        product = (mix.unsqueeze(-1) * generated.unsqueeze(1)).sum(2)
+        return (shared + product).to(generated.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        mix, generated = ctx.saved_tensors
+        grad_shared = grad.sum(0, dtype=torch.float32).to(mix.dtype)
+        grad_mix = torch.bmm(grad, generated.transpose(1, 2)).sum(0, dtype=torch.float32).to(mix.dtype)
+        grad_generated = torch.matmul(mix.t().to(grad.dtype), grad)
+        return grad_shared, grad_mix, grad_generated
 
 
 class PersonalizedFFN(nn.Module):
