@@ -25,10 +25,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import pathlib
 import platform
-import subprocess
 import sys
 import time
 
@@ -37,6 +35,7 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from benchmarks.scaling import commit  # noqa: E402
 from kernels import jagged_attention  # noqa: E402
 from kernels.jagged_attention import jagged_attention_reference, num_visible_pairs, settings, testing  # noqa: E402
 from kernels.jagged_attention.autotune import tuned_configs  # noqa: E402
@@ -297,15 +296,9 @@ def _format(row) -> str:
 
 def _versions() -> dict:
     config = settings.current()
-    commit = os.environ.get("GIT_COMMIT")  # set it where the checkout's .git is not this tree's
-    if not commit:
-        try:
-            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
-        except Exception:
-            commit = "unknown"
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "git_commit": commit,
+        "git_commit": commit(),
         "hardware": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,

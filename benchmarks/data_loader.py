@@ -24,7 +24,6 @@ import math
 import os
 import platform
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +36,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.scaling import commit  # noqa: E402
 from gem.data.format.layout import write_parquet  # noqa: E402
 from gem.data.pipeline.balance import imbalance  # noqa: E402
 from gem.data.pipeline.loader import build_loader  # noqa: E402
@@ -132,10 +132,6 @@ def rank_imbalance(files, schema, batch_size, world_size, balance) -> dict:
 
 
 def versions() -> dict:
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, cwd=ROOT).strip()
-    except Exception:
-        commit = os.environ.get("GIT_COMMIT", "unknown")
     cpu = (
         next(
             (
@@ -150,7 +146,7 @@ def versions() -> dict:
     )
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "git_commit": commit,
+        "git_commit": commit(),
         "hardware": f"{cpu}, {os.cpu_count()} cores",
         "load_average": os.getloadavg(),
         "torch": torch.__version__,

@@ -13,13 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 from hydra.utils import instantiate
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.scaling import commit  # noqa: E402
 from gem.data.pipeline.schema import FeatureSchema
 from gem.sparse.arch import SparseArch
 from gem.train.api import compose
@@ -61,12 +63,11 @@ def main() -> None:
             f"{r['model']:10} {r['block']:12} {r['sparse.embedding_dim']:4d} {r['history_length']:5d} "
             f"{r['dense_params'] / 1e6:12.2f}M {r['train_flops_per_example'] / 1e9:20.3f}G"
         )
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     Path(args.out).write_text(
         json.dumps(
             {
                 "date": datetime.now(timezone.utc).isoformat(),
-                "git_commit": commit,
+                "git_commit": commit(),
                 "hardware": "none (analytic, meta device)",
                 "torch": torch.__version__,
                 "python": platform.python_version(),

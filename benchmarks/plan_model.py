@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import datetime
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.scaling import commit  # noqa: E402
 from gem.plan.steptime import calibrate  # noqa: E402
 
 
@@ -30,11 +30,10 @@ def main() -> None:
         print(f"{c.run:<90} {c.measured_ms:>11.1f} {c.predicted_ms:>12.1f} {c.error:>+7.1%}  {c.fitted or ''}")
     held_out = [abs(c.error) for c in checks if not c.fitted]
     print(f"held-out runs: mean |error| {sum(held_out) / len(held_out):.1%}, max {max(held_out):.1%}")
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     out = {
         "benchmark": "plan_model",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "commit": commit,
+        "commit": commit(),
         "hardware": "calibrated on 1x and 2x NVIDIA H200 runs (read, not run)",
         "fitted": fitted,
         "checks": [

@@ -82,15 +82,23 @@ def environment() -> dict:
         info["hardware"] = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
     else:
         info["hardware"] = f"cpu ({os.cpu_count()} cores)"
-    info["commit"] = os.environ.get("GIT_COMMIT")  # set it where the checkout's .git is not this tree's
-    if not info["commit"]:
-        try:
-            info["commit"] = subprocess.run(
-                ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-            ).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            info["commit"] = None
+    info["commit"] = commit()
     return info
+
+
+def commit(root: Path = ROOT) -> str | None:
+    """The commit of the tree at ``root``: ``$GIT_COMMIT`` if set (for a copy of the tree, such as a
+    ``git archive`` snapshot), else ``HEAD`` of the checkout whose top level ``root`` is; None for a
+    tree that is not a checkout, rather than the commit of a repository that merely contains it."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
+    try:
+        top, head = subprocess.run(
+            ["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.split()
+    except (OSError, ValueError, subprocess.CalledProcessError):
+        return None
+    return head if Path(top).resolve() == Path(root).resolve() else None
 
 
 def main() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -107,3 +108,25 @@ def test_python_m_gem_train_prints_the_version_error_as_one_line(tmp_path):
         "Error in the installed packages: these versions do not work together: "
         "fbgemm-gpu-cpu 1.8.0 is built for torch 2.13, not 2.12.0+cpu"
     ), proc.stderr
+
+
+def test_benchmarks_record_the_commit_of_their_own_checkout_only(tmp_path, monkeypatch):
+    """benchmarks' provenance: HEAD of the checkout whose top level the tree is; a copy inside another
+    checkout (a ``git archive`` snapshot) has no commit of its own unless ``$GIT_COMMIT`` names it."""
+    from benchmarks.scaling import commit
+
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+    monkeypatch.delenv("GIT_COMMIT", raising=False)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "init.defaultBranch=main"]
+    subprocess.run([*git, "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "a.txt").write_text("a")
+    subprocess.run([*git, "-C", str(tmp_path), "add", "a.txt"], check=True)
+    subprocess.run([*git, "-C", str(tmp_path), "commit", "-q", "-m", "a"], check=True)
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    assert commit(tmp_path) == head.strip()
+    assert commit(snapshot) is None
+    monkeypatch.setenv("GIT_COMMIT", "abc123")
+    assert commit(snapshot) == "abc123"
