@@ -202,6 +202,7 @@ def collect(name: str, run_dir: Path, warmup: int) -> dict:
         result["peak_mem_gb"] = max(r.get("peak_mem_gb") or 0 for r in windows) or None  # None on CPU
         result["windows"] = len(windows)
     result["losses"] = {r["step"]: r["loss"] for r in train}
+    result["step_ms_by_window"] = {r["step"]: r["step_ms"] for r in train}  # every window's, the warm-up's too
     result["test"] = next((r for r in rows if r["kind"] == "test"), None)
     log = run_dir / "train.log"
     if log.exists():  # the model line (sparse backend, tables with the fused optimizer) and the pipeline's state

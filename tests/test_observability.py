@@ -1,5 +1,6 @@
 """Run hygiene: CPU threads against the CPUs really available, loggers (JSON lines, TensorBoard),
-curves, one-line configuration errors, empty evaluation splits, and metrics rows after a resume."""
+curves, one-line configuration errors, empty evaluation splits, metrics rows after a resume, and the
+e2e benchmark's choice of windows."""
 
 from __future__ import annotations
 
@@ -337,3 +338,22 @@ def test_an_empty_validation_split_is_skipped_with_a_warning_and_an_empty_test_s
                 cache_dir, tmp_path / "run2", "data=parquet", f"data.dir={swapped}", "data.schema={}", "sparse=native"
             )
         )
+
+
+def test_e2e_benchmark_takes_its_figures_from_the_windows_after_warm_up_without_profiled_steps(tmp_path):
+    """benchmarks/e2e.py's collect(): medians over the logged windows after --warmup, leaving out any
+    window that holds a profiled step (or the profiler's warm-up step); every window's loss and step
+    time are kept as well."""
+    from benchmarks.e2e import collect
+
+    rows = [
+        {"kind": "train", "step": step, "loss": 1.0 / step, "step_ms": ms, "examples_per_s": 1000.0 / ms}
+        for step, ms in ((10, 90.0), (20, 50.0), (30, 51.0), (40, 80.0), (50, 52.0), (60, 53.0))
+    ] + [{"kind": "test", "step": 60, "click/auc": 0.7}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (tmp_path / "profile").mkdir()
+    (tmp_path / "profile" / "breakdown_rank0.json").write_text(json.dumps({"recorded_steps": [33, 38]}))
+    result = collect("run", tmp_path, warmup=10)
+    assert result["windows"] == 4  # 20, 30, 50, 60: the window of steps 31-40 held the profiled steps
+    assert result["step_ms"] == 51.5 and result["test"]["click/auc"] == 0.7
+    assert result["step_ms_by_window"] == {10: 90.0, 20: 50.0, 30: 51.0, 40: 80.0, 50: 52.0, 60: 53.0}
