@@ -213,6 +213,31 @@ def collect(name: str, run_dir: Path, warmup: int) -> dict:
     return result
 
 
+def plot_losses(files: list[str], out: str) -> None:
+    """The training loss per logged window of every run in ``files``, one panel per block: result
+    files of this script, or A/B files whose ``runs`` map a label to one (e2e-h200-pffn-ab.json)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves: dict[str, dict[str, dict]] = {}  # run name -> label -> {step: loss}
+    for file in files:
+        data = json.loads(Path(file).read_text())
+        labelled = data["runs"].items() if "runs" in data else [(Path(file).stem, data)]
+        for label, result in labelled:
+            for run in result["results"]:
+                curves.setdefault(run["name"], {})[label] = run["losses"]
+    fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4), squeeze=False)
+    for ax, (name, runs) in zip(axes[0], sorted(curves.items())):
+        for label, losses in runs.items():
+            ax.plot([int(k) for k in losses], list(losses.values()), marker="o", label=label)
+        ax.set(title=name, xlabel="step (end of the 10-step window)", ylabel="mean training loss")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -230,8 +255,14 @@ def main() -> None:
         action="store_true",
         help="only read the runs already in --out-dir (e.g. after a time limit cut the benchmark)",
     )
+    parser.add_argument(
+        "--plot-losses", nargs="+", metavar="JSON", help="plot the loss curves of these result files and exit"
+    )
+    parser.add_argument("--plot-out", default="e2e-losses.png", help="where --plot-losses writes")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = parser.parse_args()
+    if args.plot_losses:
+        return plot_losses(args.plot_losses, args.plot_out)
     env = environment()
     results = []
     for name in args.runs:

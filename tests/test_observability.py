@@ -357,3 +357,15 @@ def test_e2e_benchmark_takes_its_figures_from_the_windows_after_warm_up_without_
     assert result["windows"] == 4  # 20, 30, 50, 60: the window of steps 31-40 held the profiled steps
     assert result["step_ms"] == 51.5 and result["test"]["click/auc"] == 0.7
     assert result["step_ms_by_window"] == {10: 90.0, 20: 50.0, 30: 51.0, 40: 80.0, 50: 52.0, 60: 53.0}
+
+
+def test_e2e_benchmark_plots_the_loss_curves_of_result_and_ab_files(tmp_path):
+    from benchmarks.e2e import plot_losses
+
+    run = lambda name, shift: {"name": name, "losses": {"10": 1.2 + shift, "20": 1.1 + shift}}  # noqa: E731
+    (tmp_path / "one.json").write_text(json.dumps({"results": [run("interformer", 0.0), run("kunlun", 0.1)]}))
+    ab = {"runs": {"base": {"results": [run("kunlun", 0.0)]}, "new": {"results": [run("kunlun", 0.01)]}}}
+    (tmp_path / "ab.json").write_text(json.dumps(ab))
+    out = tmp_path / "losses.png"
+    plot_losses([str(tmp_path / "one.json"), str(tmp_path / "ab.json")], str(out))
+    assert out.read_bytes()[:4] == b"\x89PNG"
