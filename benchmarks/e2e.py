@@ -262,7 +262,8 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = parser.parse_args()
     if args.plot_losses:
-        return plot_losses(args.plot_losses, args.plot_out)
+        plot_losses(args.plot_losses, args.plot_out)
+        return
     env = environment()
     results = []
     for name in args.runs:
