@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 from hydra.utils import instantiate
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.scaling import commit  # noqa: E402
-from gem.data.pipeline.schema import FeatureSchema
-from gem.sparse.arch import SparseArch
-from gem.train.api import compose
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.scaling import commit  # noqa: E402
+from gem.data.pipeline.schema import FeatureSchema  # noqa: E402
+from gem.sparse.arch import SparseArch  # noqa: E402
+from gem.train.api import compose  # noqa: E402
+
 # config -> (sparse.embedding_dim, history length used for the FLOP figure)
 SIZES = {"gem_tiny": (32, 64), "gem_base": (128, 512), "gem_large": (256, 1024)}
 
