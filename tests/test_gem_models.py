@@ -487,12 +487,18 @@ def test_gem_base_triton_and_reference_agree_over_30_float32_steps(tmp_path, blo
     """The Triton kernels and the padded PyTorch reference at gem_base's shapes (histories up to
     512 events, 4 heads of 128, PFFN K/V 256), 30 steps of the flagship recipe in float32 from the
     same weights. Both compute in float32 (the kernels' float32 dots are IEEE, not tf32) but sum in
-    different orders: about 1e-6 apart at the first step, and training amplifies the difference.
-    With the flagship recipe it stays within 1e-3 relative over 30 steps; with the old one (lr
-    2e-3, no warm-up) the two diverged within a few steps (docs/e2e.md)."""
+    different orders, and training amplifies the difference step by step, so the tolerance has two
+    parts. The first five losses (the kernels' rounding carried through four updates) agree within
+    1e-5 relative (on the H200: 2e-7). Over all 30 steps they stay within 1e-2: under the flagship
+    recipe the gap reached 1e-4 (benchmarks/results/trajectories-h200.json) and 1.7e-3 (InterFormer
+    at 625d798) by step 30, where the old one (lr 2e-3, no warm-up) grew it to 2e-3 by step 7 and
+    12% by step 11 (docs/e2e.md)."""
     triton_losses = gem_base_trajectory("triton", block, tmp_path)
     reference_losses = gem_base_trajectory("reference", block, tmp_path)
     assert len(triton_losses) == 30
-    worst = max(abs(a - b) / abs(b) for a, b in zip(triton_losses, reference_losses))
-    assert worst < 1e-3, (worst, triton_losses, reference_losses)
+    gaps = [abs(a - b) / abs(b) for a, b in zip(triton_losses, reference_losses)]
+    shown = [f"{g:.1e}" for g in gaps]
+    print(block, "relative gap per step:", shown)
+    assert max(gaps[:5]) < 1e-5, shown
+    assert max(gaps) < 1e-2, shown
     assert sum(triton_losses[-5:]) < sum(triton_losses[:5])
