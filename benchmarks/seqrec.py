@@ -1,14 +1,18 @@
 """Sequential recommendation on S3-Rec-format sets: a recipe over several seeds, mean and spread.
 
     python benchmarks/seqrec.py [--sets LastFM Toys_and_Games Sports_and_Outdoors] [--seeds 0 1 2]
-                                [--experiment seqrec_gen] [--split test] [-- hydra overrides]
+                                [--experiment seqrec_gen] [--split test]
+                                [--pretrain model.objective=masked_item ...] [-- hydra overrides]
 
 Each (set, seed) is ``python -m gem.train experiment=<experiment> data.name=<set> trainer.seed=<seed>
 data.seqrec.seed=<seed>`` in its own process, with the set's own experiment where there is one
 (``<experiment>_<set, lower case>``, as ``seqrec_gen_lastfm``). The evaluation negatives stay fixed:
 the paper's file for LastFM, numpy seed 12345 otherwise. The metrics are those of the final
 evaluation of ``--split``: ``test`` for the figures to report, ``val`` (with ``trainer.eval_every``
-at the end) to choose a recipe. Writes ``benchmarks/results/seqrec-<experiment>-<hardware>.json`` with every
+at the end) to choose a recipe. With ``--pretrain OVERRIDES``, each run starts from a pretraining
+run of the same set and seed (the same experiment with OVERRIDES added, e.g. S3-Rec-style masked
+item prediction, ``model.objective=masked_item``): its tables and dense arch, through
+``checkpoint.init_from``. Writes ``benchmarks/results/seqrec-<experiment>-<hardware>.json`` with every
 run's metrics and time, and prints mean +- standard deviation per set.
 """
 
@@ -45,7 +49,20 @@ def experiment_for(experiment: str, name: str) -> str:
     return own if (ROOT / "configs" / "experiment" / f"{own}.yaml").exists() else experiment
 
 
-def run(experiment: str, name: str, seed: int, split: str, overrides: list[str], run_dir: Path) -> dict:
+def run(
+    experiment: str,
+    name: str,
+    seed: int,
+    split: str,
+    overrides: list[str],
+    run_dir: Path,
+    pretrain: list[str] | None = None,
+) -> dict:
+    tick = time.perf_counter()
+    if pretrain:
+        run(experiment, name, seed, split, [*overrides, *pretrain, "checkpoint.enabled=true"], run_dir / "pretrain")
+        start = run_dir / "pretrain" / "checkpoints"
+        overrides = [*overrides, f"checkpoint.init_from={start}", "checkpoint.init_modules=[sparse_arch,dense_arch]"]
     experiment = experiment_for(experiment, name)
     cmd = [
         sys.executable,
@@ -61,7 +78,6 @@ def run(experiment: str, name: str, seed: int, split: str, overrides: list[str],
     ]
     print("$", " ".join(cmd), flush=True)
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    tick = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, check=True, env=os.environ | {"PYTHONPATH": path}, stdout=subprocess.DEVNULL)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     final = [r for r in rows if r["kind"] == split][-1]
@@ -99,11 +115,25 @@ def main() -> None:
     parser.add_argument("--split", default="test", choices=["test", "val"])
     parser.add_argument("--out-dir", default=str(ROOT / "runs" / "seqrec"))
     parser.add_argument("--tag", default=None, help="file name suffix (default: the hardware, slugged)")
+    parser.add_argument(
+        "--pretrain",
+        nargs="+",
+        metavar="OVERRIDE",
+        help="pretrain each run first with these overrides added (e.g. model.objective=masked_item)",
+    )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = parser.parse_args()
     env = environment()
     results = [
-        run(args.experiment, name, seed, args.split, args.overrides, Path(args.out_dir) / f"{name}-{seed}")
+        run(
+            args.experiment,
+            name,
+            seed,
+            args.split,
+            args.overrides,
+            Path(args.out_dir) / f"{name}-{seed}",
+            args.pretrain,
+        )
         for name in args.sets
         for seed in args.seeds
     ]
@@ -130,6 +160,7 @@ def main() -> None:
                 "experiment": args.experiment,
                 "split": args.split,
                 "overrides": args.overrides,
+                "pretrain": args.pretrain,
                 "summary": summary,
                 "published": PUBLISHED,
                 "runs": results,

@@ -227,6 +227,113 @@ def test_item_attributes_need_the_bag_to_hold_what_an_event_carries(generative_d
         _model(schema_from_files(split_files(out, "train")), item_attributes=True)
 
 
+@pytest.mark.parametrize("logq", [True, False])
+def test_masked_item_loss_equals_a_loop_over_masked_positions(generative_data, logq):
+    """model.objective=masked_item: each masked position scores its own item against every event's
+    item (in-batch) and the sampled negatives, logQ-corrected, accidental hits left out."""
+    _, out = generative_data
+    schema, batch = _batch(out)
+    model = _model(schema, objective="masked_item", mask_prob=0.3, logq_correction=logq, in_batch_negatives=1000)
+    arch = model.dense_arch
+    seed = torch.random.get_rng_state()
+    loss = model(batch)
+
+    sparse = model.sparse_arch(batch.sparse, batch.sequences, batch.max_seq_len)
+    values = sparse.sequences["hist"].values
+    total = values.shape[0]
+    torch.random.set_rng_state(seed)
+    masked = torch.rand(total) < 0.3  # the model's draws, in its order
+    masked[torch.randint(0, total, (1,))] = True
+    h = arch.encode(sparse, masked).detach().double()
+    items_emb = values.detach().double()[:, : arch.item_dim]
+    negs = sparse.sequences["neg"].values.detach().double()[:, : arch.item_dim]
+    ids = batch.sequences.to_dict()
+    items, neg_ids = ids["hist_item"].values().tolist(), ids["neg_item"].values().tolist()
+    count = {}
+    for i in items:
+        count[i] = count.get(i, 0) + 1
+    num_items = schema.cardinality("hist_item")
+
+    def log_q(item):
+        return math.log(count.get(item, 0) + negs.shape[0] / (num_items - 1)) if logq else 0.0
+
+    cands = [(items_emb[r], items[r]) for r in range(total)] + [(negs[j], neg_ids[j]) for j in range(len(neg_ids))]
+    cos = lambda a, b: float(a @ b / (a.norm() * b.norm())) / 0.05  # noqa: E731
+    expected = []
+    for r in torch.nonzero(masked).flatten().tolist():
+        positive = cos(h[r], items_emb[r]) - log_q(items[r])
+        logits = [positive] + [cos(h[r], e) - log_q(i) for e, i in cands if i != items[r]]
+        expected.append(torch.logsumexp(torch.tensor(logits), 0).item() - positive)
+    assert 0 < masked.sum() < total
+    assert loss.item() == pytest.approx(sum(expected) / len(expected), rel=1e-4)
+    loss.backward()
+    assert arch.mask_row.weight.grad.abs().sum() > 0
+
+
+def test_masked_positions_hide_their_event_and_attention_sees_both_ways(generative_data):
+    _, out = generative_data
+    schema, batch = _batch(out)
+    model = _model(schema, objective="masked_item", num_layers=2).eval()
+    assert not any(layer.attention.causal for layer in model.dense_arch.layers)
+    sparse = model.sparse_arch(batch.sparse, batch.sequences, batch.max_seq_len)
+    s = sparse.sequences["hist"]
+    first, last = int(s.offsets[0]), int(s.offsets[1]) - 1
+    assert last > first, "the first example needs two events"
+    masked = torch.zeros(s.values.shape[0], dtype=torch.bool)
+    masked[first] = True
+    h = model.dense_arch.encode(sparse, masked)
+    s.values = s.values.clone()
+    s.values[first] += 1.0  # a masked event's item and attributes: not seen
+    assert torch.equal(model.dense_arch.encode(sparse, masked), h)
+    s.values[last] += 1.0  # an unmasked later event: seen by the earlier rows of its example only
+    h2 = model.dense_arch.encode(sparse, masked)
+    assert not torch.allclose(h[first], h2[first]) and torch.equal(h[last + 1 :], h2[last + 1 :])
+
+
+def test_a_masked_item_pretraining_starts_a_next_event_run(tmp_path):
+    _write_s3rec(tmp_path, num_users=80)
+    common = [
+        "experiment=seqrec_gen",
+        f"data.dir={tmp_path}",
+        "data.name=Tiny",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.batch_size=16",
+        "data.num_workers=0",
+        "data.eval_batch_size=800",
+        "trainer.log_every=5",
+        "trainer.progress_bar=false",
+        "data.seqrec.num_eval_negatives=20",
+        "model.dropout=0.0",
+    ]
+    train(
+        compose(
+            [
+                *common,
+                f"trainer.run_dir={tmp_path / 'pre'}",
+                "model.objective=masked_item",
+                "trainer.epochs=3",
+                "checkpoint.enabled=true",
+            ]
+        )
+    )
+    pre = [json.loads(line) for line in (tmp_path / "pre" / "metrics.jsonl").read_text().splitlines()]
+    pre_losses = [r["loss"] for r in pre if r["kind"] == "train"]
+    assert pre_losses[-1] < pre_losses[0], pre_losses
+    result = train(
+        compose(
+            [
+                *common,
+                f"trainer.run_dir={tmp_path / 'ft'}",
+                f"checkpoint.init_from={tmp_path / 'pre' / 'checkpoints'}",
+                "checkpoint.init_modules=[sparse_arch,dense_arch]",
+                "trainer.epochs=3",
+            ]
+        )
+    )
+    assert 0 <= result["next_item/hr@1"] <= result["next_item/hr@10"] <= 1
+    assert "loaded" in (tmp_path / "ft" / "train.log").read_text()
+
+
 @pytest.mark.parametrize(
     "block, pffn, ffn", [("interformer", True, 0), ("kunlun", True, 0), ("interformer", False, 0), ("kunlun", False, 2)]
 )

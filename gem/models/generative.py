@@ -14,6 +14,8 @@ softmax over in-batch and uniformly sampled negatives (logQ-corrected). Data flo
 
     training  H[t] scores item[t+1] against the negatives (loss in ``forward``, see below)
     ranking   H at a history's last event scores each row's candidate: logits [B, 1]
+    pretraining (objective=masked_item): attention not causal, masked events' rows replaced,
+              H[t] of a masked event scores its own item[t]
 
 Only the sequence side of the blocks runs: their non-sequence interactions (InterFormer's
 interaction arch, Kunlun's Wukong and seed pooling) read summaries of the whole history, which
@@ -40,7 +42,7 @@ from kernels.jagged import jagged_positions, lengths_to_offsets, offsets_to_leng
 
 BLOCKS = ("interformer", "kunlun")
 SIMILARITIES = ("cosine", "dot")
-OBJECTIVES = ("next_event", "ranking")
+OBJECTIVES = ("next_event", "masked_item", "ranking")
 
 
 class FeedForward(nn.Module):
@@ -66,7 +68,8 @@ class FeedForward(nn.Module):
 
 class CausalSequenceLayer(nn.Module):
     """One block's sequence arch, causal: ``S = FFN(MHA_rope(PFFN(S | X_sum)))`` (no PFFN on a
-    CompSkip layer; the shared FFN only with ``ffn_hidden``)."""
+    CompSkip layer; the shared FFN only with ``ffn_hidden``). ``causal=False`` lets every row see
+    the whole history (masked-item pretraining); the weights are the same either way."""
 
     def __init__(
         self,
@@ -81,6 +84,7 @@ class CausalSequenceLayer(nn.Module):
         backend: str | None,
         ffn_hidden: int = 0,
         residual_dropout: float = 0.0,
+        causal: bool = True,
     ) -> None:
         super().__init__()
         self.pffn = (
@@ -88,7 +92,7 @@ class CausalSequenceLayer(nn.Module):
             if use_pffn
             else None
         )
-        self.attention = JaggedSelfAttention(width, num_heads, window, backend, causal=True, dropout=residual_dropout)
+        self.attention = JaggedSelfAttention(width, num_heads, window, backend, causal=causal, dropout=residual_dropout)
         self.ffn = FeedForward(width, ffn_hidden, residual_dropout) if ffn_hidden else None
 
     def forward(
@@ -142,9 +146,15 @@ class GenerativeSeqArch(nn.Module):
         event's attributes, a softmax over the attribute vocabulary (its own output layer) averaged
         over the attributes the event carries. Needs ``item_attributes``.
     attention_backend: ``kernels.jagged_attention`` backend.
-    objective: ``next_event`` (the sampled softmax above) or ``ranking``: the ranking logits in
-        training too, for labelled (history, candidate) rows and the trainer's task loss, e.g.
-        to fine-tune a next-event model (``checkpoint.init_from``) on a ranking task.
+    objective: ``next_event`` (the sampled softmax above); ``masked_item``, pretraining in the
+        manner of S3-Rec's masked item prediction: attention over the whole history (not
+        causal), ``mask_prob`` of the events replaced by a learned mask row, and each masked
+        position scores its own item with the same sampled softmax (and, with
+        ``attribute_loss``, predicts its own attributes), for a ``next_event`` run to start from
+        (``checkpoint.init_from``); or ``ranking``: the ranking logits in training too, for
+        labelled (history, candidate) rows and the trainer's task loss, e.g. to fine-tune a
+        next-event model on a ranking task.
+    mask_prob: with ``masked_item``, the chance that an event is masked.
     """
 
     def __init__(
@@ -177,13 +187,18 @@ class GenerativeSeqArch(nn.Module):
         attribute_loss: float = 0.0,
         attention_backend: str | None = None,
         objective: str = "next_event",
+        mask_prob: float = 0.2,
     ) -> None:
         super().__init__()
         if objective not in OBJECTIVES:
             raise ValueError(f"model.objective={objective!r} must be one of {list(OBJECTIVES)}")
-        # next_event: forward returns the training loss in training mode (the module docstring);
-        # ranking: ranking logits always, for the trainer's task loss on labelled rows
-        self.returns_loss = objective == "next_event"
+        if objective == "masked_item" and not 0 < mask_prob < 1:
+            raise ValueError(f"model.mask_prob={mask_prob!r} must be in (0, 1) for model.objective=masked_item")
+        # next_event / masked_item: forward returns the training loss in training mode (the module
+        # docstring); ranking: ranking logits always, for the trainer's task loss on labelled rows
+        self.returns_loss = objective in ("next_event", "masked_item")
+        self.masked = objective == "masked_item"
+        self.mask_prob = mask_prob
         if block not in BLOCKS:
             raise ValueError(f"model.block={block!r} must be one of {list(BLOCKS)}")
         if similarity not in SIMILARITIES:
@@ -251,9 +266,11 @@ class GenerativeSeqArch(nn.Module):
                 attention_backend,
                 ffn * width,
                 residual_dropout,
+                causal=not self.masked,
             )
             for i in range(num_layers)
         )
+        self.mask_row = nn.Embedding(1, width) if self.masked else None  # a masked event's input row
         self.norm = nn.LayerNorm(width)
         self.out = nn.Linear(width, self.item_dim)
         self.dropout = nn.Dropout(dropout)
@@ -274,12 +291,17 @@ class GenerativeSeqArch(nn.Module):
         """Initialize every parameter (after ``to_empty``); fails if a parameter has no rule."""
         init_module_tree(self)
 
-    def encode(self, sparse: SparseOutput) -> torch.Tensor:
-        """``H [T, D_item]``: the representation after each event of the stream."""
+    def encode(self, sparse: SparseOutput, masked: torch.Tensor | None = None) -> torch.Tensor:
+        """``H [T, D_item]``: the representation after each event of the stream (with ``masked``
+        ``[T]``, those events' input rows replaced by the mask row: neither their item nor their
+        attributes are seen)."""
         s = sparse.sequences[self.sequence]
         users = torch.stack([self.user_proj[f](sparse.pooled[f]) for f in self.user_features], dim=1)  # [B, F, d]
         summary = self.user_summary(users)  # [B, N, d]
-        x = self.dropout(self.event_proj(s.values))
+        x = self.event_proj(s.values)
+        if masked is not None:
+            x = torch.where(masked[:, None], self.mask_row.weight.to(x.dtype), x)
+        x = self.dropout(x)
         rope = rotary_tables(s.offsets, x.shape[0], self.head_dim)
         for layer in self.layers:
             x = layer(x, s.offsets, s.max_len, summary, rope)
@@ -298,6 +320,8 @@ class GenerativeSeqArch(nn.Module):
         domain: torch.Tensor,
         ids: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        if self.training and self.masked:
+            return self.masked_item_loss(sparse, ids).view(1, 1)
         if self.training and self.returns_loss:
             return self.next_event_loss(self.encode(sparse), sparse, ids).view(1, 1)
         last = self.last_states(sparse)
@@ -342,20 +366,58 @@ class GenerativeSeqArch(nn.Module):
         candidates a position sees (its next item and its visible negatives).
         """
         s = sparse.sequences[self.sequence]
-        total, device = h.shape[0], h.device
-        row = torch.arange(total, device=device)
+        total = h.shape[0]
+        row = torch.arange(total, device=h.device)
         pos = jagged_positions(s.offsets, total)
         has_next = pos < offsets_to_lengths(s.offsets)[segment_ids(s.offsets, total)] - 1  # [T]
         nxt = (row + 1).clamp(max=max(total - 1, 0))
-        target_emb = self.item_rows(s.values, ids, self.sequence)[nxt]  # the next event's item (the shared table)
-        target_ids = ids[self.item_feature][nxt]
-        weight = has_next.to(torch.float32)
+        loss = self._item_loss(h, sparse, ids, nxt, has_next, has_next)
+        if self.attr_head is None:
+            return loss
+        return loss + self.attribute_loss * self.target_attribute_loss(h, ids, nxt, has_next)
 
-        if total > self.in_batch_negatives:  # in-batch negatives: a random subset of the next events
+    def masked_item_loss(self, sparse: SparseOutput, ids: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Masked item prediction (``objective=masked_item``): each event is masked with
+        ``mask_prob`` (at least one per batch), the whole history encoded, and each masked
+        position's own item scored as :meth:`next_event_loss` scores the next one; every event's
+        item is an in-batch negative. With ``attribute_loss``, masked positions also predict
+        their own attributes (S3-Rec's masked attribute prediction)."""
+        values = sparse.sequences[self.sequence].values
+        total = values.shape[0]
+        masked = torch.rand(total, device=values.device) < self.mask_prob
+        if total:
+            masked[torch.randint(0, total, (1,), device=values.device)] = True
+        h = self.encode(sparse, masked)
+        row = torch.arange(total, device=values.device)
+        every = torch.ones_like(masked)
+        loss = self._item_loss(h, sparse, ids, row, every, masked)
+        if self.attr_head is None:
+            return loss
+        return loss + self.attribute_loss * self.target_attribute_loss(h, ids, row, masked)
+
+    def _item_loss(
+        self,
+        h: torch.Tensor,
+        sparse: SparseOutput,
+        ids: dict[str, torch.Tensor],
+        target_rows: torch.Tensor,
+        target_ok: torch.Tensor,
+        weight: torch.Tensor,
+    ) -> torch.Tensor:
+        """The sampled softmax loss of :meth:`next_event_loss`, averaged over the positions where
+        ``weight`` holds: position ``t`` targets the item of event ``target_rows[t]``; the
+        in-batch negatives are drawn from the targets where ``target_ok`` holds."""
+        s = sparse.sequences[self.sequence]
+        total, device = h.shape[0], h.device
+        target_emb = self.item_rows(s.values, ids, self.sequence)[target_rows]  # the target's item (the shared table)
+        target_ids = ids[self.item_feature][target_rows]
+        weight = weight.to(torch.float32)
+
+        if total > self.in_batch_negatives:  # in-batch negatives: a random subset of the targets
             pool = torch.randint(0, total, (self.in_batch_negatives,), device=device)
         else:
-            pool = row
-        cand_emb, cand_ids, cand_ok = target_emb[pool], target_ids[pool], has_next[pool]
+            pool = torch.arange(total, device=device)
+        cand_emb, cand_ids, cand_ok = target_emb[pool], target_ids[pool], target_ok[pool]
         num_drawn = pool.numel()
         uniform = 0
         if self.negatives is not None:
@@ -365,7 +427,7 @@ class GenerativeSeqArch(nn.Module):
             cand_ids = torch.cat([cand_ids, ids[self.negative_feature]])
             cand_ok = torch.cat([cand_ok, torch.ones(uniform, dtype=torch.bool, device=device)])
 
-        counts = torch.zeros(self.num_items, device=device).index_add_(0, target_ids, weight)  # next-event counts
+        counts = torch.zeros(self.num_items, device=device).index_add_(0, target_ids, target_ok.to(torch.float32))
         expected = counts * (num_drawn / max(total, 1)) + uniform / max(self.num_items - 1, 1)
         log_q = torch.log(expected.clamp_min(1e-12)) if self.logq_correction else torch.zeros_like(expected)
         positive = self._rows(h, target_emb) - log_q[target_ids]  # [T]
@@ -375,21 +437,19 @@ class GenerativeSeqArch(nn.Module):
         lse = torch.logsumexp(torch.cat([positive[:, None], logits], dim=1), dim=1)
         loss = lse - positive
         if self.label_smoothing:
-            seen = (~hidden).sum(1) + 1  # candidates per position, its next item included
+            seen = (~hidden).sum(1) + 1  # candidates per position, its target included
             mean_logit = (positive + logits.masked_fill(hidden, 0.0).sum(1)) / seen
             loss = (1 - self.label_smoothing) * loss + self.label_smoothing * (lse - mean_logit)
-        loss = (loss * weight).sum() / weight.sum().clamp_min(1.0)
-        if self.attr_head is None:
-            return loss
-        return loss + self.attribute_loss * self.next_attribute_loss(h, ids, nxt, has_next)
+        return (loss * weight).sum() / weight.sum().clamp_min(1.0)
 
-    def next_attribute_loss(
-        self, h: torch.Tensor, ids: dict[str, torch.Tensor], nxt: torch.Tensor, has_next: torch.Tensor
+    def target_attribute_loss(
+        self, h: torch.Tensor, ids: dict[str, torch.Tensor], target_rows: torch.Tensor, use: torch.Tensor
     ) -> torch.Tensor:
-        """Mean over positions whose next event has attributes of ``-mean_a log softmax(W H[t])[a]``
+        """Mean over positions ``t`` where ``use`` holds and whose target event ``target_rows[t]``
+        (the next one; a masked position's own) has attributes, of ``-mean_a log softmax(W H[t])[a]``
         over that event's attributes ``a`` (id 0: none)."""
-        targets = torch.stack([ids[f] for f in self.attr_slots[self.sequence]], dim=1)[nxt]  # [T, A]
-        present = (targets != 0) & has_next[:, None]
+        targets = torch.stack([ids[f] for f in self.attr_slots[self.sequence]], dim=1)[target_rows]  # [T, A]
+        present = (targets != 0) & use[:, None]
         log_p = F.log_softmax(self.attr_head(h).float(), dim=-1).gather(1, targets)  # [T, A]
         per_row = (log_p * present).sum(1) / present.sum(1).clamp_min(1)
         rows = present.any(1).to(torch.float32)
