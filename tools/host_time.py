@@ -2,7 +2,7 @@
 
 Builds the run the Hydra overrides describe (default ``experiment=gem_base_h200``) through the
 library API (``gem.build_data`` / ``build_model`` / ``build_optimizers``), trains ``--warmup``
-steps (compile, autotune), then times ``--steps`` more twice:
+steps with the trainer's ``TrainStep`` (compile, autotune), then times ``--steps`` more twice:
 
 * host: the wall time of issuing the steps, the device's queue drained before and not waited
   on during them; on a GPU the step's Python, dispatch and launch work, as long as the host
@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 import gem  # noqa: E402
 from benchmarks.scaling import environment  # noqa: E402
-from gem.train.step import autocast  # noqa: E402
+from gem.train.step import TrainStep  # noqa: E402
 
 
 def main() -> None:
@@ -54,19 +54,14 @@ def main() -> None:
     optimizers = gem.build_optimizers(model, data, total_steps=steps_needed)
     device = data.device
     dtype = getattr(torch, data.config.trainer.autocast) if data.config.trainer.autocast else None
+    train_step = TrainStep(model, data.loss, optimizers, device, pipelined=False, autocast=dtype)  # the trainer's
     batches = iter(data.loader("train"))
 
     def step() -> None:
         try:
-            batch = next(batches)
+            train_step(batches)
         except StopIteration:
             sys.exit(f"the train split ends before {steps_needed} steps: set data.num_examples.train higher")
-        batch = batch.to(device, non_blocking=True)
-        optimizers.zero_grad()
-        with autocast(device, dtype):
-            loss, _ = data.loss(model(batch), batch)
-        loss.backward()
-        optimizers.step()
 
     def synchronize() -> None:
         if device.type == "cuda":
