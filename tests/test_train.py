@@ -135,12 +135,12 @@ def test_trainer_on_cuda(cache_dir, tmp_path, sparse):
         dist.destroy_process_group()
 
 
-def test_regional_compile_trains_like_eager(cache_dir, tmp_path):
-    """parallelism.compile=true (torch.compile per GEM block; Inductor, here on CPU) gives the
-    eager run's losses."""
+def test_compile_trains_like_eager(cache_dir, tmp_path):
+    """parallelism.compile=true (Inductor, here on CPU) gives the eager run's losses, both per GEM
+    block (compile_scope=blocks) and with the whole dense arch as one graph (dense_arch)."""
     runs = {}
-    for compiled in ("false", "true"):
-        run_dir = tmp_path / compiled
+    for compiled, scope in (("false", "blocks"), ("true", "blocks"), ("true", "dense_arch")):
+        run_dir = tmp_path / f"{compiled}-{scope}"
         train(
             _cfg(
                 cache_dir,
@@ -149,13 +149,15 @@ def test_regional_compile_trains_like_eager(cache_dir, tmp_path):
                 "trainer.max_steps=3",
                 "trainer.log_every=1",
                 f"parallelism.compile={compiled}",
+                f"parallelism.compile_scope={scope}",
             )
         )
-        runs[compiled] = _losses(run_dir)[0]
+        runs[compiled, scope] = _losses(run_dir)[0]
         entry = json.loads((run_dir / "startup.json").read_text()).get("first step compile")
         assert (entry is not None and entry["frames"] >= 1 and entry["backend"] > 0) == (compiled == "true"), entry
-    assert len(runs["true"]) == 3
-    assert runs["true"] == pytest.approx(runs["false"], rel=1e-4), runs
+    assert len(runs["true", "dense_arch"]) == 3
+    for scope in ("blocks", "dense_arch"):
+        assert runs["true", scope] == pytest.approx(runs["false", "blocks"], rel=1e-4), runs
 
 
 @pytest.mark.parametrize("model", ["model=dlrm", "model=gem_tiny"])

@@ -74,6 +74,7 @@ def parallelize_gem(
     reduce_dtype: torch.dtype = torch.float32,
     activation_checkpointing: bool = False,
     compile: bool = False,
+    compile_scope: str = "blocks",
     reshard_after_forward: bool = True,
     float8_min_features: int | None = None,
 ) -> nn.Module:
@@ -89,7 +90,11 @@ def parallelize_gem(
             (unsharded parameters are cast after the all-gather), reduce gradients in
             ``reduce_dtype``; the sharded parameters and the optimizer stay float32.
         activation_checkpointing: recompute each block's activations in backward.
-        compile: ``torch.compile`` each block (regional compilation: one small graph per block).
+        compile: ``torch.compile`` the dense arch, as ``compile_scope`` says.
+        compile_scope: ``"blocks"``, one graph per block (regional compilation: what FSDP2 and
+            activation checkpointing wrap), or ``"dense_arch"``, one graph for the whole dense
+            arch, which lets Inductor fuse across the blocks' boundaries and launches the step from
+            one wrapper (unsharded dense arch only: ``mesh`` None, no activation checkpointing).
         reshard_after_forward: free each block's gathered parameters after its forward and gather
             them again in backward (least memory); False keeps them gathered until the block's
             backward (one all-gather per block per step instead of two; ZeRO-2-like memory).
@@ -100,14 +105,24 @@ def parallelize_gem(
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dense = model.dense_arch
+    if compile_scope not in ("blocks", "dense_arch"):
+        raise ValueError(f"compile_scope={compile_scope!r} must be 'blocks' or 'dense_arch'")
+    whole = compile and compile_scope == "dense_arch"
+    if whole and (mesh is not None or activation_checkpointing):
+        raise ValueError(
+            "compile_scope='dense_arch' compiles the dense arch as one graph, but FSDP2 (a mesh) and "
+            "activation checkpointing wrap each block: use compile_scope='blocks' with them"
+        )
     if float8_min_features is not None:
         float8_projections(dense, float8_min_features)
     blocks = dense_blocks(dense)
     for block in blocks:
         if activation_checkpointing:
             checkpoint(block)
-        if compile:
+        if compile and not whole:
             block.compile()
+    if whole:
+        dense.compile()
     if mesh is None:
         return model
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)

@@ -171,7 +171,8 @@ class ParallelismConfig:
     param_dtype: str = "float32"  # FSDP2 compute dtype (bfloat16 on GPUs); parameters stay float32
     reduce_dtype: str = "float32"
     activation_checkpointing: bool = False
-    compile: bool = False  # torch.compile each dense block
+    compile: bool = False  # torch.compile the dense arch (compile_scope says how)
+    compile_scope: str = "blocks"  # blocks: one graph per dense block (FSDP2-ready) | dense_arch: one graph for the whole arch
     reshard_after_forward: bool = True  # False: keep gathered dense blocks from forward to backward
     float8: bool = False  # torchao float8 training of the dense arch's wide projections (docs/e2e.md)
     float8_min_features: int = 512  # float8: Linear layers with both widths >= this (and multiples of 16)
@@ -357,6 +358,7 @@ def validate(cfg: DictConfig | dict) -> Config:
             raise ConfigError(f"parallelism.{key}={getattr(p, key)} must be >= 1, or -1 to fill the world")
     _one_of("parallelism.param_dtype", p.param_dtype, ("float32", "bfloat16", "float16"))
     _one_of("parallelism.reduce_dtype", p.reduce_dtype, ("float32", "bfloat16"))
+    _one_of("parallelism.compile_scope", p.compile_scope, ("blocks", "dense_arch"))
     if p.float8 and importlib.util.find_spec("torchao") is None:
         raise ConfigError("parallelism.float8=true needs torchao; pip install torchao, or set parallelism.float8=false")
     _positive("parallelism.float8_min_features", p.float8_min_features)

@@ -204,6 +204,12 @@ def build_model(config: Config, schema: FeatureSchema, env: DistEnv, timer: Star
             f"parallelism.fully_shard=false with {env.world_size} ranks would leave the dense gradients "
             f"unsynchronized; for whole copies on every rank use parallelism=replicate"
         )
+    if p.compile and p.compile_scope == "dense_arch" and (use_fsdp or p.activation_checkpointing):
+        raise ConfigError(
+            "parallelism.compile_scope=dense_arch compiles the dense arch as one graph, but "
+            f"{'FSDP2' if use_fsdp else 'activation checkpointing'} wraps each block: "
+            "set parallelism.compile_scope=blocks"
+        )
     mesh = dims.build_mesh(env.device.type) if use_fsdp else None
     logger.info(
         "dense: %s%s%s",
@@ -218,6 +224,7 @@ def build_model(config: Config, schema: FeatureSchema, env: DistEnv, timer: Star
         reduce_dtype=dtype_from_name("parallelism.reduce_dtype", p.reduce_dtype),
         activation_checkpointing=p.activation_checkpointing,
         compile=p.compile,
+        compile_scope=p.compile_scope,
         reshard_after_forward=p.reshard_after_forward,
         float8_min_features=p.float8_min_features if p.float8 else None,
     )
