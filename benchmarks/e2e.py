@@ -146,8 +146,8 @@ VARIANTS = {
     # tools/fbgemm_gpu_parts.sh), with and without TrainPipelineSparseDist
     "fbgemm-nopipe": ["sparse=torchrec", "sparse.pipeline=false"],
     "fbgemm": ["sparse=torchrec", "sparse.pipeline=true"],
-    # the dense arch compiled block by block (the flagship compiles it as one graph)
-    "regional": ["parallelism.compile_scope=blocks"],
+    # the whole dense arch compiled as one graph (the flagship compiles it block by block)
+    "whole": ["parallelism.compile_scope=dense_arch"],
     # torchao float8 on the wide projections (parallelism.float8; the torchao wheel carried in .whl/)
     "float8": ["parallelism.float8=true"],
 }

@@ -1,4 +1,4 @@
-"""tools/host_time.py on the CPU: a tiny run's host and until-done time per step, in its JSON."""
+"""tools/host_time.py on the CPU: a tiny run's host and until-done time per step (one batch repeated), in its JSON."""
 
 import json
 import subprocess
@@ -17,6 +17,7 @@ def test_host_time_writes_both_timings(tmp_path):
             "--warmup=1",
             "--steps=2",
             "--cprofile",
+            "--repeat-batch",
             f"--out={out}",
             "--",
             "debug=tiny",
@@ -27,6 +28,6 @@ def test_host_time_writes_both_timings(tmp_path):
         timeout=300,
     )
     record = json.loads(out.read_text())
-    assert record["benchmark"] == "host_time" and record["steps"] == 2
+    assert record["benchmark"] == "host_time" and record["steps"] == 2 and record["repeat_batch"]
     assert 0 < record["host_ms_per_step"] <= record["until_done_ms_per_step"]
     assert record["hardware"].startswith("cpu")

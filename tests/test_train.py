@@ -158,6 +158,11 @@ def test_compile_trains_like_eager(cache_dir, tmp_path):
     assert len(runs["true", "dense_arch"]) == 3
     for scope in ("blocks", "dense_arch"):
         assert runs["true", scope] == pytest.approx(runs["false", "blocks"], rel=1e-4), runs
+    whole = ("parallelism.compile=true", "parallelism.compile_scope=dense_arch")
+    with pytest.raises(ConfigError, match="activation checkpointing wraps each block: set parallelism.compile_scope"):
+        train(_cfg(cache_dir, tmp_path / "ac", *whole, "parallelism.activation_checkpointing=true"))
+    with pytest.raises(ConfigError, match="parallelism.compile_scope='layers' is not one of"):
+        train(_cfg(cache_dir, tmp_path / "bad", "parallelism.compile_scope=layers"))
 
 
 @pytest.mark.parametrize("model", ["model=dlrm", "model=gem_tiny"])

@@ -12,8 +12,13 @@ steps with the trainer's ``TrainStep`` (compile, autotune), then times ``--steps
 
 A step whose host time is about its device time cannot get faster from faster kernels: the
 host is the wall. With ``--cprofile`` a third timing runs under cProfile and prints its top
-functions (the main thread's: the autograd engine's own threads are not profiled). Writes a JSON
-(``--out``) with both figures per step, the device, versions and commit.
+functions (the main thread's: the autograd engine's own threads are not profiled). On a GPU it
+also counts the caching allocator's cudaMalloc / cudaFree calls during the steps, and
+``--find-sync`` runs one step that stops at its first synchronizing CUDA call. ``--repeat-batch``
+trains on one batch throughout (shapes that never change), and ``--compile-arch MODE`` compiles
+the whole dense arch in a ``torch.compile`` mode (``reduce-overhead``: CUDA graphs), to measure
+what static shapes and graphs would give. Writes a JSON (``--out``) with both figures per step,
+the device, versions and commit.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import argparse
 import cProfile
 import datetime
 import io
+import itertools
 import json
 import pstats
 import sys
@@ -44,20 +50,45 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="steps per timing")
     parser.add_argument("--cprofile", action="store_true", help="also profile the steps with cProfile")
     parser.add_argument("--out", default=None, help="JSON to write (default: print only)")
+    parser.add_argument(
+        "--repeat-batch", action="store_true", help="train on the first batch again and again (static shapes)"
+    )
+    parser.add_argument(
+        "--compile-arch",
+        default=None,
+        metavar="MODE",
+        help="torch.compile the whole dense arch in this mode (default, reduce-overhead, ...) instead of "
+        "the blocks; needs parallelism.compile=false",
+    )
+    parser.add_argument(
+        "--find-sync",
+        action="store_true",
+        help="after the warm-up, run one step that raises at its first synchronizing CUDA call, with the "
+        "forward traceback of the autograd node that made it (torch.cuda.set_sync_debug_mode + anomaly mode)",
+    )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides (default: experiment=gem_base_h200)")
     args = parser.parse_args()
     overrides = args.overrides or ["experiment=gem_base_h200"]
     cfg = gem.compose(overrides)
+    if args.compile_arch and cfg.parallelism.compile:
+        sys.exit("--compile-arch compiles the dense arch itself: add parallelism.compile=false")
     steps_needed = args.warmup + args.steps * (3 if args.cprofile else 2)
     data = gem.build_data(cfg)
     model = gem.build_model(data)
     optimizers = gem.build_optimizers(model, data, total_steps=steps_needed)
     device = data.device
     dtype = getattr(torch, data.config.trainer.autocast) if data.config.trainer.autocast else None
+    if args.compile_arch:
+        model.dense_arch.compile(mode=args.compile_arch, fullgraph=True, dynamic=False)
+    graphs = args.compile_arch is not None and "reduce-overhead" in args.compile_arch
     train_step = TrainStep(model, data.loss, optimizers, device, pipelined=False, autocast=dtype)  # the trainer's
     batches = iter(data.loader("train"))
+    if args.repeat_batch:
+        batches = itertools.repeat(next(batches))
 
     def step() -> None:
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         try:
             train_step(batches)
         except StopIteration:
@@ -70,6 +101,19 @@ def main() -> None:
     for _ in range(args.warmup):
         step()
     synchronize()
+    if args.find_sync and device.type == "cuda":
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.autograd.detect_anomaly(check_nan=False):
+                step()
+            print("find-sync: the step made no synchronizing CUDA call")
+        except RuntimeError as e:
+            print(f"find-sync: {e}")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        synchronize()
+    allocator = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+    before = torch.cuda.memory_stats(device) if device.type == "cuda" else {}
     start = time.perf_counter()
     for _ in range(args.steps):
         step()
@@ -80,6 +124,10 @@ def main() -> None:
         "host_ms_per_step": 1e3 * (issued - start) / args.steps,
         "until_done_ms_per_step": 1e3 * (done - start) / args.steps,
     }
+    if device.type == "cuda":  # cudaMalloc / cudaFree calls (a cudaFree waits for the device) during the steps
+        after = torch.cuda.memory_stats(device)
+        result["allocator_calls"] = {k: after.get(k, 0) - before.get(k, 0) for k in allocator}
+        print(f"caching allocator during the steps: {result['allocator_calls']}")
     print(
         f"{args.steps} steps: host {result['host_ms_per_step']:.1f} ms a step, "
         f"until done {result['until_done_ms_per_step']:.1f} ms"
@@ -102,6 +150,8 @@ def main() -> None:
             "date": datetime.datetime.now(datetime.UTC).isoformat(),
             **environment(),
             "overrides": overrides,
+            "repeat_batch": args.repeat_batch,
+            "compile_arch": args.compile_arch,
             "warmup": args.warmup,
             "steps": args.steps,
             **result,

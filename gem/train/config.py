@@ -172,7 +172,7 @@ class ParallelismConfig:
     reduce_dtype: str = "float32"
     activation_checkpointing: bool = False
     compile: bool = False  # torch.compile the dense arch (compile_scope says how)
-    compile_scope: str = "blocks"  # blocks: one graph per dense block (FSDP2-ready) | dense_arch: one graph for the whole arch
+    compile_scope: str = "blocks"  # blocks: a graph per dense block (FSDP2-ready) | dense_arch: one for the whole arch
     reshard_after_forward: bool = True  # False: keep gathered dense blocks from forward to backward
     float8: bool = False  # torchao float8 training of the dense arch's wide projections (docs/e2e.md)
     float8_min_features: int = 512  # float8: Linear layers with both widths >= this (and multiples of 16)
