@@ -155,6 +155,8 @@ def test_compile_trains_like_eager(cache_dir, tmp_path):
         runs[compiled, scope] = _losses(run_dir)[0]
         entry = json.loads((run_dir / "startup.json").read_text()).get("first step compile")
         assert (entry is not None and entry["frames"] >= 1 and entry["backend"] > 0) == (compiled == "true"), entry
+        if compiled == "true":  # gem_tiny's blocks are several frames; the whole arch is one, no graph break
+            assert (entry["frames"] == 1) == (scope == "dense_arch"), (scope, entry)
     assert len(runs["true", "dense_arch"]) == 3
     for scope in ("blocks", "dense_arch"):
         assert runs["true", scope] == pytest.approx(runs["false", "blocks"], rel=1e-4), runs
