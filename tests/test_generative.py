@@ -137,7 +137,11 @@ def test_item_attributes_score_an_item_alike_in_training_and_ranking(tmp_path):
     """model.item_attributes: an item is its id row plus attr_proj(sum of its attribute rows), the
     same whether it is a negative in training (per-slot features, id 0 for a missing attribute) or
     a ranking row's candidate (the attribute bag)."""
-    out = _with_attributes(tmp_path)
+    _write_s3rec(tmp_path)
+    attrs = {str(i): [1 + i % 5] if i % 2 else [1 + i % 5, 6 + i % 3] for i in range(1, NUM_ITEMS + 1)}
+    (tmp_path / "Tiny_item2attributes.json").write_text(json.dumps(attrs))  # odd items: one attribute
+    out = tmp_path / "out"
+    write_seqrec(read_s3rec(tmp_path, "Tiny"), out, dataclasses.replace(OPTIONS, max_attrs=2))
     schema, train_batch = _batch(out, batch_size=30)
     assert schema.group("neg").feature_names == ["neg_item", "neg_attr0", "neg_attr1"]
     model = _model(schema, item_attributes=True).eval()
@@ -161,34 +165,6 @@ def test_item_attributes_score_an_item_alike_in_training_and_ranking(tmp_path):
     loss = model.train()(train_batch)
     loss.sum().backward()
     assert arch.attr_proj.weight.grad.abs().sum() > 0
-
-
-def _with_attributes(tmp_path):
-    """The tiny set with one or two attributes per item (odd items: one), converted with an
-    attribute bag as large as an event's."""
-    _write_s3rec(tmp_path)
-    attrs = {str(i): [1 + i % 5] if i % 2 else [1 + i % 5, 6 + i % 3] for i in range(1, NUM_ITEMS + 1)}
-    (tmp_path / "Tiny_item2attributes.json").write_text(json.dumps(attrs))
-    out = tmp_path / "out"
-    write_seqrec(read_s3rec(tmp_path, "Tiny"), out, dataclasses.replace(OPTIONS, max_attrs=2))
-    return out
-
-
-def test_item_id_dropout_scores_some_items_by_their_attributes_alone_in_training(tmp_path):
-    """model.item_id_dropout: in training each scored item is, with that chance, attr_proj of its
-    attributes alone (its id row left out); in evaluation every item keeps both parts."""
-    schema, batch = _batch(_with_attributes(tmp_path), batch_size=30)
-    model = _model(schema, item_attributes=True, item_id_dropout=0.5)
-    arch = model.dense_arch
-    values = model.sparse_arch(batch.sparse, batch.sequences, batch.max_seq_len).sequences["neg"].values.detach()
-    ids = {f: jt.values() for f, jt in batch.sequences.to_dict().items()}
-    full = arch.eval().item_rows(values, ids, "neg")
-    attributes_alone = full - values[:, : arch.item_dim]
-    torch.manual_seed(0)
-    scored = arch.train().item_rows(values, ids, "neg")
-    alone = torch.isclose(scored, attributes_alone).all(1)
-    assert (alone ^ torch.isclose(scored, full).all(1)).all(), "each row is one or the other"
-    assert 0.2 < alone.float().mean() < 0.8, alone.float().mean()
 
 
 def test_the_attribute_loss_equals_a_loop_over_positions(tmp_path):
@@ -507,8 +483,6 @@ def test_generative_arch_names_what_it_needs(generative_data):
         _model(schema, label_smoothing=1.0)
     with pytest.raises(ValueError, match=r"attribute_loss=0.1 must be >= 0 and needs .* model.item_attributes=true"):
         _model(schema, attribute_loss=0.1)
-    with pytest.raises(ValueError, match=r"item_id_dropout=0.3 must be in \[0, 1\) and needs .*attributes=true"):
-        _model(schema, item_id_dropout=0.3)
     with pytest.raises(ValueError, match=r"model.ffn=-1 must be >= 0"):
         _model(schema, ffn=-1)
     with pytest.raises(ValueError, match=r"model.residual_dropout=1.0 in \[0, 1\)"):

@@ -142,11 +142,6 @@ class GenerativeSeqArch(nn.Module):
     residual_dropout: on the output of each attention and shared FFN before its residual add.
     label_smoothing: ``eps``: the next-event loss is ``(1 - eps)`` times its cross-entropy plus
         ``eps`` times the cross-entropy against a uniform target over the position's candidates.
-    item_id_dropout: in training, the chance that a scored item (a next event, a negative) is scored
-        by its attributes alone, its id row left out (DropoutNet's remedy for cold items): the
-        attribute map then learns to score items whose id rows training rarely reaches, as the
-        targets of later events often are. Needs ``item_attributes``; evaluation scores every
-        item by both.
     attribute_loss: weight of an auxiliary loss (0: none): each position also predicts the next
         event's attributes, a softmax over the attribute vocabulary (its own output layer) averaged
         over the attributes the event carries. Needs ``item_attributes``.
@@ -189,7 +184,6 @@ class GenerativeSeqArch(nn.Module):
         dropout: float = 0.0,
         residual_dropout: float = 0.0,
         label_smoothing: float = 0.0,
-        item_id_dropout: float = 0.0,
         attribute_loss: float = 0.0,
         attention_backend: str | None = None,
         objective: str = "next_event",
@@ -283,12 +277,6 @@ class GenerativeSeqArch(nn.Module):
         self.attr_proj = (
             nn.Linear(feature_dims[candidate_features[1]], self.item_dim, bias=False) if self.attr_slots else None
         )
-        if not 0 <= item_id_dropout < 1 or (item_id_dropout and not self.attr_slots):
-            raise ValueError(
-                f"model.item_id_dropout={item_id_dropout!r} must be in [0, 1) and needs the items' attributes: "
-                "set model.item_attributes=true (and data.seqrec.event_attrs >= 1), or model.item_id_dropout=0"
-            )
-        self.item_id_dropout = item_id_dropout
         if attribute_loss < 0 or (attribute_loss and not self.attr_slots):
             raise ValueError(
                 f"model.attribute_loss={attribute_loss!r} must be >= 0 and needs the events' attributes: "
@@ -470,15 +458,12 @@ class GenerativeSeqArch(nn.Module):
     def item_rows(self, values: torch.Tensor, ids: dict[str, torch.Tensor], group: str) -> torch.Tensor:
         """``[T, D_item]``: the item of each event of ``group`` as it is scored: its id embedding (the
         group's first columns), plus ``attr_proj`` of its attribute embeddings summed where an
-        attribute is present (id 0 marks a missing one, which the candidate's bag leaves out). In
-        training, ``item_id_dropout`` of the rows keep their attributes' part alone."""
+        attribute is present (id 0 marks a missing one, which the candidate's bag leaves out)."""
         items = values[:, : self.item_dim]
         if self.attr_proj is None:
             return items
         attrs = values[:, self.item_dim :].unflatten(1, (len(self.attr_slots[group]), -1))  # [T, A, D_attr]
         present = torch.stack([ids[f] != 0 for f in self.attr_slots[group]], dim=1).unsqueeze(-1)
-        if self.training and self.item_id_dropout:
-            items = items * (torch.rand(items.shape[0], 1, device=items.device) >= self.item_id_dropout)
         return items + self.attr_proj((attrs * present).sum(1))
 
     def _rows(self, queries: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
