@@ -11,7 +11,8 @@ true jagged lengths, also for the padded runs: no credit for padding), and the p
 ``startup.json`` gives the time to first step by phase; ``trainer.profile`` records six steps after
 the warm-up and gives the device time by kind (windows holding a profiled step are left out).
 ``fbgemm-<block>`` / ``fbgemm-nopipe-<block>`` shard the tables on FBGEMM's CUDA kernels
-(``sparse=torchrec``) with and without TorchRec's pipeline. ``cold-<block>`` and ``warm-<block>``
+(``sparse=torchrec``) with and without TorchRec's pipeline; ``whole-<block>`` compiles the whole
+dense arch as one graph (``parallelism.compile_scope=dense_arch``). ``cold-<block>`` and ``warm-<block>``
 run a block for a few steps, on a machine without and then with the caches (data, Inductor,
 Triton), for the time to first step.
 
