@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from gem.data.format.dataset import split_files
 from gem.data.pipeline.loader import build_loader
@@ -135,12 +136,17 @@ def test_trainer_on_cuda(cache_dir, tmp_path, sparse):
         dist.destroy_process_group()
 
 
-def test_compile_trains_like_eager(cache_dir, tmp_path):
-    """parallelism.compile=true (Inductor, here on CPU) gives the eager run's losses, both per GEM
-    block (compile_scope=blocks) and with the whole dense arch as one graph (dense_arch)."""
+def test_compile_trains_like_eager(cache_dir, tmp_path, monkeypatch):
+    """parallelism.compile=true gives the eager run's losses, both per GEM block (compile_scope=blocks,
+    Inductor, here on CPU) and with the whole dense arch as one graph (dense_arch). The whole arch
+    is captured by Dynamo and AOTAutograd here but not lowered by Inductor, whose C++ build of one
+    graph that size takes minutes on a cold CPU cache (it ran on the H200: docs/e2e.md)."""
+    compile_module = nn.Module.compile
     runs = {}
     for compiled, scope in (("false", "blocks"), ("true", "blocks"), ("true", "dense_arch")):
         run_dir = tmp_path / f"{compiled}-{scope}"
+        if scope == "dense_arch":
+            monkeypatch.setattr(nn.Module, "compile", lambda m, **kw: compile_module(m, backend="aot_eager", **kw))
         train(
             _cfg(
                 cache_dir,
