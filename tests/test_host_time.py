@@ -30,4 +30,5 @@ def test_host_time_writes_both_timings(tmp_path):
     record = json.loads(out.read_text())
     assert record["benchmark"] == "host_time" and record["steps"] == 2 and record["repeat_batch"]
     assert 0 < record["host_ms_per_step"] <= record["until_done_ms_per_step"]
+    assert 0 <= record["data_wait_ms_per_step"] < record["host_ms_per_step"]
     assert record["hardware"].startswith("cpu")

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 import gem  # noqa: E402
 from benchmarks.scaling import environment  # noqa: E402
-from gem.train.step import TrainStep  # noqa: E402
+from gem.train.step import TimedIterator, TrainStep  # noqa: E402
 
 
 def main() -> None:
@@ -85,6 +85,7 @@ def main() -> None:
     batches = iter(data.loader("train"))
     if args.repeat_batch:
         batches = itertools.repeat(next(batches))
+    batches = TimedIterator(batches)  # the time spent waiting for the loader
 
     def step() -> None:
         if graphs:
@@ -114,6 +115,7 @@ def main() -> None:
         synchronize()
     allocator = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
     before = torch.cuda.memory_stats(device) if device.type == "cuda" else {}
+    waited = batches.waited
     start = time.perf_counter()
     for _ in range(args.steps):
         step()
@@ -123,6 +125,7 @@ def main() -> None:
     result = {
         "host_ms_per_step": 1e3 * (issued - start) / args.steps,
         "until_done_ms_per_step": 1e3 * (done - start) / args.steps,
+        "data_wait_ms_per_step": 1e3 * (batches.waited - waited) / args.steps,
     }
     if device.type == "cuda":  # cudaMalloc / cudaFree calls (a cudaFree waits for the device) during the steps
         after = torch.cuda.memory_stats(device)
@@ -130,7 +133,8 @@ def main() -> None:
         print(f"caching allocator during the steps: {result['allocator_calls']}")
     print(
         f"{args.steps} steps: host {result['host_ms_per_step']:.1f} ms a step, "
-        f"until done {result['until_done_ms_per_step']:.1f} ms"
+        f"until done {result['until_done_ms_per_step']:.1f} ms, waiting for the loader "
+        f"{result['data_wait_ms_per_step']:.1f} ms"
     )
     if args.cprofile:
         profiler = cProfile.Profile()
