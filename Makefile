@@ -1,11 +1,13 @@
 # Two entry points that work on a fresh machine with Python 3.11:
 #   make train [ARGS="key=value ..."]   train the embedded default (or any Hydra overrides)
-#   make test  [PYTEST_ARGS="..."]      the CPU test tier (GPU tests skip without CUDA)
+#   make test  [PYTEST_ARGS="..."]      the CPU test tier (GPU tests skip without CUDA), in PYTEST_JOBS
+#                                       pytest-xdist workers (default 2; 0 runs in this process)
 #   make lint                           ruff check and ruff format --check (pyproject.toml; CI runs it)
 PYTHON ?= python3
 VENV := .venv
 TORCHREC := torchrec==1.8.0
 STAMP := $(VENV)/.installed
+PYTEST_JOBS ?= 2
 
 .PHONY: train test lint install clean-cache
 
@@ -23,7 +25,7 @@ train: $(STAMP)
 	$(VENV)/bin/python -m gem.train $(ARGS)
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -n $(PYTEST_JOBS) --dist loadfile $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
