@@ -133,15 +133,24 @@ def test_sampled_softmax_equals_a_loop_over_positions(generative_data, in_batch,
     assert loss.item() == pytest.approx(sum(expected) / len(expected), rel=1e-4)
 
 
+def _with_attributes(tmp_path, without=()):
+    """The tiny set with one or two attributes per item (odd items: one; the items in ``without``:
+    none), converted with an attribute bag as large as an event's."""
+    _write_s3rec(tmp_path)
+    attrs = {str(i): [1 + i % 5] if i % 2 else [1 + i % 5, 6 + i % 3] for i in range(1, NUM_ITEMS + 1)}
+    for item in without:
+        attrs.pop(item)
+    (tmp_path / "Tiny_item2attributes.json").write_text(json.dumps(attrs))
+    out = tmp_path / "out"
+    write_seqrec(read_s3rec(tmp_path, "Tiny"), out, dataclasses.replace(OPTIONS, max_attrs=2))
+    return out
+
+
 def test_item_attributes_score_an_item_alike_in_training_and_ranking(tmp_path):
     """model.item_attributes: an item is its id row plus attr_proj(sum of its attribute rows), the
     same whether it is a negative in training (per-slot features, id 0 for a missing attribute) or
     a ranking row's candidate (the attribute bag)."""
-    _write_s3rec(tmp_path)
-    attrs = {str(i): [1 + i % 5] if i % 2 else [1 + i % 5, 6 + i % 3] for i in range(1, NUM_ITEMS + 1)}
-    (tmp_path / "Tiny_item2attributes.json").write_text(json.dumps(attrs))  # odd items: one attribute
-    out = tmp_path / "out"
-    write_seqrec(read_s3rec(tmp_path, "Tiny"), out, dataclasses.replace(OPTIONS, max_attrs=2))
+    out = _with_attributes(tmp_path)
     schema, train_batch = _batch(out, batch_size=30)
     assert schema.group("neg").feature_names == ["neg_item", "neg_attr0", "neg_attr1"]
     model = _model(schema, item_attributes=True).eval()
@@ -168,12 +177,7 @@ def test_item_attributes_score_an_item_alike_in_training_and_ranking(tmp_path):
 
 
 def test_the_attribute_loss_equals_a_loop_over_positions(tmp_path):
-    _write_s3rec(tmp_path)
-    attrs = {str(i): [1 + i % 5] if i % 2 else [1 + i % 5, 6 + i % 3] for i in range(1, NUM_ITEMS + 1)}
-    attrs.pop("4")  # an item without attributes: its positions are left out
-    (tmp_path / "Tiny_item2attributes.json").write_text(json.dumps(attrs))
-    out = tmp_path / "out"
-    write_seqrec(read_s3rec(tmp_path, "Tiny"), out, dataclasses.replace(OPTIONS, max_attrs=2))
+    out = _with_attributes(tmp_path, without=("4",))  # an item without attributes: its positions are left out
     schema, batch = _batch(out, batch_size=30)
     base = _model(schema, item_attributes=True)
     model = _model(schema, item_attributes=True, attribute_loss=0.5)  # the same weights, and an attribute head
