@@ -98,6 +98,29 @@ def test_an_eager_first_step_has_no_compile_entry():
     assert "compile" not in startup.format_summary(timer.summary())
 
 
+@pytest.mark.parametrize("compile", [True, False])
+def test_the_compile_workers_start_before_the_data_and_model_build(monkeypatch, tmp_path, compile):
+    """With parallelism.compile, Inductor's worker pool starts first, so that its workers boot while
+    the data and the model are built instead of inside the first step; without it, never."""
+    from gem.train import trainer
+
+    calls = []
+
+    class Stop(Exception):
+        pass
+
+    def build_source(*args, **kwargs):
+        calls.append("data")
+        raise Stop
+
+    monkeypatch.setattr(trainer, "start_compile_workers", lambda: calls.append("workers"))
+    monkeypatch.setattr(trainer, "build_source", build_source)
+    overrides = ["debug=tiny", f"trainer.run_dir={tmp_path}", f"parallelism.compile={str(compile).lower()}"]
+    with pytest.raises(Stop):
+        trainer.train(compose(overrides))
+    assert calls == (["workers", "data"] if compile else ["data"])
+
+
 # ------------------------------------------------------------------------------------- loggers
 
 import json  # noqa: E402

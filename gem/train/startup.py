@@ -111,6 +111,16 @@ def compile_breakdown(before: dict[str, float], after: dict[str, float]) -> dict
     }
 
 
+def start_compile_workers() -> None:
+    """Start Inductor's pool of compile worker processes now (what its backend does when it first
+    compiles), so that the workers start up during the data and model build instead of inside the
+    first step, whose kernels they compile or, with warm caches, load. ``TORCH_WARM_POOL=0`` or
+    ``TORCHINDUCTOR_COMPILE_THREADS=1`` turn the pool off, as for torch.compile itself."""
+    from torch._inductor.async_compile import maybe_warm_pool
+
+    maybe_warm_pool()
+
+
 # -- CPU threads ---------------------------------------------------------------------------------
 
 

@@ -44,6 +44,7 @@ from gem.train.startup import (
     compile_counters,
     configure_threads,
     format_summary,
+    start_compile_workers,
 )
 from gem.train.step import OptimizerSet, TimedIterator, TrainStep, autocast
 
@@ -412,6 +413,8 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
     timer = StartupTimer()
     config = validate(cfg)
     t = config.trainer
+    if config.parallelism.compile:
+        start_compile_workers()
     with timer.phase("process group"):
         env = init_distributed(
             t.device,
