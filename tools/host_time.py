@@ -78,8 +78,8 @@ def main() -> None:
     optimizers = gem.build_optimizers(model, data, total_steps=steps_needed)
     device = data.device
     dtype = getattr(torch, data.config.trainer.autocast) if data.config.trainer.autocast else None
-    if args.compile_arch:
-        model.dense_arch.compile(mode=args.compile_arch, fullgraph=True, dynamic=False)
+    if args.compile_arch:  # static shapes for one repeated batch; real batches: dynamic after a first recompile
+        model.dense_arch.compile(mode=args.compile_arch, fullgraph=True, dynamic=False if args.repeat_batch else None)
     graphs = args.compile_arch is not None and "reduce-overhead" in args.compile_arch
     train_step = TrainStep(model, data.loss, optimizers, device, pipelined=False, autocast=dtype)  # the trainer's
     batches = iter(data.loader("train"))
