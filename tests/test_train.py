@@ -213,6 +213,25 @@ def test_profile_writes_a_trace_and_a_breakdown(cache_dir, tmp_path):
     assert result["top"][0]["ms_per_step"] >= result["top"][-1]["ms_per_step"]
 
 
+def test_profile_drains_the_gpu_queue_as_recording_starts_and_ends(monkeypatch, tmp_path):
+    """On a GPU the host runs ahead: kernels still queued from the step before the recording would
+    be booked to the recorded steps, so the profiler synchronizes before the first recorded step and
+    after the last one (steps 4-5 here: after loop iterations 2 and 4)."""
+    from gem.train.config import ProfileConfig
+    from gem.train.profile import StepProfiler
+
+    synced, finished = [], []  # the loop iterations that synchronized; the iterations done
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: synced.append(len(finished)))
+    profiler = StepProfiler(ProfileConfig(start=4, steps=2), tmp_path, 0, first_step=0, on_cuda=True)
+    for _ in range(7):
+        torch.ones(8).sum()
+        profiler.step()
+        finished.append(True)
+    profiler.close()
+    assert synced == [2, 4]
+    assert json.loads((tmp_path / "breakdown_rank0.json").read_text())["recorded_steps"] == [4, 5]
+
+
 @pytest.mark.parametrize(
     "name, kind",
     [

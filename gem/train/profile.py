@@ -193,7 +193,7 @@ class StepProfiler:
         begin = cfg.start - 1 - first_step  # loop iterations before the first recorded step
         self.enabled = cfg.start > 0 and begin >= 0
         self._prof = None
-        self._last = begin + cfg.steps - 1  # the loop iteration that ends the recording
+        self._drain = {begin - 1, begin + cfg.steps - 1}  # the iterations before recording starts and as it ends
         self._iteration = 0
         if cfg.start > 0 and begin < 0:
             logger.warning(
@@ -213,8 +213,10 @@ class StepProfiler:
     def step(self) -> None:
         if self._prof is None:
             return
-        if self.on_cuda and self._iteration == self._last:
-            torch.cuda.synchronize()  # the recorded steps' kernels end inside the recording
+        if self.on_cuda and self._iteration in self._drain:
+            # the GPU's queue drained as recording starts and ends: the recording holds the recorded
+            # steps' kernels only, none still queued from the step before it
+            torch.cuda.synchronize()
         self._iteration += 1
         self._prof.step()
 
