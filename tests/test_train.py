@@ -140,7 +140,13 @@ def test_compile_trains_like_eager(cache_dir, tmp_path, monkeypatch):
     """parallelism.compile=true gives the eager run's losses, both per GEM block (compile_scope=blocks,
     Inductor, here on CPU) and with the whole dense arch as one graph (dense_arch). The whole arch
     is captured by Dynamo and AOTAutograd here but not lowered by Inductor, whose C++ build of one
-    graph that size takes minutes on a cold CPU cache (it ran on the H200: docs/e2e.md)."""
+    graph that size takes minutes on a cold CPU cache (it ran on the H200: docs/e2e.md).
+
+    To keep CI's cold compile short, Inductor writes scalar C++ loops here (no SIMD intrinsics to
+    build) and the model has one interaction (dot): 170 s instead of 220-260 s on 2 cores."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", False)
     compile_module = nn.Module.compile
     runs = {}
     for compiled, scope in (("false", "blocks"), ("true", "blocks"), ("true", "dense_arch")):
@@ -152,6 +158,7 @@ def test_compile_trains_like_eager(cache_dir, tmp_path, monkeypatch):
                 cache_dir,
                 run_dir,
                 "model=gem_tiny",
+                "model.interaction=[dot]",
                 "trainer.max_steps=3",
                 "trainer.log_every=1",
                 f"parallelism.compile={compiled}",
