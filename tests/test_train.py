@@ -143,7 +143,7 @@ def test_compile_trains_like_eager(cache_dir, tmp_path, monkeypatch):
     graph that size takes minutes on a cold CPU cache (it ran on the H200: docs/e2e.md).
 
     To keep CI's cold compile short, Inductor writes scalar C++ loops here (no SIMD intrinsics to
-    build) and the model has one interaction (dot): 170 s instead of 220-260 s on 2 cores."""
+    build) and the model has one interaction (dot); docs/training.md has the timings."""
     import torch._inductor.config as inductor_config
 
     monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", False)
