@@ -145,31 +145,37 @@ def test_compile_trains_like_eager(cache_dir, tmp_path, monkeypatch):
     To keep CI's cold compile short, Inductor writes scalar C++ loops here (no SIMD intrinsics to
     build) and the model has one interaction (dot); docs/training.md has the timings."""
     import torch._inductor.config as inductor_config
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", False)
+    isa = str(pick_vec_isa())
+    # simdlen=1 matches no ISA, so Inductor writes scalar loops. Not cpp.vec_isa_ok=False: Inductor
+    # caches its ISA checks once per process, and the worker's later compiles (their cache hits too)
+    # would lose the SIMD headers. And config.patch, not monkeypatch, whose undo deletes the key.
     compile_module = nn.Module.compile
     runs = {}
-    for compiled, scope in (("false", "blocks"), ("true", "blocks"), ("true", "dense_arch")):
-        run_dir = tmp_path / f"{compiled}-{scope}"
-        if scope == "dense_arch":
-            monkeypatch.setattr(nn.Module, "compile", lambda m, **kw: compile_module(m, backend="aot_eager", **kw))
-        train(
-            _cfg(
-                cache_dir,
-                run_dir,
-                "model=gem_tiny",
-                "model.interaction=[dot]",
-                "trainer.max_steps=3",
-                "trainer.log_every=1",
-                f"parallelism.compile={compiled}",
-                f"parallelism.compile_scope={scope}",
+    with inductor_config.patch({"cpp.simdlen": 1}):
+        for compiled, scope in (("false", "blocks"), ("true", "blocks"), ("true", "dense_arch")):
+            run_dir = tmp_path / f"{compiled}-{scope}"
+            if scope == "dense_arch":
+                monkeypatch.setattr(nn.Module, "compile", lambda m, **kw: compile_module(m, backend="aot_eager", **kw))
+            train(
+                _cfg(
+                    cache_dir,
+                    run_dir,
+                    "model=gem_tiny",
+                    "model.interaction=[dot]",
+                    "trainer.max_steps=3",
+                    "trainer.log_every=1",
+                    f"parallelism.compile={compiled}",
+                    f"parallelism.compile_scope={scope}",
+                )
             )
-        )
-        runs[compiled, scope] = _losses(run_dir)[0]
-        entry = json.loads((run_dir / "startup.json").read_text()).get("first step compile")
-        assert (entry is not None and entry["frames"] >= 1 and entry["backend"] > 0) == (compiled == "true"), entry
-        if compiled == "true":  # gem_tiny's blocks are several frames; the whole arch is one, no graph break
-            assert (entry["frames"] == 1) == (scope == "dense_arch"), (scope, entry)
+            runs[compiled, scope] = _losses(run_dir)[0]
+            entry = json.loads((run_dir / "startup.json").read_text()).get("first step compile")
+            assert (entry is not None and entry["frames"] >= 1 and entry["backend"] > 0) == (compiled == "true"), entry
+            if compiled == "true":  # gem_tiny's blocks are several frames; the whole arch is one, no graph break
+                assert (entry["frames"] == 1) == (scope == "dense_arch"), (scope, entry)
+    assert str(pick_vec_isa()) == isa  # the process's later compiles keep their SIMD
     assert len(runs["true", "dense_arch"]) == 3
     for scope in ("blocks", "dense_arch"):
         assert runs["true", scope] == pytest.approx(runs["false", "blocks"], rel=1e-4), runs
