@@ -55,6 +55,29 @@ def test_generative_rows_hold_each_users_training_events_and_unseen_negatives(ge
         assert all(r["neg_item"] == [] for r in _rows(out, split))
 
 
+def test_train_windows_make_every_training_event_a_target_once(tmp_path):
+    """Users of 1 to 9 training events, windows of 6: a window holds 2 to 6 events (1 where that is all)."""
+    sequences = _write_s3rec(tmp_path)
+    out, plain = tmp_path / "windows", tmp_path / "plain"
+    write_seqrec(read_s3rec(tmp_path, "Tiny"), out, dataclasses.replace(OPTIONS, train_windows=True))
+    write_seqrec(read_s3rec(tmp_path, "Tiny"), plain, OPTIONS)
+    rows = _rows(out, "train")
+    targets = {}  # user -> the events predicted (every event of a row but its first)
+    for r in rows:
+        seq = sequences[r["user_id"][0] - 1][:-2].tolist()
+        assert 2 <= len(r["hist_item"]) <= 6 or len(r["hist_item"]) == len(seq) == 1, r
+        start = next(i for i in range(len(seq)) if seq[i : i + len(r["hist_item"])] == r["hist_item"])
+        targets.setdefault(r["user_id"][0], []).extend(range(start + 1, start + len(r["hist_item"])))
+        assert not set(r["neg_item"]) & set(sequences[r["user_id"][0] - 1].tolist())
+    assert len(rows) > 30, "some users hold more than one window"
+    for user, predicted in targets.items():
+        assert sorted(predicted) == list(range(1, len(sequences[user - 1]) - 2)), user
+    for split in ("val", "test"):  # evaluation is untouched
+        assert _rows(out, split) == _rows(plain, split)
+    with pytest.raises(ValueError, match="train_windows needs objective=generative"):
+        SeqRecOptions.from_config({"train_windows": True})
+
+
 def _model(schema, block="interformer", **kwargs):
     torch.manual_seed(0)
     sparse = SparseArch.from_config(schema, 16, backend="native")

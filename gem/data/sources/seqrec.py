@@ -65,6 +65,9 @@ class SeqRecOptions:
             whole training sequence (the most recent ``max_len`` events; every event predicts the
             next) and ``num_negatives`` items it never touched in ``neg_item`` (gem.models.generative).
         max_len: history events kept (the most recent), as SASRec's 50.
+        train_windows: generative: a training sequence longer than ``max_len`` becomes several rows,
+            windows of ``max_len`` events that overlap by one, so that every training event is a
+            target once (false: only the most recent ``max_len`` events train, as SASRec).
         num_negatives: sampled negatives per training positive (generative: per user).
         event_attrs: attribute features per history event (``hist_attr0`` ...: the event's item's
             first attributes, 0 where it has fewer); 0: none.
@@ -78,6 +81,7 @@ class SeqRecOptions:
 
     objective: str = "pointwise"
     max_len: int = 50
+    train_windows: bool = False
     num_negatives: int = 4
     max_targets_per_user: int = 0
     num_eval_negatives: int = 99
@@ -96,6 +100,11 @@ class SeqRecOptions:
             raise ValueError(f"data.seqrec: {e}; known keys: {list(cls.__dataclass_fields__)}") from None
         if options.objective not in OBJECTIVES:
             raise ValueError(f"data.seqrec.objective={options.objective!r} is not one of {list(OBJECTIVES)}")
+        if options.train_windows and (options.objective != "generative" or options.max_len < 2):
+            raise ValueError(
+                "data.seqrec.train_windows needs objective=generative and max_len >= 2 "
+                f"(got {options.objective!r}, {options.max_len}); the pointwise rows already cover every target"
+            )
         if options.objective == "generative" and options.num_negatives < 1:
             raise ValueError("data.seqrec.num_negatives must be >= 1 for the generative objective")
         return options
@@ -379,15 +388,21 @@ def write_seqrec(data: SeqRecData, out_dir: str | Path, options: SeqRecOptions =
     # Training: targets t = 1 .. n-3 of each user (the most recent max_targets_per_user of them).
     rng = np.random.default_rng(o.seed)
     chunks = np.array_split(kept, max(1, -(-len(kept) // o.users_per_file)))
-    for f, chunk in enumerate(chunks if generative else ()):  # one row per user: its training events
-        ends = lengths[chunk] - 2
+    for f, chunk in enumerate(chunks if generative else ()):  # a row per user: its training events
+        users, ends = chunk, lengths[chunk] - 2
+        if o.train_windows:  # or per window of max_len events, max_len - 1 targets each, the latest first
+            step = max(1, o.max_len - 1)
+            windows = np.maximum(1, -(-(ends - 1) // step))
+            users = np.repeat(chunk, windows)
+            back = np.arange(windows.sum()) - np.repeat(np.cumsum(windows) - windows, windows)
+            ends = np.repeat(ends, windows) - step * back
         rows = table(
-            chunk,
+            users,
             ends,
-            flat[starts[chunk] + ends - 1],
-            np.ones(len(chunk)),
-            chunk + 1,
-            negatives=seen.sample(rng, chunk, o.num_negatives),
+            flat[starts[users] + ends - 1],
+            np.ones(len(users)),
+            users + 1,
+            negatives=seen.sample(rng, users, o.num_negatives),
         )
         write_parquet(rows, tmp / "train" / f"part-{f:05d}.parquet", schema)
         counts["train"] += rows.num_rows
