@@ -108,12 +108,19 @@ def _batch(out, split="train", batch_size=8):
 
 
 @pytest.mark.parametrize(
-    "in_batch, logq, smoothing", [(1000, True, 0.0), (5, True, 0.0), (1000, False, 0.0), (5, True, 0.2)]
+    "in_batch, logq, smoothing, bias",
+    [
+        (1000, True, 0.0, False),
+        (5, True, 0.0, False),
+        (1000, False, 0.0, False),
+        (5, True, 0.2, False),
+        (5, True, 0.0, True),
+    ],
 )
-def test_sampled_softmax_equals_a_loop_over_positions(generative_data, in_batch, logq, smoothing):
+def test_sampled_softmax_equals_a_loop_over_positions(generative_data, in_batch, logq, smoothing, bias):
     _, out = generative_data
     schema, batch = _batch(out)
-    model = _model(schema, in_batch_negatives=in_batch, logq_correction=logq, label_smoothing=smoothing)
+    model = _model(schema, in_batch_negatives=in_batch, logq_correction=logq, label_smoothing=smoothing, item_bias=bias)
     arch = model.dense_arch
     seed = torch.random.get_rng_state()
     loss = model(batch)  # training mode: the loss
@@ -145,7 +152,10 @@ def test_sampled_softmax_equals_a_loop_over_positions(generative_data, in_batch,
     def log_q(item):
         return math.log(count.get(item, 0) * len(pool) / total + negs.shape[0] / (num_items - 1)) if logq else 0.0
 
-    cos = lambda a, b: float(a @ b / (a.norm() * b.norm())) / 0.05  # noqa: E731
+    def cos(query, item):  # with item_bias, the item's last column is its bias logit
+        vector, prior = (item[:-1], float(item[-1])) if bias else (item, 0.0)
+        return float(query @ vector / (query.norm() * vector.norm())) / 0.05 + prior
+
     expected = []
     for r, t in rows:
         target = int(items[t])
@@ -197,6 +207,27 @@ def test_item_attributes_score_an_item_alike_in_training_and_ranking(tmp_path):
     loss = model.train()(train_batch)
     loss.sum().backward()
     assert arch.attr_proj.weight.grad.abs().sum() > 0
+
+
+def test_item_bias_adds_the_last_column_of_the_scored_item_in_ranking(tmp_path):
+    """model.item_bias: a ranking row's logit is the cosine of the state after its history with
+    the candidate's other columns, over the temperature, plus the candidate's last column (its id
+    row's and its attributes' map's, summed)."""
+    out = _with_attributes(tmp_path)
+    schema, batch = _batch(out, "test", batch_size=300)
+    model = _model(schema, item_attributes=True, item_bias=True).eval()
+    arch = model.dense_arch
+    assert arch.out.out_features == arch.item_dim - 1
+    with torch.no_grad():
+        arch.attr_proj.weight.normal_(std=10.0)  # a bias column far from zero
+        logits = model(batch).squeeze(1)
+        sparse = model.sparse_arch(batch.sparse, batch.sequences, batch.max_seq_len)
+        items = sparse.pooled["item_id"] + arch.attr_proj(sparse.pooled["item_attr"])
+        states = arch.last_states(sparse)
+    bias = items[:, -1]
+    assert bias.abs().max() > 1.0
+    cosine = torch.nn.functional.cosine_similarity(states, items[:, :-1], dim=1) / arch.temperature
+    torch.testing.assert_close(logits, cosine + bias)
 
 
 def test_the_attribute_loss_equals_a_loop_over_positions(tmp_path):

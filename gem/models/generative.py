@@ -131,6 +131,10 @@ class GenerativeSeqArch(nn.Module):
         attributes learned. Needs the bag to hold as many attributes as an event carries
         (``data.seqrec.max_attrs == data.seqrec.event_attrs``).
     similarity / temperature: ``cosine`` (scaled by ``1 / temperature``) or ``dot``.
+    item_bias: the last column of a scored item's row (its id row, plus ``attr_proj`` of its
+        attributes with ``item_attributes``) is the item's bias logit, added to the similarity of
+        the query with the other columns: a prior per item that a cosine score, bounded by
+        ``1 / temperature``, cannot carry. The queries are one column narrower.
     in_batch_negatives: at most this many of the batch's next events are each position's
         in-batch negatives (all of them when there are fewer).
     logq_correction: subtract each candidate's log expected count from its logit (an item drawn
@@ -177,6 +181,7 @@ class GenerativeSeqArch(nn.Module):
         item_attributes: bool = False,
         similarity: str = "cosine",
         temperature: float = 0.05,
+        item_bias: bool = False,
         in_batch_negatives: int = 4096,
         logq_correction: bool = True,
         pffn: bool = True,
@@ -237,6 +242,13 @@ class GenerativeSeqArch(nn.Module):
         self.sequence_ids = tuple(f for f in (self.item_feature, self.negative_feature, *slots) if f is not None)
         self.num_items = schema.cardinality(self.item_feature)
         self.item_dim = feature_dims[self.candidate]
+        if item_bias and self.item_dim < 2:
+            raise ValueError(
+                f"model.item_bias=true uses the last of the item table's columns as a bias: "
+                f"its width {self.item_dim} leaves none to score with; set sparse.embedding_dim >= 2"
+            )
+        self.item_bias = item_bias
+        query_dim = self.item_dim - 1 if item_bias else self.item_dim
         self.block, self.similarity, self.temperature = block, similarity, temperature
         self.in_batch_negatives, self.num_heads, self.head_dim = in_batch_negatives, num_heads, head_dim
         self.logq_correction = logq_correction
@@ -272,7 +284,7 @@ class GenerativeSeqArch(nn.Module):
         )
         self.mask_row = nn.Embedding(1, width) if self.masked else None  # a masked event's input row
         self.norm = nn.LayerNorm(width)
-        self.out = nn.Linear(width, self.item_dim)
+        self.out = nn.Linear(width, query_dim)
         self.dropout = nn.Dropout(dropout)
         self.attr_proj = (
             nn.Linear(feature_dims[candidate_features[1]], self.item_dim, bias=False) if self.attr_slots else None
@@ -284,7 +296,7 @@ class GenerativeSeqArch(nn.Module):
             )
         self.attribute_loss = attribute_loss
         self.attr_head = (
-            nn.Linear(self.item_dim, schema.cardinality(self.attr_slots[sequence][0])) if attribute_loss else None
+            nn.Linear(query_dim, schema.cardinality(self.attr_slots[sequence][0])) if attribute_loss else None
         )
 
     def init_weights(self) -> None:
@@ -308,10 +320,14 @@ class GenerativeSeqArch(nn.Module):
         return self.out(self.dropout(self.norm(x)))
 
     def score(self, queries: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
-        """``[Q, C]`` scores of query rows against item embeddings (cosine / temperature, or dot)."""
+        """``[Q, C]`` scores of query rows against item embeddings (cosine / temperature, or dot;
+        plus the items' bias column with ``item_bias``)."""
+        items, bias = self._split_bias(items)
         if self.similarity == "cosine":
-            return F.normalize(queries.float(), dim=-1) @ F.normalize(items.float(), dim=-1).T / self.temperature
-        return queries.float() @ items.float().T
+            scores = F.normalize(queries.float(), dim=-1) @ F.normalize(items.float(), dim=-1).T / self.temperature
+        else:
+            scores = queries.float() @ items.float().T
+        return scores if bias is None else scores + bias[None, :]
 
     def forward(
         self,
@@ -468,11 +484,20 @@ class GenerativeSeqArch(nn.Module):
 
     def _rows(self, queries: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
         """Row-wise scores ``[T]`` of ``queries[t]`` against ``items[t]``."""
+        items, bias = self._split_bias(items)
         if self.similarity == "cosine":
-            return (F.normalize(queries.float(), dim=-1) * F.normalize(items.float(), dim=-1)).sum(
+            scores = (F.normalize(queries.float(), dim=-1) * F.normalize(items.float(), dim=-1)).sum(
                 -1
             ) / self.temperature
-        return (queries.float() * items.float()).sum(-1)
+        else:
+            scores = (queries.float() * items.float()).sum(-1)
+        return scores if bias is None else scores + bias
+
+    def _split_bias(self, items: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Items' scored columns and, with ``item_bias``, their bias logits (the last column)."""
+        if not self.item_bias:
+            return items, None
+        return items[:, :-1], items[:, -1].float()
 
     def flops(
         self,
