@@ -11,10 +11,10 @@ true jagged lengths, also for the padded runs: no credit for padding), and the p
 ``startup.json`` gives the time to first step by phase; ``trainer.profile`` records six steps after
 the warm-up and gives the device time by kind (windows holding a profiled step are left out).
 ``fbgemm-<block>`` / ``fbgemm-nopipe-<block>`` shard the tables on FBGEMM's CUDA kernels
-(``sparse=torchrec``) with and without TorchRec's pipeline; ``whole-<block>`` compiles the whole
-dense arch as one graph (``parallelism.compile_scope=dense_arch``). ``cold-<block>`` and ``warm-<block>``
-run a block for a few steps, on a machine without and then with the caches (data, Inductor,
-Triton), for the time to first step.
+(``sparse=torchrec``) with and without TorchRec's pipeline; ``blocks-<block>`` compiles the dense
+arch a graph per block (``parallelism.compile_scope=blocks``; the flagship compiles it as one
+graph). ``cold-<block>`` and ``warm-<block>`` run a block for a few steps, on a machine without and
+then with the caches (data, Inductor, Triton), for the time to first step.
 
 **The padded baseline** (``padded-<block>``) is the model a user would write without gem's jagged
 kernels: :class:`PaddedGEMDenseArch` pads every history to the batch's ``max_len`` (right-padded),
@@ -142,13 +142,14 @@ class PaddedGEMDenseArch(GEMDenseArch):
 
 # Run-name prefixes: <prefix>-<block> adds these overrides (longest prefix first).
 VARIANTS = {
-    "padded": ["model._target_=benchmarks.e2e.PaddedGEMDenseArch"],
+    # compiled block by block, as its figures in docs/e2e.md were measured
+    "padded": ["model._target_=benchmarks.e2e.PaddedGEMDenseArch", "parallelism.compile_scope=blocks"],
     # TorchRec-sharded tables on FBGEMM's fused CUDA kernels (needs the CUDA fbgemm-gpu build,
     # tools/fbgemm_gpu_parts.sh), with and without TrainPipelineSparseDist
     "fbgemm-nopipe": ["sparse=torchrec", "sparse.pipeline=false"],
     "fbgemm": ["sparse=torchrec", "sparse.pipeline=true"],
-    # the whole dense arch compiled as one graph (the flagship compiles it block by block)
-    "whole": ["parallelism.compile_scope=dense_arch"],
+    # a graph per block (the flagship compiles the whole dense arch as one graph)
+    "blocks": ["parallelism.compile_scope=blocks"],
     # torchao float8 on the wide projections (parallelism.float8; the torchao wheel carried in .whl/)
     "float8": ["parallelism.float8=true"],
 }

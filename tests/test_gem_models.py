@@ -412,12 +412,14 @@ def test_gem_tiny_trains_on_cuda(tmp_path, block, autocast):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("scope", ["blocks", "dense_arch"])
 @pytest.mark.parametrize("block", BLOCKS)
-def test_gem_tiny_compiled_trains_and_evaluates_on_cuda(tmp_path, block):
+def test_gem_tiny_compiled_trains_and_evaluates_on_cuda(tmp_path, block, scope):
     """parallelism.compile=true with the Triton kernels through training and the final, compiled
     evaluation, whose batches (256, and a last one of 88) are not the training batch (64): Dynamo
-    recompiles the blocks with a dynamic batch size there (gem_base's evaluation once failed in
-    Inductor at that point, tests/kernels/compile_mutations.py)."""
+    recompiles with a dynamic batch size there (gem_base's evaluation once failed in Inductor at
+    that point, tests/kernels/compile_mutations.py); a graph per block and the whole arch as one
+    (the flagship's)."""
     result = train(
         compose(
             [
@@ -428,6 +430,7 @@ def test_gem_tiny_compiled_trains_and_evaluates_on_cuda(tmp_path, block):
                 "trainer.device=cuda",
                 "trainer.autocast=bfloat16",
                 "parallelism.compile=true",
+                f"parallelism.compile_scope={scope}",
                 f"trainer.run_dir={tmp_path}",
                 f"data.cache_dir={tmp_path}",
             ]
