@@ -218,20 +218,23 @@ def collect(name: str, run_dir: Path, warmup: int) -> dict:
 
 
 def plot_losses(files: list[str], out: str) -> None:
-    """The training loss per logged window of every run in ``files``, one panel per block: result
-    files of this script, or A/B files whose ``runs`` map a label to one (e2e-h200-pffn-ab.json)."""
+    """The training loss per logged window of every run in ``files``, one panel per block (a
+    variant's runs, ``whole-kunlun``, beside the block's): result files of this script, or A/B files
+    whose ``runs`` map a label to one (e2e-h200-pffn-ab.json)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    curves: dict[str, dict[str, dict]] = {}  # run name -> label -> {step: loss}
+    curves: dict[str, dict[str, dict]] = {}  # block -> label -> {step: loss}
     for file in files:
         data = json.loads(Path(file).read_text())
         labelled = data["runs"].items() if "runs" in data else [(Path(file).stem, data)]
         for label, result in labelled:
             for run in result["results"]:
-                curves.setdefault(run["name"], {})[label] = run["losses"]
+                block = run["name"].split("-")[-1]
+                name = label if run["name"] == block else f"{label}: {run['name']}"
+                curves.setdefault(block, {})[name] = run["losses"]
     fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4), squeeze=False)
     for ax, (name, runs) in zip(axes[0], sorted(curves.items())):
         for label, losses in runs.items():
