@@ -219,7 +219,7 @@ def collect(name: str, run_dir: Path, warmup: int) -> dict:
 
 def plot_losses(files: list[str], out: str) -> None:
     """The training loss per logged window of every run in ``files``, one panel per block (a
-    variant's runs, ``whole-kunlun``, beside the block's): result files of this script, or A/B files
+    variant's runs, ``blocks-kunlun``, beside the block's): result files of this script, or A/B files
     whose ``runs`` map a label to one (e2e-h200-pffn-ab.json)."""
     import matplotlib
 
