@@ -24,6 +24,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
+from kernels.attention_pooling import _backward as pooling_backward  # noqa: E402
+from kernels.attention_pooling import _forward as pooling_forward  # noqa: E402
 from kernels.jagged_attention import settings  # noqa: E402
 from kernels.jagged_attention.batch_order import batch_order  # noqa: E402
 from kernels.jagged_attention.inputs import make_inputs  # noqa: E402
@@ -39,6 +41,8 @@ OUTPUTS = {
     "_bwd_dq_kernel": {"DQ"},
     "_bwd_dq_from_ds_kernel": {"DQ"},
     "_rotary_kernel": {"Q", "K", "V"},  # the forward; the backward writes QKV (set below)
+    "_pool_fwd_kernel": {"OUT", "LSE"},
+    "_pool_bwd_kernel": {"DX", "DS"},
 }
 
 
@@ -132,6 +136,10 @@ def main() -> None:
     rotary_forward(qkv, cos, sin, wrap=checked)
     OUTPUTS["_rotary_kernel"] = {"QKV"}
     rotary_backward(*qkv.unbind(1), cos, sin, wrap=checked)
+    x, a = torch.randn(14, 64, dtype=torch.bfloat16), torch.randn(64, 8, dtype=torch.bfloat16)
+    offsets = torch.tensor([0, 5, 5, 14])
+    out, lse = pooling_forward(x, a, offsets, 9, wrap=checked)
+    pooling_backward(torch.randn_like(out), x, a, out, lse, offsets, 9, wrap=checked)
     print("every kernel writes only its outputs")
 
 
