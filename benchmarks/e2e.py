@@ -20,8 +20,10 @@ then with the caches (data, Inductor, Triton), for the time to first step.
 kernels: :class:`PaddedGEMDenseArch` pads every history to the batch's ``max_len`` (right-padded),
 so every dense layer runs on ``B x max_len`` rows, and attention runs on ``[B, H, L, D]`` through
 PyTorch's ``scaled_dot_product_attention`` with a key-padding mask (softmax) or plain PyTorch
-matmuls (GDPA), compiled like the jagged runs. It measures throughput only: its padded rows feed
-the "most recent events" summary, so its losses are not comparable.
+matmuls (GDPA, and the pooling queries' scores and weighted sum: the same math as the jagged
+runs' pooling, see gem.models.sequence.PoolingByAttention), compiled like the jagged runs. It
+measures throughput only: its padded rows feed the "most recent events" summary, so its losses are
+not comparable.
 
 Writes ``benchmarks/results/e2e-<hardware>.json`` and prints a table.
 """
@@ -53,6 +55,7 @@ from kernels.jagged_attention.reference import pointwise_activation  # noqa: E40
 from kernels.rotary import rotary_reference  # noqa: E402
 
 _jagged_attention = sequence.jagged_attention
+_attention_pooling = sequence.attention_pooling
 _valid_rows: dict[str, torch.Tensor] = {}  # the padded batch's true rows per example [B] (one event stream)
 
 
@@ -114,6 +117,18 @@ def padded_attention(
     return o.transpose(1, 2).reshape(q.shape)
 
 
+def padded_pooling(x, a, offsets, max_len, backend=None):
+    """``kernels.attention_pooling`` on padded rows (every example ``max_len`` rows) in PyTorch."""
+    if backend != "padded":
+        return _attention_pooling(x, a, offsets, max_len, backend=backend)
+    valid = _valid_rows["rows"]
+    rows = x.view(valid.numel(), max_len, x.shape[1])
+    keys = torch.arange(max_len, device=x.device)[None, :] < valid[:, None]  # [B, L]
+    keys[:, 0] = True  # as padded_attention: an empty history pools its padding row
+    scores = (rows @ a).masked_fill(~keys[..., None], float("-inf"))
+    return torch.softmax(scores, dim=1).transpose(1, 2) @ rows
+
+
 def padded_rotary(qkv, cos, sin, backend=None):
     """``kernels.rotary.rotary_qkv`` as a padded model computes it: the PyTorch formula."""
     return rotary_reference(qkv, cos, sin)
@@ -128,6 +143,7 @@ class PaddedGEMDenseArch(GEMDenseArch):
         super().__init__(*args, **(kwargs | {"attention_backend": "padded"}))
         sequence.jagged_attention = padded_attention  # the blocks' attention calls, in this process
         sequence.rotary_qkv = padded_rotary  # and their rotary embedding: plain PyTorch, compiled
+        sequence.attention_pooling = padded_pooling
 
     def forward(self, sparse: SparseOutput, dense: torch.Tensor, domain: torch.Tensor) -> torch.Tensor:
         ((name, s),) = sparse.sequences.items()

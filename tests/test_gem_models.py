@@ -22,13 +22,13 @@ from gem.data.pipeline.schema import FeatureSchema
 from gem.data.sources.synthetic import SyntheticConfig, generate
 from gem.models.gem import GEMModel
 from gem.models.gem_arch import GEMDenseArch
-from gem.models.sequence import generate_weights, self_attention_pairs
+from gem.models.sequence import PoolingByAttention, generate_weights, self_attention_pairs
 from gem.sparse.arch import JaggedEmbeddings, SparseArch, SparseOutput
 from gem.train.flops import batch_lengths, mfu, step_flops
 from gem.train.losses import multitask_bce
 from gem.train.trainer import train
 from kernels.jagged import jagged_prepend
-from kernels.jagged_attention import num_visible_pairs
+from kernels.jagged_attention import jagged_attention_reference, num_visible_pairs
 from tests.conftest import ROOT, TINY_SCHEMA, compose
 
 BLOCKS = ["interformer", "kunlun"]
@@ -246,6 +246,41 @@ def test_analytic_flops_match_flop_counter_on_the_reference(tiny_schema, tiny_da
     assert mfu(1e12, 2.0, 1.0) == 0.5 and mfu(1e12, 2.0, None) is None
 
 
+@pytest.mark.parametrize("pool_rows", [True, False])
+def test_pooling_by_attention_is_softmax_attention_over_projected_keys_and_values(pool_rows):
+    """PoolingByAttention, whether it pools the rows unprojected or projects them, equals the
+    textbook form, per head ``softmax(q (x W_k^T + b_k)^T / sqrt(D)) (x W_v^T + b_v)``: output and
+    every gradient (b_k's is zero: a per-query shift of all its scores), in float64, with an empty
+    example pooling to zeros. gem_base's PMA (4 queries x 4 heads, width 512) pools unprojected
+    rows, Kunlun's seeds (32 x 4) project them."""
+    assert PoolingByAttention(512, 4, 4).pool_rows and not PoolingByAttention(512, 4, 32).pool_rows
+    torch.manual_seed(0)
+    pool = PoolingByAttention(dim=12, num_heads=3, num_queries=2).double()
+    pool.pool_rows = pool_rows
+    pool.init_own_parameters()
+    torch.nn.init.normal_(pool.kv.bias)
+    offsets = torch.tensor([0, 5, 5, 12])
+    x = torch.randn(12, 12, dtype=torch.float64, requires_grad=True)
+
+    def textbook(x):
+        k, v = pool.kv(x).view(-1, 2, 3, 4).unbind(1)
+        out = jagged_attention_reference(pool.queries, k, v, None, offsets, None, 7)  # [B, N, H, D]
+        return out.flatten(2)
+
+    weights = torch.randn(3, 2, 12, dtype=torch.float64)
+    results = []
+    for fn in (pool, textbook):
+        out = fn(x, offsets, 7) if fn is pool else fn(x)
+        params = [x, pool.queries, pool.kv.weight, pool.kv.bias]
+        grads = torch.autograd.grad((weights * out).sum(), params, allow_unused=True)
+        results.append((out, [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]))
+    (out, grads), (want, want_grads) = results
+    assert torch.allclose(out, want, atol=1e-12) and torch.equal(out[1], torch.zeros_like(out[1]))
+    for name, g, w in zip(["x", "queries", "kv.weight", "kv.bias"], grads, want_grads):
+        assert torch.allclose(g, w, atol=1e-10), name
+    assert want_grads[3][:12].abs().max() < 1e-12  # b_k
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_personalized_ffn_weights_are_one_kernel_matching_baddbmm(dtype):
     """The PFFN's K/V (``W_0 + M xs_b W``) compiled: a broadcast product summed over the summary
@@ -288,6 +323,8 @@ def test_bad_stream_settings_name_the_key(tiny_schema):
         build(tiny_schema, streams={"hist": {"heads": 3}})
     with pytest.raises(ValueError, match="model.block="):
         build(tiny_schema, block="hstu")
+    with pytest.raises(ValueError, match=r"model.pool_rows='auto' must be null"):
+        build(tiny_schema, pool_rows="auto")
 
 
 # debug=tiny on shorter histories and a smaller test split, to keep each run a few seconds on 2 cores.

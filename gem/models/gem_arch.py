@@ -50,6 +50,8 @@ class GEMDenseArch(nn.Module):
         interaction (``rank``, ``hidden``, ``num_lcb``, ``num_experts``).
     top_mlp / tower_mlp / domain_mode: the shared MLP and the heads (``"gate"`` or ``"towers"``).
     attention_backend: ``kernels.jagged_attention`` backend (configs: ``${kernels.attention_backend}``).
+    pool_rows: how PMA / seed pooling compute (gem.models.sequence.PoolingByAttention): None picks
+        by the query count, True pools the rows unprojected, False projects them (same function).
     """
 
     def __init__(
@@ -77,10 +79,13 @@ class GEMDenseArch(nn.Module):
         tower_mlp: tuple[int, ...] = (),
         domain_mode: str = "gate",
         attention_backend: str | None = None,
+        pool_rows: bool | None = None,
     ) -> None:
         super().__init__()
         if block not in BLOCKS:
             raise ValueError(f"model.block={block!r} must be one of {list(BLOCKS)}")
+        if pool_rows not in (None, True, False):
+            raise ValueError(f"model.pool_rows={pool_rows!r} must be null (chosen by query count), true or false")
         if not schema.sequence_groups:
             raise ValueError("model: the GEM arch needs at least one sequence group in data.schema.sequence_groups")
         streams = dict(streams or {})
@@ -122,12 +127,15 @@ class GEMDenseArch(nn.Module):
                     num_pma,
                     num_recent,
                     attention_backend,
+                    pool_rows,
                 )
                 for _ in range(num_layers)
             )
             self.final = nn.ModuleDict(
                 {
-                    name: SequenceSummary(width, heads, dim, num_summary, num_pma, num_recent, attention_backend)
+                    name: SequenceSummary(
+                        width, heads, dim, num_summary, num_pma, num_recent, attention_backend, pool_rows
+                    )
                     for name, width, heads, _ in self.specs
                 }
             )
@@ -145,12 +153,13 @@ class GEMDenseArch(nn.Module):
                     num_pooled,
                     dict(wukong or {}),
                     attention_backend,
+                    pool_rows,
                 )
                 for i in range(num_layers)
             )
             self.final = nn.ModuleDict(
                 {
-                    name: SeedPooling(width, heads, dim, num_seeds, num_pooled, attention_backend)
+                    name: SeedPooling(width, heads, dim, num_seeds, num_pooled, attention_backend, pool_rows)
                     for name, width, heads, _ in self.specs
                 }
             )

@@ -68,11 +68,12 @@ class SequenceSummary(nn.Module):
         num_pma: int,
         num_recent: int,
         backend: str | None,
+        pool_rows: bool | None = None,
     ) -> None:
         super().__init__()
         self.num_cls, self.num_recent = num_cls, num_recent
         self.num_tokens = num_cls + num_pma + num_recent
-        self.pma = PoolingByAttention(stream_dim, num_heads, num_pma, backend) if num_pma else None
+        self.pma = PoolingByAttention(stream_dim, num_heads, num_pma, backend, pool_rows) if num_pma else None
         self.proj = nn.Linear(stream_dim, dim)
         self.gate = SelfGate(dim)
 
@@ -99,6 +100,7 @@ class InterFormerLayer(nn.Module):
         interaction: names for the DHEN-style ensemble, e.g. ``["dot", "dcnv2"]``.
         pffn_kv / pffn_activation: hidden width and activation of the personalized FFN.
         num_pma / num_recent: PMA tokens and most recent rows in each sequence summary.
+        pool_rows: how PMA computes (gem.models.sequence.PoolingByAttention; None: by its rule).
     """
 
     def __init__(
@@ -113,12 +115,13 @@ class InterFormerLayer(nn.Module):
         num_pma: int,
         num_recent: int,
         backend: str | None = None,
+        pool_rows: bool | None = None,
     ) -> None:
         super().__init__()
         self.x_summary = NonSequenceSummary(num_tokens, num_summary, dim)
         self.s_summary = nn.ModuleDict(
             {
-                name: SequenceSummary(width, heads, dim, num_summary, num_pma, num_recent, backend)
+                name: SequenceSummary(width, heads, dim, num_summary, num_pma, num_recent, backend, pool_rows)
                 for name, width, heads, _ in streams
             }
         )

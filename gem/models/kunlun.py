@@ -34,11 +34,18 @@ class SeedPooling(nn.Module):
     to ``dim``: ``[B, num_pooled, dim]``."""
 
     def __init__(
-        self, stream_dim: int, num_heads: int, dim: int, num_seeds: int, num_pooled: int, backend: str | None
+        self,
+        stream_dim: int,
+        num_heads: int,
+        dim: int,
+        num_seeds: int,
+        num_pooled: int,
+        backend: str | None,
+        pool_rows: bool | None = None,
     ) -> None:
         super().__init__()
         self.num_tokens, self.stream_dim = num_pooled, stream_dim
-        self.seeds = PoolingByAttention(stream_dim, num_heads, num_seeds, backend)
+        self.seeds = PoolingByAttention(stream_dim, num_heads, num_seeds, backend, pool_rows)
         self.compress = nn.Linear(num_seeds, num_pooled, bias=False)
         self.proj = nn.Linear(stream_dim, dim)
 
@@ -65,6 +72,7 @@ class KunlunLayer(nn.Module):
             ``N_kv`` keys and values per example).
         num_seeds / num_pooled: seed pooling.
         wukong: keyword arguments of :class:`WukongLayer` (rank, hidden, num_lcb, num_experts).
+        pool_rows: how seed pooling computes (gem.models.sequence.PoolingByAttention; None: by its rule).
     """
 
     def __init__(
@@ -80,6 +88,7 @@ class KunlunLayer(nn.Module):
         num_pooled: int,
         wukong: dict,
         backend: str | None = None,
+        pool_rows: bool | None = None,
     ) -> None:
         super().__init__()
         self.skip = skip
@@ -93,7 +102,7 @@ class KunlunLayer(nn.Module):
             )
             self.pool = nn.ModuleDict(
                 {
-                    name: SeedPooling(width, heads, dim, num_seeds, num_pooled, backend)
+                    name: SeedPooling(width, heads, dim, num_seeds, num_pooled, backend, pool_rows)
                     for name, width, heads, _ in streams
                 }
             )

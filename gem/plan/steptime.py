@@ -612,6 +612,8 @@ def _gem_base_plan(world: int, *overrides: str) -> Plan:
                     f"plan.world_size={world}",
                     f"plan.gpus_per_node={world}",
                     "plan.activations=none",
+                    # the runs were measured before PMA pooled unprojected rows: their code's FLOPs
+                    "model.pool_rows=false",
                     *overrides,
                 ]
             )
@@ -637,6 +639,9 @@ def calibrate(results: str | Path = None) -> tuple[dict[str, float], list[Check]
       their bandwidth time, per all-gather. Those runs were made two days earlier, with code at half
       the speed of the e2e runs, so each 2-GPU prediction starts from the measured 1-GPU step of its
       own file and predicts only what the second GPU adds.
+
+    Every run was measured when PMA projected the rows (``model.pool_rows=false``), so the plans
+    count that code's FLOPs.
     """
 
     root = Path(results) if results else Path(__file__).resolve().parents[2] / "benchmarks" / "results"

@@ -47,9 +47,12 @@ _PATTERNS = {
         "gloo",
     ),
     "memcpy": ("memcpy", "memset"),
-    # gem's Triton / Gluon attention kernels (and their order / work-list helpers), PyTorch's SDPA
+    # gem's Triton / Gluon attention and attention-pooling kernels (and their order / work-list
+    # helpers), PyTorch's SDPA
     "attention": (
         "_fwd_kernel",
+        "_pool_fwd_kernel",
+        "_pool_bwd_kernel",
         "_bwd_dkdv",
         "_bwd_dq",
         "_bwd_preprocess",
