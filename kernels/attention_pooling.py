@@ -28,11 +28,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
 from torch.utils.flop_counter import register_flop_formula
 
 from kernels.jagged import jagged_to_padded, offsets_to_lengths
-from kernels.jagged_attention.triton_common import INTERPRET, dot, identity, no_launch
+from kernels.jagged_attention.triton_common import INTERPRET, OP_WRAP, define_op, dot, no_launch
 
 BACKENDS = ("triton", "reference")
 MAX_BLOCK_D = 1024  # wider rows run the reference (the kernels hold a block of rows in registers)
@@ -181,7 +180,7 @@ def _precision(x: torch.Tensor) -> str:
 
 
 def _forward(x, a, offsets, max_len, wrap, config=None):
-    num_rows, row_dim = x.shape
+    row_dim = x.shape[1]
     num_batches, num_cols = offsets.numel() - 1, a.shape[1]
     out = x.new_empty(num_batches, num_cols, row_dim)
     lse = x.new_empty(num_batches, num_cols, dtype=torch.float32)
@@ -241,26 +240,12 @@ def _backward(grad_out, x, a, out, lse, offsets, max_len, wrap, config=None):
     return dx, da.to(a.dtype)
 
 
-if INTERPRET:  # as in kernels/jagged_attention/op.py: opaque custom ops around the interpreted kernels
-
-    def _define(name):
-        return torch.library.custom_op(name, mutates_args=())
-
-    _wrap = identity
-else:
-
-    def _define(name):
-        return triton_op(name, mutates_args=())
-
-    _wrap = wrap_triton
-
-
-@_define("gem_kernels::attention_pooling_fwd")
+@define_op("gem_kernels::attention_pooling_fwd")
 def _fwd_op(x: torch.Tensor, a: torch.Tensor, offsets: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(x, a, offsets, max_len, _wrap)
+    return _forward(x, a, offsets, max_len, OP_WRAP)
 
 
-@_define("gem_kernels::attention_pooling_bwd")
+@define_op("gem_kernels::attention_pooling_bwd")
 def _bwd_op(
     grad_out: torch.Tensor,
     x: torch.Tensor,
@@ -270,7 +255,7 @@ def _bwd_op(
     offsets: torch.Tensor,
     max_len: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _backward(grad_out, x, a, out, lse, offsets, max_len, _wrap)
+    return _backward(grad_out, x, a, out, lse, offsets, max_len, OP_WRAP)
 
 
 if INTERPRET:

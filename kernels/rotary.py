@@ -21,9 +21,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
 
-from kernels.jagged_attention.triton_common import INTERPRET, identity, no_launch
+from kernels.jagged_attention.triton_common import INTERPRET, OP_WRAP, define_op, no_launch
 
 BACKENDS = ("triton", "reference")
 BLOCK_T = 16  # rows per program: 16 x 3 x H x D elements (24,576 at 4 heads x 128)
@@ -158,28 +157,14 @@ def _backward(dq, dk, dv, cos, sin, wrap):
     return dqkv
 
 
-if INTERPRET:  # as in kernels/jagged_attention/op.py: opaque custom ops around the interpreted kernels
-
-    def _define(name):
-        return torch.library.custom_op(name, mutates_args=())
-
-    _wrap = identity
-else:
-
-    def _define(name):
-        return triton_op(name, mutates_args=())
-
-    _wrap = wrap_triton
-
-
-@_define("gem_kernels::rotary_qkv_fwd")
+@define_op("gem_kernels::rotary_qkv_fwd")
 def _fwd_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _forward(qkv, cos, sin, _wrap)
+    return _forward(qkv, cos, sin, OP_WRAP)
 
 
-@_define("gem_kernels::rotary_qkv_bwd")
+@define_op("gem_kernels::rotary_qkv_bwd")
 def _bwd_op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return _backward(dq, dk, dv, cos, sin, _wrap)
+    return _backward(dq, dk, dv, cos, sin, OP_WRAP)
 
 
 if INTERPRET:

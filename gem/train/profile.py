@@ -51,8 +51,7 @@ _PATTERNS = {
     # helpers), PyTorch's SDPA
     "attention": (
         "_fwd_kernel",
-        "_pool_fwd_kernel",
-        "_pool_bwd_kernel",
+        "_pool_bwd_kernel",  # (its forward matches "_fwd_kernel")
         "_bwd_dkdv",
         "_bwd_dq",
         "_bwd_preprocess",

@@ -27,7 +27,6 @@ import warnings
 
 import torch
 import triton
-from torch.library import triton_op, wrap_triton
 from torch.utils.flop_counter import register_flop_formula
 
 from kernels.jagged_attention import triton_bwd, triton_fwd
@@ -39,6 +38,8 @@ from kernels.jagged_attention.triton_common import (
     ACT_UNIT,
     INTERPRET,
     LOG2E,
+    OP_WRAP,
+    define_op,
     identity,
     launch_meta,
     no_launch,
@@ -343,21 +344,6 @@ def launch_backward(
 # ---------------------------------------------------------------------------------------
 
 
-if INTERPRET:
-    # Interpreted kernels cannot be traced into a graph (wrap_triton hands them back raw),
-    # so under TRITON_INTERPRET=1 the same ops are opaque custom ops with a fake impl.
-    def _define(name):
-        return torch.library.custom_op(name, mutates_args=())
-
-    _wrap = identity  # launch the interpreted kernels directly
-else:
-
-    def _define(name):
-        return triton_op(name, mutates_args=())
-
-    _wrap = wrap_triton
-
-
 # The ops take their scalars packed: sizes = [max_q_len, max_kv_len, causal, window, block_size,
 # q_broadcast] and scales = [scale, post_scale] (fewer schema arguments cost less per call in
 # PyTorch's custom-op autograd path; measured in docs/kernels-log.md).
@@ -385,7 +371,7 @@ def _forward(q, k, v, q_offsets, kv_offsets, sizes, activation, scales, wrap):
     return out, lse, order
 
 
-@_define("gem_kernels::jagged_attention_fwd")
+@define_op("gem_kernels::jagged_attention_fwd")
 def _fwd_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -396,7 +382,7 @@ def _fwd_op(
     activation: str,
     scales: list[float],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, q_offsets, kv_offsets, sizes, activation, scales, _wrap)
+    return _forward(q, k, v, q_offsets, kv_offsets, sizes, activation, scales, OP_WRAP)
 
 
 def _backward_kernels(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, order, sizes, activation, scales, wrap):
@@ -405,7 +391,7 @@ def _backward_kernels(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, order,
     )
 
 
-@_define("gem_kernels::jagged_attention_bwd")
+@define_op("gem_kernels::jagged_attention_bwd")
 def _bwd_op(
     grad_out: torch.Tensor,
     q: torch.Tensor,
@@ -421,7 +407,7 @@ def _bwd_op(
     scales: list[float],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward_kernels(
-        grad_out, q, k, v, out, lse, q_offsets, kv_offsets, batch_order, sizes, activation, scales, _wrap
+        grad_out, q, k, v, out, lse, q_offsets, kv_offsets, batch_order, sizes, activation, scales, OP_WRAP
     )
 
 

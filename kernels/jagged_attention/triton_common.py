@@ -21,6 +21,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from torch.library import triton_op, wrap_triton
 
 from kernels.jagged_attention.reference import ACTIVATIONS
 from kernels.jagged_attention.settings import KernelSettings
@@ -372,6 +373,20 @@ def no_launch(kernel) -> _NoLaunch:
 def identity(kernel):
     """The default ``wrap``: launch the kernel itself."""
     return kernel
+
+
+def define_op(name: str):
+    """A decorator registering a kernels op: ``triton_op``, so that torch.compile sees the Triton
+    kernels inside it (launched through :data:`OP_WRAP`). Interpreted kernels cannot be traced into
+    a graph (``wrap_triton`` hands them back raw), so under ``TRITON_INTERPRET=1`` the op is an
+    opaque ``custom_op``, whose fake impl the caller registers."""
+    if INTERPRET:
+        return torch.library.custom_op(name, mutates_args=())
+    return triton_op(name, mutates_args=())
+
+
+# The ``wrap`` of the registered ops' launchers: traced by torch.compile, or the interpreted kernel itself.
+OP_WRAP = identity if INTERPRET else wrap_triton
 
 
 @functools.cache
