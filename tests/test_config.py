@@ -59,6 +59,20 @@ def test_bad_values_name_the_key(override, match):
         assert key in f"{e.value} {e.value.__cause__}"
 
 
+def test_inductor_options_are_flattened_and_checked_against_torch():
+    """parallelism.inductor reaches torch.compile as ``options`` with dotted keys; a misspelt key
+    stops the run at start with the close matches, and options without compile are refused."""
+    on = ["parallelism.compile=true"]
+    options = ["+parallelism.inductor.combo_kernels=true", "+parallelism.inductor.triton.cudagraphs=false"]
+    config = validate(compose([*on, *options]))
+    assert config.parallelism.inductor == {"combo_kernels": True, "triton.cudagraphs": False}
+    assert validate(compose(on)).parallelism.inductor == {}
+    with pytest.raises(ConfigError, match="inductor.combo_kernel is not an option .* did you mean combo_kernels"):
+        validate(compose([*on, "+parallelism.inductor.combo_kernel=true"]))
+    with pytest.raises(ConfigError, match="parallelism.compile=false: set it to true"):
+        validate(compose(["+parallelism.inductor.combo_kernels=true"]))
+
+
 def test_parquet_needs_a_directory():
     with pytest.raises(ConfigError, match="data.dir is required"):
         validate(compose(["data=parquet", "data.dir=null"]))

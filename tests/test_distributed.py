@@ -194,6 +194,26 @@ def test_parallelize_gem_wraps_dense_blocks_only_and_checkpointing_changes_no_nu
     assert with_ac == _reference(str(tiny_dataset), "rowwise_adagrad", 32)
 
 
+@pytest.mark.parametrize("scope", ["blocks", "dense_arch"])
+def test_parallelize_gem_hands_inductor_options_to_every_compile(scope, monkeypatch):
+    from torch import nn
+
+    from gem.distributed.parallelize import parallelize_gem
+
+    calls = []
+    monkeypatch.setattr(nn.Module, "compile", lambda m, **kw: calls.append((m, kw)))
+    model = nn.Module()
+    model.sparse_arch = nn.EmbeddingBag(10, 4)
+    model.dense_arch = nn.Module()
+    model.dense_arch.mlp = nn.Linear(4, 4)
+    model.dense_arch.head = nn.Linear(4, 1)
+    options = {"combo_kernels": True}
+    parallelize_gem(model, None, compile=True, compile_scope=scope, compile_options=options)
+    compiled = [m for m, _ in calls]
+    assert compiled == ([model.dense_arch] if scope == "dense_arch" else [model.dense_arch.mlp, model.dense_arch.head])
+    assert all(kw == {"options": options} for _, kw in calls)
+
+
 @pytest.mark.parametrize("reshard", [True, False])
 def test_reshard_after_forward_decides_whether_blocks_stay_gathered_until_backward(reshard, one_rank_group):
     """FSDP2 swaps a block's sharded DTensor parameters for gathered tensors in forward; with

@@ -75,6 +75,7 @@ def parallelize_gem(
     activation_checkpointing: bool = False,
     compile: bool = False,
     compile_scope: str = "blocks",
+    compile_options: dict | None = None,
     reshard_after_forward: bool = True,
     float8_min_features: int | None = None,
 ) -> nn.Module:
@@ -95,6 +96,8 @@ def parallelize_gem(
             activation checkpointing wrap), or ``"dense_arch"``, one graph for the whole dense
             arch, which lets Inductor fuse across the blocks' boundaries and launches the step from
             one wrapper (unsharded dense arch only: ``mesh`` None, no activation checkpointing).
+        compile_options: Inductor options for those compiles (``torch.compile``'s ``options``,
+            ``parallelism.inductor``), None for its defaults.
         reshard_after_forward: free each block's gathered parameters after its forward and gather
             them again in backward (least memory); False keeps them gathered until the block's
             backward (one all-gather per block per step instead of two; ZeRO-2-like memory).
@@ -120,9 +123,9 @@ def parallelize_gem(
         if activation_checkpointing:
             checkpoint(block)
         if compile and not whole:
-            block.compile()
+            block.compile(options=compile_options)
     if whole:
-        dense.compile()
+        dense.compile(options=compile_options)
     if mesh is None:
         return model
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)

@@ -10,6 +10,7 @@ types cannot (with a message naming the key and the fix).
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
 from dataclasses import asdict, dataclass, field, fields, make_dataclass
@@ -176,6 +177,9 @@ class ParallelismConfig:
     reshard_after_forward: bool = True  # False: keep gathered dense blocks from forward to backward
     float8: bool = False  # torchao float8 training of the dense arch's wide projections (docs/e2e.md)
     float8_min_features: int = 512  # float8: Linear layers with both widths >= this (and multiples of 16)
+    # Inductor options for the compile (torch.compile's `options`), e.g. +parallelism.inductor.combo_kernels=true;
+    # nested keys as torch._inductor.config spells them (triton.cudagraphs); checked against it at start
+    inductor: dict[str, Any] = field(default_factory=dict)
 
 
 def _kernels_config() -> type:
@@ -362,6 +366,7 @@ def validate(cfg: DictConfig | dict) -> Config:
     if p.float8 and importlib.util.find_spec("torchao") is None:
         raise ConfigError("parallelism.float8=true needs torchao; pip install torchao, or set parallelism.float8=false")
     _positive("parallelism.float8_min_features", p.float8_min_features)
+    p.inductor = inductor_options(p.inductor, p.compile)
     if t.autocast is not None:
         _one_of("trainer.autocast", t.autocast, ("bfloat16",))  # float16 would need a GradScaler
     if config.model is None or "_target_" not in config.model:
@@ -408,6 +413,36 @@ def _typed(cls: type, value: Any, key: str) -> Any:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), value))
     except OmegaConfBaseException as e:
         raise ConfigError(f"config key '{key}.{e.full_key}': {e.msg}") from None
+
+
+def inductor_options(options: dict[str, Any], compile: bool) -> dict[str, Any]:
+    """``parallelism.inductor`` as torch.compile's ``options``: nested keys joined with dots
+    (``{"triton": {"cudagraphs": True}}`` -> ``"triton.cudagraphs"``), each checked to be one of
+    ``torch._inductor.config``'s, so that a misspelt key stops the run at start and not at the first
+    step's compile."""
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        else:
+            flat[prefix] = value
+
+    walk("", options)
+    if not flat:
+        return flat
+    if not compile:
+        raise ConfigError("parallelism.inductor sets Inductor options, but parallelism.compile=false: set it to true")
+    from torch._inductor import config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    for key in flat:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=3)
+            hint = f"; did you mean {' or '.join(close)}?" if close else ""
+            raise ConfigError(f"parallelism.inductor.{key} is not an option of torch._inductor.config{hint}")
+    return flat
 
 
 def check_id_space(key: str, ids: IdSpaceConfig) -> None:

@@ -226,6 +226,7 @@ def build_model(config: Config, schema: FeatureSchema, env: DistEnv, timer: Star
         activation_checkpointing=p.activation_checkpointing,
         compile=p.compile,
         compile_scope=p.compile_scope,
+        compile_options=p.inductor or None,
         reshard_after_forward=p.reshard_after_forward,
         float8_min_features=p.float8_min_features if p.float8 else None,
     )
