@@ -13,8 +13,9 @@ the warm-up and gives the device time by kind (windows holding a profiled step a
 ``fbgemm-<block>`` / ``fbgemm-nopipe-<block>`` shard the tables on FBGEMM's CUDA kernels
 (``sparse=torchrec``) with and without TorchRec's pipeline; ``blocks-<block>`` compiles the dense
 arch a graph per block (``parallelism.compile_scope=blocks``; the flagship compiles it as one
-graph). ``cold-<block>`` and ``warm-<block>`` run a block for a few steps, on a machine without and
-then with the caches (data, Inductor, Triton), for the time to first step.
+graph); ``combo-<block>`` turns on Inductor's combo kernels (``parallelism.inductor``).
+``cold-<block>`` and ``warm-<block>`` run a block for a few steps, on a machine without and then
+with the caches (data, Inductor, Triton), for the time to first step.
 
 **The padded baseline** (``padded-<block>``) is the model a user would write without gem's jagged
 kernels: :class:`PaddedGEMDenseArch` pads every history to the batch's ``max_len`` (right-padded),
@@ -168,6 +169,8 @@ VARIANTS = {
     "blocks": ["parallelism.compile_scope=blocks"],
     # torchao float8 on the wide projections (parallelism.float8; the torchao wheel carried in .whl/)
     "float8": ["parallelism.float8=true"],
+    # Inductor's combo kernels: independent small kernels launched as one (fewer launches a step)
+    "combo": ["+parallelism.inductor.combo_kernels=true"],
 }
 
 
