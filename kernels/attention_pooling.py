@@ -122,10 +122,15 @@ def _pool_bwd_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_Q: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Program (row block, example), over every block of query columns: with ``P = exp(X A - LSE)``,
-    ``dP = X dOUT^T`` and ``dS = P (dP - DELTA)``, writes ``DX = P dOUT + dS A^T`` and ``DS``."""
+    """Program (row block, example), per block of query columns, in two passes over the row's
+    width in chunks of BLOCK_D: first the scores ``X A`` and ``dP = X dOUT^T`` (so every dot runs
+    over a chunk of the width), then, with ``P = exp(X A - LSE)`` and ``dS = P (dP - DELTA)``,
+    ``DX = P dOUT + dS A^T`` chunk by chunk (dots over the block's columns); writes ``DS``. With
+    ACCUMULATE (more columns than one block) DX is float32 and each block after the first adds
+    to it."""
     b = tl.program_id(1)
     start = tl.load(offsets + b)
     end = tl.load(offsets + b + 1)
@@ -135,44 +140,66 @@ def _pool_bwd_kernel(
     rows = t0 + tl.arange(0, BLOCK_T)
     rmask = rows < end
     rows = rows.to(tl.int64)
-    ds = tl.arange(0, BLOCK_D)
-    dmask = ds < row_dim
-    x = tl.load(X + rows[:, None] * stride_xt + ds[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
-    dx = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    dtype = X.dtype.element_ty
     for q0 in range(0, num_cols, BLOCK_Q):
         qs = q0 + tl.arange(0, BLOCK_Q)
         qmask = qs < num_cols
-        a = tl.load(A + ds[:, None] * stride_ad + qs[None, :], mask=dmask[:, None] & qmask[None, :], other=0.0)
-        g = tl.load(
-            DOUT + b.to(tl.int64) * stride_gb + qs[:, None] * stride_gq + ds[None, :],
-            mask=qmask[:, None] & dmask[None, :],
-            other=0.0,
-        ).to(x.dtype)
+        s = tl.zeros([BLOCK_T, BLOCK_Q], tl.float32)
+        dp = tl.zeros([BLOCK_T, BLOCK_Q], tl.float32)
+        for d0 in range(0, row_dim, BLOCK_D):
+            ds = d0 + tl.arange(0, BLOCK_D)
+            dmask = ds < row_dim
+            x = tl.load(X + rows[:, None] * stride_xt + ds[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
+            a = tl.load(A + ds[:, None] * stride_ad + qs[None, :], mask=dmask[:, None] & qmask[None, :], other=0.0)
+            g = tl.load(
+                DOUT + b.to(tl.int64) * stride_gb + qs[:, None] * stride_gq + ds[None, :],
+                mask=qmask[:, None] & dmask[None, :],
+                other=0.0,
+            ).to(dtype)
+            s = dot(x, a, s, DOT_PRECISION)
+            dp = dot(x, tl.trans(g), dp, DOT_PRECISION)
         lse = tl.load(LSE + b * stride_lb + qs, mask=qmask, other=0.0)
         delta = tl.load(DELTA + b * stride_lb + qs, mask=qmask, other=0.0)
-        s = dot(x, a, tl.zeros([BLOCK_T, BLOCK_Q], tl.float32), DOT_PRECISION)
         p = tl.where(rmask[:, None] & qmask[None, :], tl.exp(s - lse[None, :]), 0.0)
-        dp = dot(x, tl.trans(g), tl.zeros([BLOCK_T, BLOCK_Q], tl.float32), DOT_PRECISION)
         d_s = p * (dp - delta[None, :])
-        dx = dot(p.to(x.dtype), g, dx, DOT_PRECISION)
-        dx = dot(d_s.to(x.dtype), tl.trans(a), dx, DOT_PRECISION)
         tl.store(DS + rows[:, None] * stride_dst + qs[None, :], d_s, mask=rmask[:, None] & qmask[None, :])
-    tl.store(
-        DX + rows[:, None] * stride_dxt + ds[None, :], dx.to(DX.dtype.element_ty), mask=rmask[:, None] & dmask[None, :]
-    )
+        p = p.to(dtype)
+        d_s = d_s.to(dtype)
+        for d0 in range(0, row_dim, BLOCK_D):
+            ds = d0 + tl.arange(0, BLOCK_D)
+            dmask = ds < row_dim
+            a = tl.load(A + ds[:, None] * stride_ad + qs[None, :], mask=dmask[:, None] & qmask[None, :], other=0.0)
+            g = tl.load(
+                DOUT + b.to(tl.int64) * stride_gb + qs[:, None] * stride_gq + ds[None, :],
+                mask=qmask[:, None] & dmask[None, :],
+                other=0.0,
+            ).to(dtype)
+            dx = dot(p, g, tl.zeros([BLOCK_T, BLOCK_D], tl.float32), DOT_PRECISION)
+            dx = dot(d_s, tl.trans(a), dx, DOT_PRECISION)
+            dx_ptrs = DX + rows[:, None] * stride_dxt + ds[None, :]
+            io_mask = rmask[:, None] & dmask[None, :]
+            if ACCUMULATE:
+                dx += tl.load(dx_ptrs, mask=io_mask & (q0 > 0), other=0.0)
+            tl.store(dx_ptrs, dx.to(DX.dtype.element_ty), mask=io_mask)
 
 
 def launch_config(kind: str, row_dim: int, num_cols: int) -> dict:
     """Block sizes, warps and stages of the ``"fwd"`` or ``"bwd"`` kernel (the interpreter's are
     small, to cover the loops): the fastest of a sweep on an H200 at gem_base's rows (width 512) for
-    16 and 128 query columns (docs/e2e.md, engineering log)."""
+    16 and 128 query columns (docs/e2e.md, engineering log). The backward's BLOCK_D is its chunk of
+    the width, its BLOCK_Q all the columns up to 128."""
     block_d = max(16, triton.next_power_of_2(row_dim))
     if INTERPRET:
-        return dict(BLOCK_T=16, BLOCK_D=block_d, BLOCK_Q=16, num_warps=4, num_stages=1)
-    block_q = 16 if num_cols <= 16 else 32
+        chunk = 16 if kind == "bwd" else block_d
+        return dict(BLOCK_T=16, BLOCK_D=chunk, BLOCK_Q=16, num_warps=4, num_stages=1)
     if kind == "fwd":
-        return dict(BLOCK_T=64, BLOCK_D=block_d, BLOCK_Q=block_q, num_warps=4, num_stages=2)
-    return dict(BLOCK_T=32, BLOCK_D=block_d, BLOCK_Q=16, num_warps=4, num_stages=3)
+        return dict(BLOCK_T=64, BLOCK_D=block_d, BLOCK_Q=16 if num_cols <= 16 else 32, num_warps=4, num_stages=2)
+    block_q = min(128, max(16, triton.next_power_of_2(num_cols)))
+    # 64-row blocks with 64 or more columns stopped on an illegal memory access on the H200
+    # (Triton 3.6; the interpreter finds no bad address), so wider column blocks take 32 rows
+    return dict(
+        BLOCK_T=64 if block_q <= 16 else 32, BLOCK_D=min(64, block_d), BLOCK_Q=block_q, num_warps=4, num_stages=3
+    )
 
 
 def _precision(x: torch.Tensor) -> str:
@@ -209,12 +236,13 @@ def _forward(x, a, offsets, max_len, wrap, config=None):
 def _backward(grad_out, x, a, out, lse, offsets, max_len, wrap, config=None):
     num_rows, row_dim = x.shape
     num_batches, num_cols = offsets.numel() - 1, a.shape[1]
-    dx = torch.empty_like(x)
     d_scores = x.new_empty(num_rows, num_cols, dtype=torch.float32)
     if num_rows == 0 or num_cols == 0 or max_len == 0:
-        return dx.zero_(), torch.zeros_like(a)
+        return torch.zeros_like(x), torch.zeros_like(a)
     delta = (out.float() * grad_out.float()).sum(-1)  # [B, Q]: sum_j P dP per query column
     config = config or launch_config("bwd", row_dim, num_cols)
+    accumulate = num_cols > config["BLOCK_Q"]  # several column blocks add into a float32 dx
+    dx = torch.empty_like(x, dtype=torch.float32 if accumulate else x.dtype)
     wrap(_pool_bwd_kernel)[(triton.cdiv(max_len, config["BLOCK_T"]), num_batches)](
         x,
         a,
@@ -233,11 +261,12 @@ def _backward(grad_out, x, a, out, lse, offsets, max_len, wrap, config=None):
         lse.stride(0),
         dx.stride(0),
         d_scores.stride(0),
+        ACCUMULATE=accumulate,
         DOT_PRECISION=_precision(x),
         **config,
     )
     da = x.t() @ d_scores.to(x.dtype)  # [D, Q], float32 accumulation in the GEMM
-    return dx, da.to(a.dtype)
+    return dx.to(x.dtype), da.to(a.dtype)
 
 
 @define_op("gem_kernels::attention_pooling_fwd")
