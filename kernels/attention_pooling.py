@@ -101,6 +101,19 @@ def _pool_fwd_kernel(
 
 
 @triton.jit
+def _queries_and_grad(A, DOUT, b, qs, qmask, ds, dmask, stride_ad, stride_gb, stride_gq, dtype: tl.constexpr):
+    """A chunk of the query columns ``A[ds, qs]`` and of example ``b``'s output gradient
+    ``DOUT[b, qs, ds]`` (in ``dtype``), zero outside the masks."""
+    a = tl.load(A + ds[:, None] * stride_ad + qs[None, :], mask=dmask[:, None] & qmask[None, :], other=0.0)
+    g = tl.load(
+        DOUT + b.to(tl.int64) * stride_gb + qs[:, None] * stride_gq + ds[None, :],
+        mask=qmask[:, None] & dmask[None, :],
+        other=0.0,
+    )
+    return a, g.to(dtype)
+
+
+@triton.jit
 def _pool_bwd_kernel(
     X,
     A,
@@ -150,12 +163,7 @@ def _pool_bwd_kernel(
             ds = d0 + tl.arange(0, BLOCK_D)
             dmask = ds < row_dim
             x = tl.load(X + rows[:, None] * stride_xt + ds[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
-            a = tl.load(A + ds[:, None] * stride_ad + qs[None, :], mask=dmask[:, None] & qmask[None, :], other=0.0)
-            g = tl.load(
-                DOUT + b.to(tl.int64) * stride_gb + qs[:, None] * stride_gq + ds[None, :],
-                mask=qmask[:, None] & dmask[None, :],
-                other=0.0,
-            ).to(dtype)
+            a, g = _queries_and_grad(A, DOUT, b, qs, qmask, ds, dmask, stride_ad, stride_gb, stride_gq, dtype)
             s = dot(x, a, s, DOT_PRECISION)
             dp = dot(x, tl.trans(g), dp, DOT_PRECISION)
         lse = tl.load(LSE + b * stride_lb + qs, mask=qmask, other=0.0)
@@ -168,12 +176,7 @@ def _pool_bwd_kernel(
         for d0 in range(0, row_dim, BLOCK_D):
             ds = d0 + tl.arange(0, BLOCK_D)
             dmask = ds < row_dim
-            a = tl.load(A + ds[:, None] * stride_ad + qs[None, :], mask=dmask[:, None] & qmask[None, :], other=0.0)
-            g = tl.load(
-                DOUT + b.to(tl.int64) * stride_gb + qs[:, None] * stride_gq + ds[None, :],
-                mask=qmask[:, None] & dmask[None, :],
-                other=0.0,
-            ).to(dtype)
+            a, g = _queries_and_grad(A, DOUT, b, qs, qmask, ds, dmask, stride_ad, stride_gb, stride_gq, dtype)
             dx = dot(p, g, tl.zeros([BLOCK_T, BLOCK_D], tl.float32), DOT_PRECISION)
             dx = dot(d_s, tl.trans(a), dx, DOT_PRECISION)
             dx_ptrs = DX + rows[:, None] * stride_dxt + ds[None, :]
