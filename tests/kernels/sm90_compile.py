@@ -8,6 +8,7 @@ GPU-only paths is checked in CI.
 
 Autotuned kernels compile their first config, and the forward's LATE_PV config where it applies;
 the backward also with GEM_KERNELS_STORE_DS's kernels.
+The pooling kernels (``kernels.attention_pooling``) compile at width 512 for 16 and 128 columns.
 Last, the Gluon forward (``gluon_fwd.py``: inline PTX, TMA, warp specialization) for every
 pointwise activation, whose cubins must not spill, and the Gluon dK/dV kernel (bf16 silu and
 fast_gelu), whose cubins may spill at most ``GLUON_DKDV_STACK`` bytes per thread.
@@ -37,6 +38,8 @@ from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction 
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
 
+from kernels.attention_pooling import _backward as pooling_backward  # noqa: E402
+from kernels.attention_pooling import _forward as pooling_forward  # noqa: E402
 from kernels.jagged_attention import gluon_bwd, gluon_fwd, settings, testing  # noqa: E402
 from kernels.jagged_attention.autotune import late_pv_applies  # noqa: E402
 from kernels.jagged_attention.batch_order import batch_order  # noqa: E402
@@ -224,6 +227,13 @@ def main() -> None:
         cos, sin = torch.randn(2, 40, head_dim // 2).unbind(0)
         rotary_forward(qkv, cos, sin, wrap=compile_only)
         rotary_backward(*qkv.unbind(1), cos, sin, wrap=compile_only)
+    # the pooling kernels at gem_base's width with its launch configs: 16 columns (InterFormer's
+    # PMA: 64-row backward blocks) and 128 (Kunlun's seeds: every column in one block)
+    offsets = torch.tensor([0, 5, 5, 70])
+    for cols in (16, 128):
+        x, a = torch.randn(70, 512, dtype=torch.bfloat16), torch.randn(512, cols, dtype=torch.bfloat16)
+        out, lse = pooling_forward(x, a, offsets, 65, compile_only)
+        pooling_backward(torch.randn(3, cols, 512, dtype=torch.bfloat16), x, a, out, lse, offsets, 65, compile_only)
     # float32 inputs: the forward's plain and LATE_PV loops (float32 P)
     q32, k32, v32 = (t.float() for t in (q, k, v))
     testing.launch_forward(

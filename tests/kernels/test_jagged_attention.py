@@ -286,7 +286,8 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     # storing dS, dQ from dS), with fp32 and with fp64 scalars, and the batch order kernel. Then
     # the Gluon forward (six cases, each with its work-list kernel): bf16 silu and fast_gelu on
     # the bf16x2 path, no spills (checked in the script); the Gluon dK/dV (three cases, bf16x2,
-    # each with its work-list kernel). And kernels.rotary's kernel, both ways, at two head dims.
+    # each with its work-list kernel). And kernels.rotary's kernel, both ways, at two head dims, and
+    # kernels.attention_pooling's two kernels at 16 and 128 columns.
     assert sum(line.startswith("compiled gluon") for line in lines) == 9, lines
     assert sum("bf16x2=True" in line for line in lines) == 5, lines
     assert sum("_work_list_kernel" in line for line in lines) == 9, lines
@@ -298,7 +299,8 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     assert sum("_bwd_dq_from_ds_kernel" in line for line in lines) == 4, lines
     assert sum("_batch_order_kernel" in line for line in lines) == 1, lines
     assert sum("_rotary_kernel" in line for line in lines) == 4, lines
-    assert len(lines) == 66, lines
+    assert sum("_pool_" in line for line in lines) == 4, lines
+    assert len(lines) == 70, lines
 
 
 @pytest.fixture
