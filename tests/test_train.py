@@ -1,5 +1,6 @@
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -233,15 +234,19 @@ def test_profile_drains_the_gpu_queue_as_recording_starts_and_ends(monkeypatch, 
     from gem.train.config import ProfileConfig
     from gem.train.profile import StepProfiler
 
-    synced, finished = [], []  # the loop iterations that synchronized; the iterations done
+    synced, finished, running = [], [], []  # the loop iterations that synchronized; done; with the profiler
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: synced.append(len(finished)))
+    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
     profiler = StepProfiler(ProfileConfig(start=4, steps=2), tmp_path, 0, first_step=0, on_cuda=True)
     for _ in range(7):
         torch.ones(8).sum()
         profiler.step()
         finished.append(True)
+        running.append(profiler._prof is not None)
     profiler.close()
     assert synced == [2, 4]
+    # stopped once the recorded steps are written, with CUPTI detached (Kineto's TEARDOWN_CUPTI)
+    assert running == [True] * 4 + [False] * 3 and os.environ["TEARDOWN_CUPTI"] == "1"
     assert json.loads((tmp_path / "breakdown_rank0.json").read_text())["recorded_steps"] == [4, 5]
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -203,6 +204,10 @@ class StepProfiler:
             )
         if not self.enabled:
             return
+        if on_cuda:
+            # Kineto detaches CUPTI when a recording stops only with TEARDOWN_CUPTI=1; left attached,
+            # it slows every later kernel launch. torch sets 0 itself where CUDA graphs need it kept.
+            os.environ.setdefault("TEARDOWN_CUPTI", "1")
         warmup = 1 if begin >= 1 else 0
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
         self._prof = profile(
@@ -221,9 +226,12 @@ class StepProfiler:
             torch.cuda.synchronize()
         self._iteration += 1
         self._prof.step()
+        if self.result is not None:  # the recorded steps are written: stop the profiler, free its events
+            self.close()
 
     def close(self) -> None:
-        """Stops recording (writing the results if the recorded steps were reached)."""
+        """Stops the profiler (writing the results if the recorded steps were reached); after the
+        recorded steps :meth:`step` does it, so that the steps after them run without it."""
         if self._prof is not None:
             self._prof.__exit__(None, None, None)
             self._prof = None
