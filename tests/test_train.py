@@ -227,10 +227,11 @@ def test_profile_writes_a_trace_and_a_breakdown(cache_dir, tmp_path):
     assert result["top"][0]["ms_per_step"] >= result["top"][-1]["ms_per_step"]
 
 
-def test_profile_drains_the_gpu_queue_as_recording_starts_and_ends(monkeypatch, tmp_path):
+def test_profile_drains_the_gpu_queue_and_stops_after_the_recorded_steps(monkeypatch, tmp_path):
     """On a GPU the host runs ahead: kernels still queued from the step before the recording would
     be booked to the recorded steps, so the profiler synchronizes before the first recorded step and
-    after the last one (steps 4-5 here: after loop iterations 2 and 4)."""
+    after the last one (steps 4-5 here: after loop iterations 2 and 4). Then it stops, so that the
+    steps after the recording do not pay for it."""
     from gem.train.config import ProfileConfig
     from gem.train.profile import StepProfiler
 
@@ -245,7 +246,7 @@ def test_profile_drains_the_gpu_queue_as_recording_starts_and_ends(monkeypatch, 
         running.append(profiler._prof is not None)
     profiler.close()
     assert synced == [2, 4]
-    # stopped once the recorded steps are written, with CUPTI detached (Kineto's TEARDOWN_CUPTI)
+    # stopped once the recorded steps are written, with TEARDOWN_CUPTI=1 so that Kineto detaches CUPTI
     assert running == [True] * 4 + [False] * 3 and os.environ["TEARDOWN_CUPTI"] == "1"
     assert json.loads((tmp_path / "breakdown_rank0.json").read_text())["recorded_steps"] == [4, 5]
 
