@@ -239,9 +239,9 @@ def _forward(x, a, offsets, max_len, wrap, config=None):
 def _backward(grad_out, x, a, out, lse, offsets, max_len, wrap, config=None):
     num_rows, row_dim = x.shape
     num_batches, num_cols = offsets.numel() - 1, a.shape[1]
-    d_scores = x.new_empty(num_rows, num_cols, dtype=torch.float32)
     if num_rows == 0 or num_cols == 0 or max_len == 0:
         return torch.zeros_like(x), torch.zeros_like(a)
+    d_scores = x.new_empty(num_rows, num_cols, dtype=torch.float32)
     delta = (out.float() * grad_out.float()).sum(-1)  # [B, Q]: sum_j P dP per query column
     config = config or launch_config("bwd", row_dim, num_cols)
     accumulate = num_cols > config["BLOCK_Q"]  # several column blocks add into a float32 dx

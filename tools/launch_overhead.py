@@ -37,16 +37,12 @@ def main() -> None:
     x = torch.zeros(16, device="cuda")
     timings = lambda: [per_launch_us(x, args.launches) for _ in range(3)]  # noqa: E731
     result = {"TEARDOWN_CUPTI": os.environ.get("TEARDOWN_CUPTI"), "before": timings()}
-    prof = profile(
-        activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-        schedule=schedule(wait=1, warmup=1, active=2, repeat=1),
-    )
-    prof.__enter__()
-    for _ in range(6):  # two steps recorded, then two more with the schedule done
-        x.add_(1)
-        prof.step()
-    result["after a recording, profiler open"] = timings()
-    prof.__exit__(None, None, None)
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=2, repeat=1)) as prof:
+        for _ in range(6):  # two steps recorded, then two more with the schedule done
+            x.add_(1)
+            prof.step()
+        result["after a recording, profiler open"] = timings()
     result["after the profiler exits"] = timings()
     print(json.dumps(result))
 
