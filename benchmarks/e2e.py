@@ -13,7 +13,8 @@ the warm-up and gives the device time by kind (windows holding a profiled step a
 ``fbgemm-<block>`` / ``fbgemm-nopipe-<block>`` shard the tables on FBGEMM's CUDA kernels
 (``sparse=torchrec``) with and without TorchRec's pipeline; ``blocks-<block>`` compiles the dense
 arch a graph per block (``parallelism.compile_scope=blocks``; the flagship compiles it as one
-graph); ``combo-<block>`` turns on Inductor's combo kernels (``parallelism.inductor``).
+graph); ``combo-<block>`` turns on Inductor's combo kernels (``parallelism.inductor``), ``static-<block>``
+its static launcher for user Triton kernels.
 ``cold-<block>`` and ``warm-<block>`` run a block for a few steps, on a machine without and then
 with the caches (data, Inductor, Triton), for the time to first step.
 
@@ -171,6 +172,8 @@ VARIANTS = {
     "float8": ["parallelism.float8=true"],
     # Inductor's combo kernels: independent small kernels launched as one (fewer launches a step)
     "combo": ["+parallelism.inductor.combo_kernels=true"],
+    # Inductor's own launcher for user Triton kernels (the attention, rotary and pooling kernels)
+    "static": ["+parallelism.inductor.static_launch_user_defined_triton_kernels=true"],
 }
 
 
