@@ -428,6 +428,7 @@ class Checkpointer:
         saved_world_size = self._on_rank0(lambda: json.loads((path / MANIFEST).read_text())["world_size"])
         error = None
         flat, slots = _flatten(state)
+        self._drop_stateless(path, flat, slots)
         try:
             # Our flat keys, loaded strictly: an entry this rank needs and the checkpoint lacks is an error.
             dcp.load(
@@ -462,6 +463,25 @@ class Checkpointer:
             )
         self._restore_loader(path, Progress(**state["progress"]))
         return None
+
+    def _drop_stateless(self, path: Path, flat: dict[str, Any], slots: dict[str, tuple[dict, str]]) -> None:
+        """Leave out of the load the dense parameters that had no optimizer state when ``path`` was
+        saved (no gradient had reached them, e.g. the user tokens' projections of a model without a
+        personalized FFN): AdamW creates its state lazily, and the probe of the state to load has
+        created it for every parameter. They keep no state, as in the run that saved."""
+        prefix = "optim.dense.state."
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        param_of = {k: k.removeprefix(prefix).rsplit(".", 1)[0] for k in flat if k.startswith(prefix)}
+        stateless = {p for k, p in param_of.items() if k not in saved}
+        stateless -= {p for k, p in param_of.items() if k in saved}  # partly saved: an error below
+        if not stateless:
+            return
+        for key in [k for k, p in param_of.items() if p in stateless]:
+            container, name = slots.pop(key)
+            del container[name], flat[key]
+        params = dict(self.model.dense_arch.named_parameters())
+        for name in stateless:
+            self.dense_opt.state.pop(params[name], None)
 
     def _restore_loader(self, path: Path, progress: Progress) -> None:
         """Continue the training loader where the checkpoint's rank left it. A loader position
