@@ -10,9 +10,9 @@ data.seqrec.seed=<seed>`` in its own process, with the set's own experiment wher
 the paper's file for LastFM, numpy seed 12345 otherwise. The metrics are those of the final
 evaluation of ``--split``: ``test`` for the figures to report, ``val`` (with ``trainer.eval_every``
 at the end) to choose a recipe. With ``--pretrain OVERRIDES``, each run starts from a pretraining
-run of the same set and seed (the same experiment with OVERRIDES added, e.g. S3-Rec-style masked
-item prediction, ``model.objective=masked_item``): its tables and dense arch, through
-``checkpoint.init_from``. Writes ``benchmarks/results/seqrec-<experiment>-<hardware>.json`` with every
+stage of the same set and seed (the same experiment with OVERRIDES added, e.g. S3-Rec-style masked
+item prediction, ``model.objective=masked_item``): its tables and dense arch, through the
+trainer's ``trainer.pretrain``. Writes ``benchmarks/results/seqrec-<experiment>-<hardware>.json`` with every
 run's metrics and time, and prints mean +- standard deviation per set.
 """
 
@@ -59,10 +59,8 @@ def run(
     pretrain: list[str] | None = None,
 ) -> dict:
     tick = time.perf_counter()
-    if pretrain:
-        run(experiment, name, seed, split, [*overrides, *pretrain, "checkpoint.enabled=true"], run_dir / "pretrain")
-        start = run_dir / "pretrain" / "checkpoints"
-        overrides = [*overrides, f"checkpoint.init_from={start}", "checkpoint.init_modules=[sparse_arch,dense_arch]"]
+    if pretrain:  # the trainer's pretraining stage, in <run_dir>/pretrain
+        overrides = [*overrides, "trainer.pretrain=[" + ",".join(f"'{o}'" for o in pretrain) + "]"]
     experiment = experiment_for(experiment, name)
     cmd = [
         sys.executable,

@@ -17,6 +17,7 @@ from gem.data.sources.seqrec import SeqRecOptions, read_s3rec, write_seqrec
 from gem.models.gem import GEMModel
 from gem.models.generative import GenerativeSeqArch
 from gem.sparse.arch import SparseArch
+from gem.train.config import ConfigError, validate
 from gem.train.trainer import train
 from tests.conftest import compose, needs_fbgemm_cuda
 from tests.test_checkpoint import _interrupt, _losses
@@ -392,6 +393,19 @@ def test_a_masked_item_pretraining_starts_a_next_event_run(tmp_path):
     assert 0 <= result["next_item/hr@1"] <= result["next_item/hr@10"] <= 1
     assert "loaded" in (tmp_path / "ft" / "train.log").read_text()
 
+    # the same two runs as one: trainer.pretrain trains the stage in <run_dir>/pretrain first
+    one = train(compose([*common, f"trainer.run_dir={tmp_path / 'one'}", "trainer.epochs=3", *PRETRAIN]))
+    assert one | {"train_seconds": 0} == result | {"train_seconds": 0}
+    for stage, run in (("one/pretrain", "pre"), ("one", "ft")):
+        rows = [json.loads(line) for line in (tmp_path / stage / "metrics.jsonl").read_text().splitlines()]
+        losses = [r["loss"] for r in rows if r["kind"] == "train"]
+        expected = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        assert losses == [r["loss"] for r in expected if r["kind"] == "train"]
+    assert "loaded" in (tmp_path / "one" / "train.log").read_text()
+
+
+PRETRAIN = ["trainer.pretrain=['model.objective=masked_item']"]
+
 
 def test_a_run_with_parameters_no_gradient_reaches_resumes_bit_identically(tmp_path):
     """The recipe leaves the user tokens' projections unused (no personalized FFN), so AdamW never
@@ -418,6 +432,14 @@ def test_a_run_with_parameters_no_gradient_reaches_resumes_bit_identically(tmp_p
     expected, resumed = _losses(tmp_path / "whole"), _losses(tmp_path / "resumed")
     assert max(expected) == 15 and [resumed[s] for s in range(6, 16)] == [expected[s] for s in range(6, 16)]
     assert "resumed from" in (tmp_path / "resumed" / "train.log").read_text()
+
+
+def test_pretrain_names_what_it_cannot_do(tmp_path):
+    base = ["experiment=seqrec_gen", f"data.dir={tmp_path}", "data.name=Tiny"]
+    with pytest.raises(ConfigError, match=r"trainer.pretrain: '\+model.x=1' is not a key=value override"):
+        validate(compose([*base, "trainer.pretrain=['+model.x=1']"]))
+    with pytest.raises(ConfigError, match="trainer.pretrain starts the run from its pretraining stage"):
+        validate(compose([*base, *PRETRAIN, "checkpoint.init_from=x", "checkpoint.init_modules=[sparse_arch]"]))
 
 
 @pytest.mark.parametrize(

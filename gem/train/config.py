@@ -162,6 +162,9 @@ class TrainerConfig:
     plots: bool = True  # curves.png at the end (needs matplotlib; skipped with a log line without it)
     distill: DistillConfig = field(default_factory=DistillConfig)
     delta_export: DeltaExportConfig = field(default_factory=DeltaExportConfig)
+    # key=value overrides of a pretraining stage (e.g. [model.objective=masked_item]): the same config with
+    # them trains first in <run_dir>/pretrain, and this run starts its sparse and dense archs from its last step
+    pretrain: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -388,6 +391,17 @@ def validate(cfg: DictConfig | dict) -> Config:
         )
     if c.init_modules and not c.init_from:
         raise ConfigError("checkpoint.init_modules is set but checkpoint.init_from is not; give the teacher's step_<N>")
+    for override in t.pretrain:
+        if "=" not in override or override.startswith(("+", "~")):
+            raise ConfigError(
+                f"trainer.pretrain: {override!r} is not a key=value override of this config "
+                "(e.g. trainer.pretrain=[model.objective=masked_item])"
+            )
+    if t.pretrain and c.init_from:
+        raise ConfigError(
+            f"trainer.pretrain starts the run from its pretraining stage, and checkpoint.init_from={c.init_from!r} "
+            "from another run: set one of them"
+        )
     dd = t.distill
     if not 0 <= dd.weight <= 1:
         raise ConfigError(f"trainer.distill.weight={dd.weight} must be in [0, 1] (0: off, 1: soft labels only)")

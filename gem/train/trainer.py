@@ -413,6 +413,8 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
     start = time.perf_counter()
     timer = StartupTimer()
     config = validate(cfg)
+    if config.trainer.pretrain:
+        return train(pretrain_stage(cfg, config), hooks)
     t = config.trainer
     if config.parallelism.compile:
         start_compile_workers()
@@ -645,6 +647,27 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
     if env.is_main and t.plots:
         plot_curves(run_dir)
     return result
+
+
+def pretrain_stage(cfg: DictConfig | dict, config: Config) -> DictConfig:
+    """``trainer.pretrain``: train ``cfg`` with those overrides in ``<run_dir>/pretrain``, checkpointed
+    (a restarted run resumes the stage rather than repeating it); returns ``cfg`` set to start its
+    sparse and dense archs from the stage's last checkpoint."""
+    stage_dir = Path(config.trainer.run_dir) / "pretrain"
+    raw = OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg
+    raw = OmegaConf.create(OmegaConf.to_container(raw, resolve=False))
+    raw.pop("hydra", None)
+    raw = OmegaConf.merge(raw, {"trainer": {"pretrain": []}})
+    checkpointed = {"enabled": True, "dir": str(stage_dir / "checkpoints")}
+    stage = OmegaConf.merge(
+        raw,
+        OmegaConf.from_dotlist(list(config.trainer.pretrain)),
+        {"trainer": {"run_dir": str(stage_dir)}, "checkpoint": checkpointed},
+    )
+    logger.info("trainer.pretrain: %s, in %s", " ".join(config.trainer.pretrain), stage_dir)
+    train(stage)
+    start = {"init_from": str(stage_dir / "checkpoints"), "init_modules": ["sparse_arch", "dense_arch"]}
+    return OmegaConf.merge(raw, {"checkpoint": start})
 
 
 def _log_startup(timer: StartupTimer, first_step_s: float, metrics: MetricsWriter, run_dir: Path, env: DistEnv) -> None:
