@@ -28,13 +28,24 @@ def seconds_since_process_start() -> float | None:
         return None
 
 
+_FINISHED_RUNS_S = 0.0  # the time this process spent in train() calls that have returned
+
+
+def count_finished_run(seconds: float) -> None:
+    """Called as ``train()`` returns, so that a later run in the process (after a pretraining
+    stage, say) does not count this one as its imports."""
+    global _FINISHED_RUNS_S
+    _FINISHED_RUNS_S += seconds
+
+
 class StartupTimer:
-    """Collects ``{phase: seconds}`` from the call to ``train()`` to the end of the first step."""
+    """Collects ``{phase: seconds}`` from the call to ``train()`` to the end of the first step;
+    ``imports`` is the time before it since the process started, less earlier runs'."""
 
     def __init__(self) -> None:
         self.start = time.perf_counter()
         since_start = seconds_since_process_start()
-        self.phases: dict[str, float] = {"imports": since_start} if since_start is not None else {}
+        self.phases: dict[str, float] = {} if since_start is None else {"imports": since_start - _FINISHED_RUNS_S}
         self.compile: dict[str, float] | None = None  # compile_breakdown() of the first step
 
     @contextmanager

@@ -43,6 +43,7 @@ from gem.train.startup import (
     compile_breakdown,
     compile_counters,
     configure_threads,
+    count_finished_run,
     format_summary,
     start_compile_workers,
 )
@@ -646,6 +647,7 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
     logger.info("test %s", format_metrics(result))
     if env.is_main and t.plots:
         plot_curves(run_dir)
+    count_finished_run(time.perf_counter() - start)
     return result
 
 
