@@ -365,10 +365,12 @@ def test_a_masked_item_pretraining_starts_a_next_event_run(tmp_path):
         "data.seqrec.num_eval_negatives=20",
         "model.dropout=0.0",
     ]
+    alone = "trainer.pretrain=[]"  # the experiment's own pretraining stage off: these two runs are the stages
     train(
         compose(
             [
                 *common,
+                alone,
                 f"trainer.run_dir={tmp_path / 'pre'}",
                 "model.objective=masked_item",
                 "trainer.epochs=3",
@@ -383,6 +385,7 @@ def test_a_masked_item_pretraining_starts_a_next_event_run(tmp_path):
         compose(
             [
                 *common,
+                alone,
                 f"trainer.run_dir={tmp_path / 'ft'}",
                 f"checkpoint.init_from={tmp_path / 'pre' / 'checkpoints'}",
                 "checkpoint.init_modules=[sparse_arch,dense_arch]",
@@ -393,8 +396,8 @@ def test_a_masked_item_pretraining_starts_a_next_event_run(tmp_path):
     assert 0 <= result["next_item/hr@1"] <= result["next_item/hr@10"] <= 1
     assert "loaded" in (tmp_path / "ft" / "train.log").read_text()
 
-    # the same two runs as one: trainer.pretrain trains the stage in <run_dir>/pretrain first
-    one = train(compose([*common, f"trainer.run_dir={tmp_path / 'one'}", "trainer.epochs=3", *PRETRAIN]))
+    # the same two runs as one: the experiment's trainer.pretrain trains the stage in <run_dir>/pretrain first
+    one = train(compose([*common, f"trainer.run_dir={tmp_path / 'one'}", "trainer.epochs=3"]))
     assert one | {"train_seconds": 0} == result | {"train_seconds": 0}
     for stage, run in (("one/pretrain", "pre"), ("one", "ft")):
         rows = [json.loads(line) for line in (tmp_path / stage / "metrics.jsonl").read_text().splitlines()]
@@ -402,14 +405,15 @@ def test_a_masked_item_pretraining_starts_a_next_event_run(tmp_path):
         expected = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
         assert losses == [r["loss"] for r in expected if r["kind"] == "train"]
     assert "loaded" in (tmp_path / "one" / "train.log").read_text()
-
-
-PRETRAIN = ["trainer.pretrain=['model.objective=masked_item']"]
+    stage_s = json.loads((tmp_path / "one" / "pretrain" / "test_metrics.json").read_text())["train_seconds"]
+    imports = [json.loads((tmp_path / d / "startup.json").read_text())["imports"] for d in ("one/pretrain", "one")]
+    assert imports[1] - imports[0] < stage_s / 2  # the run's start-up does not count the stage as its imports
 
 
 def test_a_run_with_parameters_no_gradient_reaches_resumes_bit_identically(tmp_path):
     """The recipe leaves the user tokens' projections unused (no personalized FFN), so AdamW never
-    creates their state; a restart from a checkpoint still loads, and steps 6-15 match."""
+    creates their state; a restart still loads (its pretraining stage from its last checkpoint,
+    the run from step 5's), and steps 6-15 match."""
     _write_s3rec(tmp_path, num_users=80)
     run = [
         "experiment=seqrec_gen",
@@ -439,7 +443,7 @@ def test_pretrain_names_what_it_cannot_do(tmp_path):
     with pytest.raises(ConfigError, match=r"trainer.pretrain: '\+model.x=1' is not a key=value override"):
         validate(compose([*base, "trainer.pretrain=['+model.x=1']"]))
     with pytest.raises(ConfigError, match="trainer.pretrain starts the run from its pretraining stage"):
-        validate(compose([*base, *PRETRAIN, "checkpoint.init_from=x", "checkpoint.init_modules=[sparse_arch]"]))
+        validate(compose([*base, "checkpoint.init_from=x", "checkpoint.init_modules=[sparse_arch]"]))  # it pretrains
 
 
 @pytest.mark.parametrize(
@@ -501,7 +505,10 @@ def test_seqrec_gen_experiment_learns_and_reports_ranking_metrics(tmp_path, over
     )
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if r["kind"] == "train"]
-    assert len(losses) == 6 and losses[-1] < losses[0] - 0.2, losses
+    stage = [json.loads(line) for line in (tmp_path / "run" / "pretrain" / "metrics.jsonl").read_text().splitlines()]
+    pretrain_losses = [r["loss"] for r in stage if r["kind"] == "train"]  # masked item prediction first
+    assert pretrain_losses[-1] < pretrain_losses[0] - 0.2, pretrain_losses
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.1, losses
     assert result["next_item/groups"] == 80 and 0 <= result["next_item/hr@1"] <= result["next_item/hr@10"] <= 1
     assert all(r["tflops"] > 0 for r in rows if r["kind"] == "train")
     if torch.distributed.is_initialized():  # sharded tables started a one-rank group
@@ -524,6 +531,7 @@ def test_a_pretrained_next_event_model_fine_tunes_on_ranking_rows(tmp_path):
         "trainer.progress_bar=false",
         "data.seqrec.num_eval_negatives=20",
         "model.dropout=0.0",
+        "trainer.pretrain=[]",  # the fine-tune starts from the next-event run instead
     ]
     pretrained = train(
         compose(
