@@ -151,6 +151,7 @@ class TrainerConfig:
     log_every: int = 50
     eval_every: int = 0  # 0 = only at the end
     eval_max_batches: int = -1
+    test: bool = True  # the final evaluation on the test split (a pretraining stage skips it)
     run_dir: str = "runs/${name}"  # the same explicit path on every torchrun rank
     progress_bar: bool = True
     task_weights: dict[str, float] = field(default_factory=dict)

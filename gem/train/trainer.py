@@ -633,9 +633,10 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
     if deltas is not None:
         deltas.close()
     if stream is None:
-        result = evaluate(
-            model, loader("test", d.eval_batch_size, False), env, schema.tasks, t.eval_max_batches, autocast_dtype
-        )
+        result = {}
+        if t.test:
+            test = loader("test", d.eval_batch_size, False)
+            result = evaluate(model, test, env, schema.tasks, t.eval_max_batches, autocast_dtype)
     else:  # the progressive metrics, averaged over the partitions
         result = stream_summary(run_dir, scores) if env.is_main else {}
     result["train_seconds"] = time.perf_counter() - start
@@ -653,16 +654,19 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
 
 def pretrain_stage(cfg: DictConfig | dict, config: Config) -> DictConfig:
     """``trainer.pretrain``: train ``cfg`` with those overrides in ``<run_dir>/pretrain``, checkpointed
-    (a restarted run resumes the stage rather than repeating it); returns ``cfg`` set to start its
-    sparse and dense archs from the stage's last checkpoint."""
+    (a restarted run resumes the stage rather than repeating it) and not evaluated unless the
+    overrides ask for it (``trainer.eval_every``, ``trainer.test=true``); returns ``cfg`` set to
+    start its sparse and dense archs from the stage's last checkpoint."""
     stage_dir = Path(config.trainer.run_dir) / "pretrain"
     raw = OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg
     raw = OmegaConf.create(OmegaConf.to_container(raw, resolve=False))
     raw.pop("hydra", None)
     raw = OmegaConf.merge(raw, {"trainer": {"pretrain": []}})
-    checkpointed = {"enabled": True, "dir": str(stage_dir / "checkpoints")}
+    checkpointed = {"enabled": True, "at_end": True, "resume": True, "load_from": None}
+    checkpointed["dir"] = str(stage_dir / "checkpoints")
     stage = OmegaConf.merge(
         raw,
+        {"trainer": {"eval_every": 0, "test": False}},
         OmegaConf.from_dotlist(list(config.trainer.pretrain)),
         {"trainer": {"run_dir": str(stage_dir)}, "checkpoint": checkpointed},
     )
