@@ -662,13 +662,18 @@ def pretrain_stage(cfg: DictConfig | dict, config: Config) -> DictConfig:
     raw = OmegaConf.create(OmegaConf.to_container(raw, resolve=False))
     raw.pop("hydra", None)
     raw = OmegaConf.merge(raw, {"trainer": {"pretrain": []}})
-    checkpointed = {"enabled": True, "at_end": True, "resume": True, "load_from": None}
-    checkpointed["dir"] = str(stage_dir / "checkpoints")
+    checkpoint = {
+        "enabled": True,
+        "dir": str(stage_dir / "checkpoints"),
+        "at_end": True,
+        "resume": True,
+        "load_from": None,
+    }
     stage = OmegaConf.merge(
         raw,
-        {"trainer": {"eval_every": 0, "test": False}},
+        {"trainer": {"eval_every": 0, "test": False}},  # the overrides may ask for evaluations
         OmegaConf.from_dotlist(list(config.trainer.pretrain)),
-        {"trainer": {"run_dir": str(stage_dir)}, "checkpoint": checkpointed},
+        {"trainer": {"run_dir": str(stage_dir)}, "checkpoint": checkpoint},
     )
     logger.info("trainer.pretrain: %s, in %s", " ".join(config.trainer.pretrain), stage_dir)
     train(stage)
