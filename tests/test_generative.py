@@ -103,6 +103,21 @@ def _model(schema, block="interformer", **kwargs):
     return GEMModel(sparse, dense)
 
 
+def _tiny_seqrec_gen(tmp_path) -> list[str]:
+    """``experiment=seqrec_gen`` on the tiny set that ``_write_s3rec`` wrote into ``tmp_path``, at a
+    test's size (16 users a step, 20 evaluation negatives, no DataLoader workers)."""
+    return [
+        "experiment=seqrec_gen",
+        f"data.dir={tmp_path}",
+        "data.name=Tiny",
+        "data.batch_size=16",
+        "data.num_workers=0",
+        "data.eval_batch_size=800",
+        "data.seqrec.num_eval_negatives=20",
+        "trainer.progress_bar=false",
+    ]
+
+
 def _batch(out, split="train", batch_size=8):
     schema = schema_from_files(split_files(out, split))
     options = {"balance": split == "train"}  # evaluation rows in file order, as the trainer reads them
@@ -353,16 +368,9 @@ def test_masked_positions_hide_their_event_and_attention_sees_both_ways(generati
 def test_a_masked_item_pretraining_starts_a_next_event_run(tmp_path):
     _write_s3rec(tmp_path, num_users=80)
     common = [
-        "experiment=seqrec_gen",
-        f"data.dir={tmp_path}",
-        "data.name=Tiny",
+        *_tiny_seqrec_gen(tmp_path),
         f"data.cache_dir={tmp_path / 'cache'}",
-        "data.batch_size=16",
-        "data.num_workers=0",
-        "data.eval_batch_size=800",
         "trainer.log_every=5",
-        "trainer.progress_bar=false",
-        "data.seqrec.num_eval_negatives=20",
         "model.dropout=0.0",
     ]
     alone = "trainer.pretrain=[]"  # the experiment's own pretraining stage off: these two runs are the stages
@@ -400,10 +408,7 @@ def test_a_masked_item_pretraining_starts_a_next_event_run(tmp_path):
     one = train(compose([*common, f"trainer.run_dir={tmp_path / 'one'}", "trainer.epochs=3"]))
     assert one | {"train_seconds": 0} == result | {"train_seconds": 0}
     for stage, run in (("one/pretrain", "pre"), ("one", "ft")):
-        rows = [json.loads(line) for line in (tmp_path / stage / "metrics.jsonl").read_text().splitlines()]
-        losses = [r["loss"] for r in rows if r["kind"] == "train"]
-        expected = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-        assert losses == [r["loss"] for r in expected if r["kind"] == "train"]
+        assert _losses(tmp_path / stage) == _losses(tmp_path / run)
     assert "loaded" in (tmp_path / "one" / "train.log").read_text()
     stage_result = json.loads((tmp_path / "one" / "pretrain" / "test_metrics.json").read_text())
     assert set(stage_result) == {"train_seconds", "steps"}  # the stage is not evaluated
@@ -418,17 +423,10 @@ def test_a_run_with_parameters_no_gradient_reaches_resumes_bit_identically(tmp_p
     the run from step 5's), and steps 6-15 match."""
     _write_s3rec(tmp_path, num_users=80)
     run = [
-        "experiment=seqrec_gen",
-        f"data.dir={tmp_path}",
-        "data.name=Tiny",
+        *_tiny_seqrec_gen(tmp_path),
         f"data.cache_dir={tmp_path / 'cache'}",
-        "data.batch_size=16",
-        "data.num_workers=0",
-        "data.eval_batch_size=800",
-        "data.seqrec.num_eval_negatives=20",
         "trainer.epochs=3",
         "trainer.log_every=1",
-        "trainer.progress_bar=false",
         "checkpoint.enabled=true",
         "checkpoint.every_steps=5",
     ]
@@ -488,18 +486,11 @@ def test_seqrec_gen_experiment_learns_and_reports_ranking_metrics(tmp_path, over
     result = train(
         compose(
             [
-                "experiment=seqrec_gen",
-                f"data.dir={tmp_path}",
-                "data.name=Tiny",
+                *_tiny_seqrec_gen(tmp_path),
                 f"data.cache_dir={tmp_path / 'cache'}",
                 f"trainer.run_dir={tmp_path / 'run'}",
-                "data.batch_size=16",
-                "data.num_workers=0",
-                "data.eval_batch_size=800",
                 "trainer.epochs=6",
                 "trainer.log_every=5",
-                "trainer.progress_bar=false",
-                "data.seqrec.num_eval_negatives=20",
                 "model.dropout=0.0",
                 *overrides,
             ]
@@ -507,8 +498,7 @@ def test_seqrec_gen_experiment_learns_and_reports_ranking_metrics(tmp_path, over
     )
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if r["kind"] == "train"]
-    stage = [json.loads(line) for line in (tmp_path / "run" / "pretrain" / "metrics.jsonl").read_text().splitlines()]
-    pretrain_losses = [r["loss"] for r in stage if r["kind"] == "train"]  # masked item prediction first
+    pretrain_losses = list(_losses(tmp_path / "run" / "pretrain").values())  # masked item prediction first
     assert pretrain_losses[-1] < pretrain_losses[0] - 0.2, pretrain_losses
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.1, losses
     assert result["next_item/groups"] == 80 and 0 <= result["next_item/hr@1"] <= result["next_item/hr@10"] <= 1
@@ -523,15 +513,8 @@ def test_a_pretrained_next_event_model_fine_tunes_on_ranking_rows(tmp_path):
     users exactly as the pretrained model did; with the recipe's rates its BCE loss falls."""
     _write_s3rec(tmp_path, num_users=80)
     common = [
-        "experiment=seqrec_gen",
-        f"data.dir={tmp_path}",
-        "data.name=Tiny",
-        "data.batch_size=16",
-        "data.num_workers=0",
-        "data.eval_batch_size=800",
+        *_tiny_seqrec_gen(tmp_path),
         "trainer.log_every=1",
-        "trainer.progress_bar=false",
-        "data.seqrec.num_eval_negatives=20",
         "model.dropout=0.0",
         "trainer.pretrain=[]",  # the fine-tune starts from the next-event run instead
     ]
