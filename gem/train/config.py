@@ -291,15 +291,19 @@ def _positive(key: str, value: float, allow_zero: bool = False) -> None:
         raise ConfigError(f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}")
 
 
+def plain_config(cfg: DictConfig | dict) -> DictConfig:
+    """``cfg`` as an untyped copy without Hydra's own node (present when composed with
+    ``return_hydra_config``), interpolations unresolved. Untyped, so that merging it into the schema
+    checks every key (a key Hydra appended with ``+key=value`` to a typed node would otherwise ride along)."""
+    raw = OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg
+    raw = OmegaConf.masked_copy(raw, [k for k in raw.keys() if k != "hydra"]) if "hydra" in raw else raw
+    return OmegaConf.create(OmegaConf.to_container(raw, resolve=False))
+
+
 def validate(cfg: DictConfig | dict) -> Config:
     """Merge ``cfg`` into the typed schema and check every value; returns the typed config."""
-    raw = OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg
+    raw = plain_config(cfg)
     base = OmegaConf.structured(Config)
-    # Drop Hydra's own node (present when composed with return_hydra_config).
-    raw = OmegaConf.masked_copy(raw, [k for k in raw.keys() if k != "hydra"]) if "hydra" in raw else raw
-    # Untyped, so that merging checks every key against the schema (a key Hydra appended with
-    # ``+key=value`` to a typed node would otherwise ride along).
-    raw = OmegaConf.create(OmegaConf.to_container(raw, resolve=False))
     try:
         merged = OmegaConf.merge(base, raw)
         OmegaConf.resolve(merged)

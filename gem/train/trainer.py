@@ -30,7 +30,7 @@ from gem.data.sources.stream import StreamLoader
 from gem.models.gem import GEMModel
 from gem.sparse.arch import SparseArch
 from gem.train.checkpoint import Checkpointer, CheckpointError, Progress
-from gem.train.config import Config, ConfigError, check_schema_refs, validate
+from gem.train.config import Config, ConfigError, check_schema_refs, plain_config, validate
 from gem.train.delta import build_exporter
 from gem.train.flops import default_peak_tflops, mfu, step_flops
 from gem.train.logging import MetricsWriter, format_metrics, logger, open_metrics, plot_curves, setup_logging
@@ -658,10 +658,7 @@ def pretrain_stage(cfg: DictConfig | dict, config: Config) -> DictConfig:
     overrides ask for it (``trainer.eval_every``, ``trainer.test=true``); returns ``cfg`` set to
     start its sparse and dense archs from the stage's last checkpoint."""
     stage_dir = Path(config.trainer.run_dir) / "pretrain"
-    raw = OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg
-    raw = OmegaConf.create(OmegaConf.to_container(raw, resolve=False))
-    raw.pop("hydra", None)
-    raw = OmegaConf.merge(raw, {"trainer": {"pretrain": []}})
+    raw = OmegaConf.merge(plain_config(cfg), {"trainer": {"pretrain": []}})
     checkpoint = {
         "enabled": True,
         "dir": str(stage_dir / "checkpoints"),
