@@ -1,5 +1,7 @@
+import concurrent.futures
 import json
 import math
+import time
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -84,6 +86,26 @@ def test_s3rec_fixed_negatives_and_bad_files(tmp_path):
     (tmp_path / "Bad.txt").write_text("1 3 4\n2 x 5\n")
     with pytest.raises(ValueError, match="Bad.txt, line 2: expected 'user item item ...'"):
         read_s3rec(tmp_path, "Bad")
+
+
+def test_runs_sharing_a_cache_convert_once(tmp_path, monkeypatch):
+    """Runs started together on one data.cache_dir (a seed sweep) used to race: each converted into
+    the same scratch folder and one failed renaming a file the other had moved."""
+    import gem.data.sources.seqrec as seqrec
+
+    _write_s3rec(tmp_path)
+    calls = []
+
+    def slow_write(*args, **kwargs):
+        calls.append(1)
+        time.sleep(0.3)  # long enough for every thread to find the folder missing
+        return write_seqrec(*args, **kwargs)
+
+    monkeypatch.setattr(seqrec, "write_seqrec", slow_write)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        folders = list(pool.map(lambda _: prepare_seqrec(tmp_path, "Tiny", tmp_path / "cache"), range(4)))
+    assert len(calls) == 1 and len(set(folders)) == 1
+    assert split_files(folders[0], "train") and not list((tmp_path / "cache").glob("*.partial"))
 
 
 @pytest.mark.parametrize("fmt", ["dat", "csv"])

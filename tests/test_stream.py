@@ -73,7 +73,7 @@ def _rows_of(run_dir: Path, kind: str) -> list[dict]:
 
 
 def _stream_dir(cache_dir) -> Path:
-    (folder,) = [p for p in Path(cache_dir).iterdir() if "-stream-" in p.name and not p.name.endswith(".partial")]
+    (folder,) = [p for p in Path(cache_dir).glob("*-stream-*") if p.is_dir() and not p.name.endswith(".partial")]
     return folder
 
 
@@ -112,7 +112,7 @@ def test_each_partition_is_scored_before_training_on_it(one_pass):
     assert result["click/auc"] == pytest.approx(np.mean([r["click/auc"] for r in rows]))
 
 
-def test_new_ids_appear_over_time(cache_dir):
+def test_new_ids_appear_over_time(cache_dir, one_pass):  # one_pass generates the stream
     """The synthetic stream renews users' and items' raw ids (data.stream.id_lifetime_days=3)."""
     data = _stream_dir(cache_dir)
     users = [

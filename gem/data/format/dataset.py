@@ -3,9 +3,11 @@ layout; the files of a split, and the schema the files carry."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
@@ -16,6 +18,26 @@ from gem.data.format.checks import metadata_schema, schema_differences, schema_m
 from gem.data.pipeline.schema import FeatureSchema
 
 SPLITS = ("train", "val", "test")
+
+
+def make_once(directory: Path, make: Callable[[], object], is_writer: bool, timeout_s: float, what: str) -> Path:
+    """``directory``, a data set in a cache, made by ``make()`` (which writes it atomically) if absent.
+
+    Only ``is_writer`` (rank 0) makes it; the other ranks of the run wait for it. Writers hold an
+    exclusive lock on ``.<name>.lock`` beside it, so runs that share a cache (a sweep started in
+    parallel) make it once: the first makes it, the others wait for the lock and then find it.
+    """
+    if directory.exists():
+        return directory
+    if not is_writer:
+        wait_for_folder(directory, timeout_s, what)
+        return directory
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with open(directory.with_name(f".{directory.name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        if not directory.exists():
+            make()
+    return directory
 
 
 def wait_for_folder(directory: Path, timeout_s: float, what: str) -> None:

@@ -41,7 +41,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 
-from gem.data.format.dataset import wait_for_folder
+from gem.data.format.dataset import make_once
 from gem.data.format.layout import write_parquet
 from gem.data.pipeline.schema import FeatureSchema
 
@@ -500,7 +500,8 @@ def prepare_seqrec(
     ``.dat``, ``.csv``, ``.tsv``) once into ``cache_dir``; return the gem data set folder.
 
     The folder's name hashes the source files' sizes and times and the options, so a changed
-    source or option converts again. Only ``is_writer`` converts; others wait for it.
+    source or option converts again. Only ``is_writer`` converts; the other ranks wait for it, and
+    runs that share ``cache_dir`` (a sweep's, in parallel) convert it once.
     """
     o = SeqRecOptions.from_config(options)
     source = Path(source)
@@ -522,28 +523,26 @@ def prepare_seqrec(
         sort_keys=True,
     )
     out = Path(cache_dir) / f"seqrec-{name.replace('.', '_')}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
-    if out.exists():
-        return out
-    if not is_writer:
-        wait_for_folder(out, 1800, "convert")
-        return out
-    start = time.perf_counter()
-    data = read_s3rec(source, name) if (source / f"{name}.txt").is_file() else read_interactions(source / name)
-    summary = write_seqrec(data, out, o)
-    logger.info(
-        "converted %s/%s -> %s in %.1fs: %s rows; %d users dropped (under 3 events), %d item ids never "
-        "seen, %d items only in evaluation, %s items without attributes",
-        source,
-        name,
-        out,
-        time.perf_counter() - start,
-        summary["rows"],
-        summary["users_dropped_under_3_events"],
-        summary["item_ids_never_seen"],
-        summary["items_only_in_evaluation"],
-        summary["items_without_attributes"],
-    )
-    return out
+
+    def convert() -> None:
+        start = time.perf_counter()
+        data = read_s3rec(source, name) if (source / f"{name}.txt").is_file() else read_interactions(source / name)
+        summary = write_seqrec(data, out, o)
+        logger.info(
+            "converted %s/%s -> %s in %.1fs: %s rows; %d users dropped (under 3 events), %d item ids never "
+            "seen, %d items only in evaluation, %s items without attributes",
+            source,
+            name,
+            out,
+            time.perf_counter() - start,
+            summary["rows"],
+            summary["users_dropped_under_3_events"],
+            summary["item_ids_never_seen"],
+            summary["items_only_in_evaluation"],
+            summary["items_without_attributes"],
+        )
+
+    return make_once(out, convert, is_writer, 1800, "convert")
 
 
 def open_source(data_cfg: Any, is_writer: bool = True) -> DataSource:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import hashlib
 import json
 import re
@@ -36,7 +37,7 @@ import numpy as np
 import pyarrow as pa
 
 from gem.data.errors import DataError, MissingDataError
-from gem.data.format.dataset import schema_from_files, split_files, wait_for_folder
+from gem.data.format.dataset import make_once, schema_from_files, split_files
 from gem.data.pipeline.loader import BatchLoader, build_loader
 from gem.data.pipeline.schema import FeatureSchema
 from gem.data.sources.base import DataSource
@@ -267,12 +268,9 @@ def prepare_synthetic_stream(data_cfg: Any, options: StreamOptions, is_writer: b
         sort_keys=True,
     )
     directory = Path(data_cfg.cache_dir) / f"{data_cfg.name}-stream-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
-    if not directory.exists():
-        if is_writer:
-            write_synthetic_stream(directory, schema, options, data_cfg.seed, dict(data_cfg.synthetic))
-        else:
-            wait_for_folder(directory, 600, "generate")
-    return directory
+    knobs = dict(data_cfg.synthetic)
+    make = functools.partial(write_synthetic_stream, directory, schema, options, data_cfg.seed, knobs)
+    return make_once(directory, make, is_writer, 600, "generate")
 
 
 def write_synthetic_stream(

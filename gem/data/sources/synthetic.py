@@ -14,6 +14,7 @@ A model sees ids, not latents, so it must learn the item embeddings and the hist
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Mapping
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from gem.data.format.dataset import wait_for_folder
+from gem.data.format.dataset import make_once
 from gem.data.pipeline.schema import FeatureSchema
 
 if TYPE_CHECKING:  # imported where a source is opened: the loader is heavy
@@ -250,12 +251,8 @@ def prepare_synthetic(
     except TypeError as e:
         raise ValueError(f"data.synthetic: {e}; known knobs: {list(SyntheticConfig.__dataclass_fields__)}") from None
     directory = synthetic_dir(cache_dir, name, schema, num_examples, seed, knobs)
-    if not directory.exists():
-        if is_writer:
-            write_dataset(directory, schema, dict(num_examples), seed, cfg)
-        else:
-            wait_for_folder(directory, 600, "generate")
-    return directory
+    make = functools.partial(write_dataset, directory, schema, dict(num_examples), seed, cfg)
+    return make_once(directory, make, is_writer, 600, "generate")
 
 
 def open_source(data_cfg: Any, is_writer: bool = True) -> DataSource:
