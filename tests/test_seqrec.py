@@ -8,6 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from gem.data.format import dataset
 from gem.data.format.dataset import schema_from_files, split_files
 from gem.data.sources.seqrec import SeqRecOptions, prepare_seqrec, read_interactions, read_s3rec, write_seqrec
 from gem.train.metrics import RankingEvaluator, positive_ranks, ranking_metrics
@@ -106,6 +107,17 @@ def test_runs_sharing_a_cache_convert_once(tmp_path, monkeypatch):
         folders = list(pool.map(lambda _: prepare_seqrec(tmp_path, "Tiny", tmp_path / "cache"), range(4)))
     assert len(calls) == 1 and len(set(folders)) == 1
     assert split_files(folders[0], "train") and not list((tmp_path / "cache").glob("*.partial"))
+
+
+def test_a_cache_without_file_locks_still_converts(tmp_path, monkeypatch, caplog):
+    def no_locks(*args):
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(dataset.fcntl, "flock", no_locks)
+    made = []
+    with caplog.at_level("WARNING", logger="gem"):
+        assert dataset.make_once(tmp_path / "set", lambda: made.append((tmp_path / "set").mkdir()), True, 1, "make")
+    assert made and "cannot lock" in caplog.text and "No locks available" in caplog.text
 
 
 @pytest.mark.parametrize("fmt", ["dat", "csv"])

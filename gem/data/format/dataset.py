@@ -4,6 +4,7 @@ layout; the files of a split, and the schema the files carry."""
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import re
 import time
@@ -18,6 +19,7 @@ from gem.data.format.checks import metadata_schema, schema_differences, schema_m
 from gem.data.pipeline.schema import FeatureSchema
 
 SPLITS = ("train", "val", "test")
+logger = logging.getLogger("gem")
 
 
 def make_once(directory: Path, make: Callable[[], object], is_writer: bool, timeout_s: float, what: str) -> Path:
@@ -34,7 +36,10 @@ def make_once(directory: Path, make: Callable[[], object], is_writer: bool, time
         return directory
     directory.parent.mkdir(parents=True, exist_ok=True)
     with open(directory.with_name(f".{directory.name}.lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        except OSError as e:  # a file system without locks (some network mounts)
+            logger.warning("cannot lock %s (%s): runs started together on this cache may each write it", lock.name, e)
         if not directory.exists():
             make()
     return directory
