@@ -438,6 +438,27 @@ def test_a_run_with_parameters_no_gradient_reaches_resumes_bit_identically(tmp_p
     assert "resumed from" in (tmp_path / "resumed" / "train.log").read_text()
 
 
+def test_evaluating_mid_run_leaves_the_training_run_unchanged(tmp_path):
+    """Validation every 2 steps used to draw from torch's random state (the evaluation loader's
+    seed), so the run's later dropout and negatives, and its model, differed from a run without it."""
+    _write_s3rec(tmp_path, num_users=60)
+    run = [
+        *_tiny_seqrec_gen(tmp_path),
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "trainer.epochs=3",
+        "trainer.pretrain=[]",
+    ]
+    for every in (1000, 2):
+        train(
+            compose(
+                [*run, "trainer.log_every=1", f"trainer.eval_every={every}", f"trainer.run_dir={tmp_path / str(every)}"]
+            )
+        )
+    quiet, evaluated = _losses(tmp_path / "1000"), _losses(tmp_path / "2")
+    assert len(quiet) == 9 and evaluated == quiet
+    assert len([line for line in (tmp_path / "2" / "metrics.jsonl").read_text().splitlines() if '"val"' in line]) == 5
+
+
 def test_pretrain_names_what_it_cannot_do(tmp_path):
     base = ["experiment=seqrec_gen", f"data.dir={tmp_path}", "data.name=Tiny"]
     with pytest.raises(ConfigError, match=r"trainer.pretrain: '\+model.x=1' is not a key=value override"):

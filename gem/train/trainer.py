@@ -344,7 +344,21 @@ def evaluate(
 ) -> dict[str, float]:
     """Per-task AUC / NE over a split, plus ranking metrics (HR, NDCG, MRR) when it has candidate
     groups (request ids). Every rank runs the same number of forward passes (sharded tables need
-    all ranks in each step); a rank out of batches repeats its last one unrecorded."""
+    all ranks in each step); a rank out of batches repeats its last one unrecorded. Torch's random
+    state is restored after it, so evaluating mid-run leaves the training run as it would have been."""
+    cuda = [env.device] if env.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        return _evaluate(model, loader, env, tasks, max_batches, autocast_dtype)
+
+
+def _evaluate(
+    model: nn.Module,
+    loader: BatchLoader,
+    env: DistEnv,
+    tasks: tuple[str, ...],
+    max_batches: int,
+    autocast_dtype: torch.dtype | None,
+) -> dict[str, float]:
     model.eval()
     evaluator, ranking = TaskEvaluator(tasks), RankingEvaluator(tasks)
     steps = max(loader.reader.num_batches(r) for r in range(env.world_size))
