@@ -316,6 +316,39 @@ def test_compiled_personalized_ffn_weights_are_one_kernel_matching_baddbmm(dtype
     assert len(kernels) == 1 and kernels[0].startswith("cpp_fused"), launched  # one fused kernel, no GEMM
 
 
+class _GeneratedWeightsArch(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = torch.nn.Parameter(torch.randn(16, 24))
+        self.mix = torch.nn.Parameter(torch.randn(16, 4))
+
+    def forward(self, generated: torch.Tensor) -> torch.Tensor:
+        return generate_weights(self.shared, self.mix, generated)
+
+
+def test_a_restarted_compile_reuses_aotautograd_cache(tmp_path, monkeypatch):
+    """The compiled PFFN holds a custom autograd.Function, which torch's AOTAutograd cache skips
+    unless asked; ``parallelize_gem(compile=True)`` asks, so a second start (Dynamo reset, a new
+    model, the same cache folder) loads the traced and partitioned graph instead of redoing it."""
+    from torch._dynamo.utils import counters
+
+    from gem.distributed.parallelize import parallelize_gem
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch._functorch.config, "autograd_cache_allow_custom_autograd_functions", False)
+    generated = torch.randn(3, 4, 24, requires_grad=True)
+    counters.clear()
+    for _ in range(2):
+        torch._dynamo.reset()
+        model = torch.nn.Module()
+        model.dense_arch = _GeneratedWeightsArch()
+        parallelize_gem(model, None, compile=True, compile_scope="dense_arch")
+        model.dense_arch(generated).sum().backward()
+    torch._dynamo.reset()
+    aot = dict(counters["aot_autograd"])
+    assert aot.get("autograd_cache_bypass", 0) == 0 and aot.get("autograd_cache_hit") == 1, aot
+
+
 def test_bad_stream_settings_name_the_key(tiny_schema):
     with pytest.raises(ValueError, match=r"model.streams: unknown event streams \['clicks'\]"):
         build(tiny_schema, streams={"clicks": {"window": 3}})

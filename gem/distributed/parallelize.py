@@ -35,6 +35,19 @@ def dense_blocks(dense_arch: nn.Module) -> list[nn.Module]:
     return blocks
 
 
+def allow_autograd_cache_with_functions() -> None:
+    """Let AOTAutograd's cache store and reuse graphs that hold a custom ``autograd.Function``.
+
+    torch (2.11 and 2.13 at least) bypasses that cache for any graph holding one, unless
+    ``torch._functorch.config.autograd_cache_allow_custom_autograd_functions`` is on; PyTorch has
+    checked that such graphs are pure in their inputs and keeps the flag off only until it has
+    tested it more widely. gem's PFFN traces one under compile (:func:`gem.models.sequence.generate_weights`),
+    so without it every start retraces the joint graph and reruns the partitioner: 17-19 s of a
+    warm gem_base start on an H200, against 3.4 s with it (docs/e2e.md). The variable
+    ``TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD=0`` still turns it off."""
+    torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
+
+
 def float8_projections(dense_arch: nn.Module, min_features: int) -> list[str]:
     """Swap the dense arch's large projections for torchao's ``Float8Linear`` (dynamic tensor-wise
     scales, e4m3 forward, e5m2 gradients) and return their names.
@@ -91,7 +104,9 @@ def parallelize_gem(
             (unsharded parameters are cast after the all-gather), reduce gradients in
             ``reduce_dtype``; the sharded parameters and the optimizer stay float32.
         activation_checkpointing: recompute each block's activations in backward.
-        compile: ``torch.compile`` the dense arch, as ``compile_scope`` says.
+        compile: ``torch.compile`` the dense arch, as ``compile_scope`` says. This also lets
+            AOTAutograd's on-disk cache keep graphs that hold a custom ``autograd.Function``
+            (:func:`allow_autograd_cache_with_functions`), as gem's dense archs do.
         compile_scope: ``"blocks"``, one graph per block (regional compilation: what FSDP2 and
             activation checkpointing wrap), or ``"dense_arch"``, one graph for the whole dense
             arch, which lets Inductor fuse across the blocks' boundaries and launches the step from
@@ -118,6 +133,8 @@ def parallelize_gem(
         )
     if float8_min_features is not None:
         float8_projections(dense, float8_min_features)
+    if compile:
+        allow_autograd_cache_with_functions()
     blocks = dense_blocks(dense)
     for block in blocks:
         if activation_checkpointing:
