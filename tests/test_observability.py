@@ -4,6 +4,8 @@ e2e benchmark's choice of windows."""
 
 from __future__ import annotations
 
+import importlib
+import sys
 import time
 
 import pytest
@@ -50,6 +52,21 @@ def test_threads_are_the_available_cpus_less_the_loader_workers(monkeypatch, res
     assert "3 intra-op (trainer.num_threads)" in startup.configure_threads(3, 1) and torch.get_num_threads() == 3
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert "OMP_NUM_THREADS=2" in startup.configure_threads(None, 1) and torch.get_num_threads() == 3  # left alone
+
+
+def test_imports_without_a_bytecode_cache_are_told_apart(tmp_path, monkeypatch):
+    """A module imported where no bytecode can be written (PYTHONDONTWRITEBYTECODE) was compiled from
+    source, and so will be at the next start; once its bytecode is written, imports read it."""
+    (tmp_path / "gem_bytecode_probe.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "gem_bytecode_probe", raising=False)
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    importlib.import_module("gem_bytecode_probe")
+    assert startup.imported_from_source("gem_bytecode_probe")
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    importlib.reload(sys.modules["gem_bytecode_probe"])
+    assert not startup.imported_from_source("gem_bytecode_probe")
+    assert not startup.imported_from_source("gem_no_such_module") and not startup.imported_from_source("sys")
 
 
 class _Tiny(torch.nn.Module):
@@ -126,7 +143,6 @@ def test_the_compile_workers_start_before_the_data_and_model_build(monkeypatch, 
 import json  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
-import sys  # noqa: E402
 
 from gem.train.config import ConfigError, validate  # noqa: E402
 from gem.train.logging import plot_curves  # noqa: E402

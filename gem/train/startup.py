@@ -83,6 +83,15 @@ def format_summary(values: dict[str, Any]) -> str:
     return ", ".join(one(k, v) for k, v in values.items() if k != "total")
 
 
+def imported_from_source(module_name: str = "torch") -> bool:
+    """Whether ``module_name`` was imported without a bytecode cache, so that every start compiles
+    its Python sources again: ``PYTHONDONTWRITEBYTECODE`` set, or an install folder that cannot be
+    written and holds no bytecode (an installer that skips it, as uv does by default). False for a
+    module that is not imported or has no source."""
+    cached = getattr(sys.modules.get(module_name), "__cached__", None)
+    return cached is not None and not os.path.exists(cached)
+
+
 def compile_counters() -> dict[str, float]:
     """torch.compile's cumulative work in this process: Dynamo's seconds by phase
     (``calculate_time_spent()``), ``frames`` converted and ``graphs`` compiled. Empty where Dynamo
