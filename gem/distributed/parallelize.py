@@ -42,8 +42,8 @@ def allow_autograd_cache_with_functions() -> None:
     ``torch._functorch.config.autograd_cache_allow_custom_autograd_functions`` is on; PyTorch has
     checked that such graphs are pure in their inputs and keeps the flag off only until it has
     tested it more widely. gem's PFFN traces one under compile (:func:`gem.models.sequence.generate_weights`),
-    so without it every start retraces the joint graph and reruns the partitioner: 17-19 s of a
-    warm gem_base start on an H200, against 3.4 s with it (docs/e2e.md). The variable
+    so without it every start traces the joint graph and runs the partitioner again: on an H200 a
+    warm gem_base start's compile backend took 13.8-18.2 s, and 2.4-4.5 s with it (docs/e2e.md). The variable
     ``TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD=0`` still turns it off."""
     torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
 
