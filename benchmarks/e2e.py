@@ -14,7 +14,7 @@ the warm-up and gives the device time by kind (windows holding a profiled step a
 (``sparse=torchrec``) with and without TorchRec's pipeline; ``blocks-<block>`` compiles the dense
 arch a graph per block (``parallelism.compile_scope=blocks``; the flagship compiles it as one
 graph); ``combo-<block>`` turns on Inductor's combo kernels (``parallelism.inductor``), ``static-<block>``
-its static launcher for user Triton kernels.
+its static launcher for user Triton kernels, ``autotune-<block>`` its GEMM autotuning.
 ``cold-<block>`` and ``warm-<block>`` run a block for a few steps, on a machine without and then
 with the caches (data, Inductor, Triton), for the time to first step.
 
@@ -174,6 +174,8 @@ VARIANTS = {
     "combo": ["+parallelism.inductor.combo_kernels=true"],
     # Inductor's own launcher for user Triton kernels (the attention, rotary and pooling kernels)
     "static": ["+parallelism.inductor.static_launch_user_defined_triton_kernels=true"],
+    # Inductor's GEMM autotuning: cuBLAS against its Triton GEMM templates, which can take pointwise epilogues
+    "autotune": ["+parallelism.inductor.max_autotune_gemm=true"],
 }
 
 
