@@ -18,6 +18,8 @@ a baseline that is missing or runs out of memory is recorded as such.
     python benchmarks/attention.py --no-sweep --variants           # + every setting of KERNEL_VARIANTS
     python benchmarks/attention.py --lengths    # GDPA without a mask, 128..2048 at fill 0.5: which
                                                 # forward and backward win where (its own JSON)
+    python benchmarks/attention.py --flagship   # gem_base's two attention calls at its history lengths,
+                                                # kernel time and error of every backend (its own JSON)
 """
 
 from __future__ import annotations
@@ -67,6 +69,22 @@ LENGTHS_VARIANTS = (
     "gem triton (recomputing dQ backward)",
 )
 
+# --flagship: the two attention calls of each gem_base layer (experiment=gem_base_h200) at its
+# history lengths, lognormal(5, 1) events rounded and capped at 512 (at least 1), batch 1024: the
+# self-attention (softmax over the jagged rows) and the personalized FFN (silu GDPA against 256
+# generated K/V rows per example). Under torch.compile the op runs its Triton kernels only, so the
+# Gluon ones are variants here.
+FLAGSHIP_CASES = [
+    ("gem_base self-attention", "jagged", "softmax", {}),
+    ("gem_base personalized FFN", "dense_kv", "silu", {}),
+]
+FLAGSHIP_BATCH, FLAGSHIP_MAX_LEN, FLAGSHIP_LOG_MEAN, FLAGSHIP_LOG_STD = 1024, 512, 5.0, 1.0
+FLAGSHIP_VARIANTS = (
+    "gem triton (no gluon forward)",
+    "gem triton (triton dK/dV)",
+    "gem triton (no gluon: the kernels under torch.compile)",
+)
+
 
 # Seconds of idle before each implementation's measurements, so that none inherits the power
 # and clock state of a long run before it (see _gpu_state).
@@ -112,10 +130,39 @@ def _gpu_state() -> dict:
         return {}
 
 
-def run_impl(name, make_forward, tensors, flops_fwd) -> dict:
+def kernel_ms(forward, tensors, grad_out, steps=10) -> float:
+    """Device time of the CUDA kernels of one forward+backward (torch.profiler), without the host's
+    work between them: what the step of a compiled model would pay for the call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            torch.autograd.grad(forward(), tensors, grad_out)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.device_time for e in kernels) / 1e3 / steps
+
+
+def relative_errors(forward, tensors, reference) -> dict:
+    """max |x - ref| / max |ref| of the output and each gradient, against ``reference``
+    (grad_out, out, grads) from the float32 reference on the same inputs."""
+    grad_out, out_ref, grads_ref = reference
+    out = forward()
+    grads = torch.autograd.grad(out, tensors, grad_out)
+    names = ("out", "dq", "dk", "dv")
+    return {
+        n: float((x.float() - r).abs().max() / r.abs().max().clamp_min(1e-30))
+        for n, x, r in zip(names, (out, *grads), (out_ref, *grads_ref))
+    }
+
+
+def run_impl(name, make_forward, tensors, flops_fwd, reference=None) -> dict:
     row = {"impl": name}
     try:
         forward = make_forward()
+        if reference is not None:
+            row["rel_err"] = relative_errors(forward, tensors, reference)
+            row["kernel_ms"] = kernel_ms(forward, tensors, reference[0])
         torch.cuda.synchronize()
         time.sleep(SETTLE_S)  # every implementation starts from the same idle GPU
         row.update(measure(forward, tensors))
@@ -184,7 +231,24 @@ def _baselines(inputs, activation, mask, compiled_reference):
 
             return forward
 
-        out += [("nested-tensor SDPA", nested), ("padded SDPA (key mask)", padded)]
+        def nested_cudnn():
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            def forward():
+                with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                    nq, nk, nv = (
+                        torch.nested.nested_tensor_from_jagged(t, off, max_seqlen=n).transpose(1, 2)
+                        for t, off, n in ((q, q_off, max_q), (kv_rows(k), kv_off, max_kv), (kv_rows(v), kv_off, max_kv))
+                    )
+                    return F.scaled_dot_product_attention(nq, nk, nv).transpose(1, 2).values()
+
+            return forward
+
+        out += [
+            ("nested-tensor SDPA", nested),
+            ("nested-tensor SDPA, cuDNN", nested_cudnn),
+            ("padded SDPA (key mask)", padded),
+        ]
     padded_bytes = 16 * num_batches * NUM_HEADS * max_q * max_kv  # fp32 scores, probs, grads
     if compiled_reference and padded_bytes > torch.cuda.mem_get_info()[0]:
 
@@ -212,6 +276,7 @@ KERNEL_VARIANTS = {
     "gem triton (gluon forward at every length)": dict(gluon_min_q_len=0),
     "gem triton (recomputing dQ backward)": dict(store_ds=False),  # GEM_KERNELS_STORE_DS=0
     "gem triton (triton dK/dV)": dict(gluon_bwd=False),  # GEM_KERNELS_GLUON_BWD=0
+    "gem triton (no gluon: the kernels under torch.compile)": dict(gluon=False, gluon_bwd=False),
 }
 _GDPA_ONLY = {"packed_act", "gluon", "gluon_min_q_len", "gluon_bwd"}  # settings that change nothing for softmax
 
@@ -229,9 +294,14 @@ def run_case(
     baselines=True,
     variants=False,
     seed=0,
+    lengths=None,
+    check=False,
 ) -> list[dict]:
+    """``lengths``: the examples' lengths (default: drawn by ``random_lengths`` at ``fill``);
+    ``check``: every row also gets its kernel time and its errors against the float32 reference."""
     gen = torch.Generator().manual_seed(seed)
-    lengths = random_lengths(num_batches, max_len, fill, gen)
+    if lengths is None:
+        lengths = random_lengths(num_batches, max_len, fill, gen)
     inputs = make_inputs(
         lengths,
         num_heads=NUM_HEADS,
@@ -250,6 +320,14 @@ def run_case(
     )
     flops_fwd = 4 * NUM_HEADS * HEAD_DIM * pairs
     tensors = list(inputs.tensors())
+    reference = None
+    if check:
+        exact = [t.detach().float().requires_grad_() for t in tensors]
+        args = (*exact, *inputs.args()[3:])
+        out = jagged_attention_reference(*args, activation=activation, **mask)
+        grad_out = torch.randn_like(out).to(DTYPE)
+        reference = (grad_out, out.detach(), torch.autograd.grad(out, exact, grad_out.float()))
+        del exact, out
 
     def ours():
         return lambda: jagged_attention(*inputs.args(), activation=activation, backend="triton", **mask)
@@ -266,7 +344,7 @@ def run_case(
     rows = []
     for name, make_forward, flags in impls:
         with testing.override(**flags):
-            row = run_impl(name, make_forward, tensors, flops_fwd)
+            row = run_impl(name, make_forward, tensors, flops_fwd, reference)
         row.update(
             shape=shape_name,
             layout=layout,
@@ -382,6 +460,12 @@ def main() -> None:
         f"{list(LENGTHS_VARIANTS)}; writes attention-h200-lengths.json",
     )
     parser.add_argument(
+        "--flagship",
+        action="store_true",
+        help="only gem_base's self-attention and personalized FFN at its history lengths, with kernel "
+        "times and errors; writes attention-h200-flagship.json",
+    )
+    parser.add_argument(
         "--only-sweeps",
         metavar="NAMES",
         help=f"run only these sweeps (comma-separated, of {list(SWEEP_MODES)}) and "
@@ -396,6 +480,8 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     if args.lengths:
         return length_sweep(pathlib.Path(args.out))
+    if args.flagship:
+        return flagship(pathlib.Path(args.out))
 
     rows = []
     shapes = [TARGET_SHAPES[1], TARGET_SHAPES[4]] if args.quick else TARGET_SHAPES
@@ -537,6 +623,51 @@ def length_sweep(out_dir: pathlib.Path) -> None:
                 for r in line
             )
         )
+
+
+def flagship(out_dir: pathlib.Path) -> None:
+    """--flagship: FLAGSHIP_CASES with their baselines and FLAGSHIP_VARIANTS, one JSON."""
+    gen = torch.Generator().manual_seed(0)
+    normal = torch.randn(FLAGSHIP_BATCH, generator=gen, dtype=torch.float64)
+    lengths = (FLAGSHIP_LOG_MEAN + FLAGSHIP_LOG_STD * normal).exp().round().clamp(1, FLAGSHIP_MAX_LEN).long()
+    versions, rows = _versions(), []
+    for name, layout, activation, mask in FLAGSHIP_CASES:
+        rows += run_case(
+            name,
+            layout,
+            FLAGSHIP_BATCH,
+            FLAGSHIP_MAX_LEN,
+            None,
+            activation,
+            mask,
+            compiled_reference=False,
+            variants=FLAGSHIP_VARIANTS,
+            lengths=lengths,
+            check=True,
+        )
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "attention-h200-flagship.json").write_text(
+            json.dumps(
+                {
+                    **versions,
+                    "num_heads": NUM_HEADS,
+                    "head_dim": HEAD_DIM,
+                    "dtype": str(DTYPE),
+                    "lengths": f"lognormal({FLAGSHIP_LOG_MEAN}, {FLAGSHIP_LOG_STD}), in [1, {FLAGSHIP_MAX_LEN}]",
+                    "mean_length": float(lengths.double().mean()),
+                    "flops": "fwd = 4*H*D*sum(visible pairs); bwd = 2.5x fwd; fwd+bwd = 3.5x fwd",
+                    "kernel_ms": "device time of the CUDA kernels of one forward+backward (torch.profiler)",
+                    "rel_err": "max |x - ref| / max |ref| against the float32 reference on the same inputs",
+                    "tuned_configs": _tuned_configs(),
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
+    for r in rows:
+        if r["status"] == "ok":
+            errors = " ".join(f"{k} {v:.1e}" for k, v in r["rel_err"].items())
+            print(f"{r['shape']:<26} {r['impl']:<34} kernels {r['kernel_ms']:6.3f} ms | errors {errors}")
 
 
 def _tuned_configs() -> dict:
