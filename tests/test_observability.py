@@ -373,12 +373,15 @@ def test_an_empty_validation_split_is_skipped_with_a_warning_and_an_empty_test_s
     swapped = tmp_path / "swapped"  # the same data set with the empty split as its test split
     for split, source in (("train", "train"), ("val", "test"), ("test", "val")):
         shutil.copytree(data.dir / source, swapped / split)
-    with pytest.raises(ValueError, match="the test split .* has no examples"):
-        train(
-            _tiny(
-                cache_dir, tmp_path / "run2", "data=parquet", f"data.dir={swapped}", "data.schema={}", "sparse=native"
-            )
-        )
+    parquet = ["data=parquet", f"data.dir={swapped}", "data.schema={}", "sparse=native", "trainer.plots=false"]
+    with pytest.raises(ValueError, match="the test split .* has no examples.*or set trainer.test=false"):
+        train(_tiny(cache_dir, tmp_path / "run2", *parquet))
+    shutil.rmtree(swapped / "test")  # a run that does not test needs no test split
+    result = train(_tiny(cache_dir, tmp_path / "run3", *parquet, "trainer.test=false", "trainer.max_steps=2"))
+    assert set(result) == {"train_seconds", "steps"} and result["steps"] == 2
+    assert "end of training:" in (tmp_path / "run3" / "train.log").read_text()
+    with pytest.raises(ValueError, match="the test split .* is missing"):
+        train(_tiny(cache_dir, tmp_path / "run4", *parquet))
 
 
 def test_e2e_benchmark_takes_its_figures_from_the_windows_after_warm_up_without_profiled_steps(tmp_path):

@@ -315,7 +315,8 @@ def split_loader(
 
 def check_eval_splits(config: Config, make_loader, data_dir: Path) -> None:
     """Before training: a missing or empty validation split turns ``trainer.eval_every`` off with a
-    warning (its AUC / NE would be NaN); an empty test split fails now rather than after training."""
+    warning (its AUC / NE would be NaN); a missing or empty test split fails now rather than after
+    training, unless ``trainer.test`` is off."""
     if config.trainer.eval_every:
         try:
             rows, why = make_loader("val").num_rows(), "has no examples"
@@ -330,8 +331,17 @@ def check_eval_splits(config: Config, make_loader, data_dir: Path) -> None:
                 why,
             )
             config.trainer.eval_every = 0  # this run's typed copy of the config
-    if make_loader("test").num_rows() == 0:
-        raise DataError(f"the test split {data_dir / 'test'} has no examples; the run would end on NaN metrics")
+    if not config.trainer.test:
+        return
+    try:
+        rows, why = make_loader("test").num_rows(), "has no examples"
+    except FileNotFoundError as e:
+        rows, why = 0, f"is missing ({e})"
+    if rows == 0:
+        raise DataError(
+            f"the test split {data_dir / 'test'} {why}; the run would end on NaN metrics: add examples there "
+            "or set trainer.test=false"
+        )
 
 
 @torch.no_grad()
@@ -660,7 +670,7 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
     metrics.close()
     if env.is_main:
         (run_dir / "test_metrics.json").write_text(json.dumps(result, indent=2))
-    logger.info("test %s", format_metrics(result))
+    logger.info("%s %s", "test" if t.test or stream is not None else "end of training:", format_metrics(result))
     if env.is_main and t.plots:
         plot_curves(run_dir)
     count_finished_run(time.perf_counter() - start)
