@@ -709,7 +709,7 @@ def _log_startup(timer: StartupTimer, first_step_s: float, metrics: MetricsWrite
     timer.phases["first step"] = first_step_s
     values = timer.summary()
     logger.info("time to first step %.2fs: %s", values["total"], format_summary(values))
-    if imported_from_source("torch"):
+    if env.local_rank == 0 and imported_from_source("torch"):  # the same for every rank of a host
         logger.warning(
             "imports compiled torch's Python sources: no bytecode cache (PYTHONDONTWRITEBYTECODE is set, or "
             "the install folder is read-only and holds none); PYTHONPYCACHEPREFIX=<a writable folder> keeps it "
