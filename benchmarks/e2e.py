@@ -14,7 +14,8 @@ the warm-up and gives the device time by kind (windows holding a profiled step a
 (``sparse=torchrec``) with and without TorchRec's pipeline; ``blocks-<block>`` compiles the dense
 arch a graph per block (``parallelism.compile_scope=blocks``; the flagship compiles it as one
 graph); ``combo-<block>`` turns on Inductor's combo kernels (``parallelism.inductor``), ``static-<block>``
-its static launcher for user Triton kernels, ``autotune-<block>`` its GEMM autotuning.
+its static launcher for user Triton kernels, ``autotune-<block>`` its GEMM autotuning,
+``graphs-<block>`` CUDA graphs over the dense arch with its inputs padded to few shapes.
 ``cold-<block>`` and ``warm-<block>`` run a block for a few steps, on a machine without and then
 with the caches (data, Inductor, Triton), for the time to first step.
 
@@ -176,6 +177,9 @@ VARIANTS = {
     "static": ["+parallelism.inductor.static_launch_user_defined_triton_kernels=true"],
     # Inductor's GEMM autotuning: cuBLAS against its Triton GEMM templates, which can take pointwise epilogues
     "autotune": ["+parallelism.inductor.max_autotune_gemm=true"],
+    # CUDA graphs over the compiled dense arch, its inputs padded to a multiple of 8,192 event rows
+    # (parallelism.row_bucket: a few shapes a run, a graph recorded for each)
+    "graphs": ["parallelism.row_bucket=8192", "+parallelism.inductor.triton.cudagraphs=true"],
 }
 
 

@@ -20,7 +20,7 @@ from gem.data.pipeline.batch import Batch
 from gem.data.pipeline.loader import build_loader
 from gem.data.pipeline.schema import FeatureSchema
 from gem.data.sources.synthetic import SyntheticConfig, generate
-from gem.models.gem import GEMModel
+from gem.models.gem import GEMModel, pad_examples
 from gem.models.gem_arch import GEMDenseArch
 from gem.models.sequence import PoolingByAttention, generate_weights, self_attention_pairs
 from gem.sparse.arch import JaggedEmbeddings, SparseArch, SparseOutput
@@ -119,6 +119,42 @@ def test_empty_histories_are_finite_and_do_not_leak_across_examples(tiny_schema,
         torch.testing.assert_close(model(alone)[0], logits[i], rtol=1e-5, atol=1e-6)
     logits.sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.dense_arch.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_row_buckets_append_empty_examples_and_change_no_output_or_gradient(tiny_schema, tiny_dataset, variant):
+    """parallelism.row_bucket: the dense arch sees event rows padded to a multiple of the bucket,
+    held by extra examples of at most the group's cap, and the first B outputs are the same, with
+    the same gradients, as without them."""
+    model = build(tiny_schema, **VARIANTS[variant])
+    batch = first_batch(tiny_dataset, tiny_schema, batch_size=20)
+    max_lens = {g.name: g.max_len for g in tiny_schema.sequence_groups}
+    bucket = 3 * max(max_lens.values()) + 5  # several extra examples, the last one part full
+    embeddings = model.sparse_arch(batch.sparse, batch.sequences, batch.max_seq_len)
+    sparse, dense, domain = pad_examples(embeddings, batch.dense, batch.domain, bucket, max_lens)
+    extra = -(-(bucket - 1) // min(max_lens.values()))
+    assert domain.shape[0] == dense.shape[0] == 20 + extra and not domain[20:].any()
+    for name, s in sparse.sequences.items():
+        rows, lengths = s.values.shape[0], s.offsets.diff()
+        real = embeddings.sequences[name]
+        assert rows % bucket == 0 and rows - bucket < real.values.shape[0] <= rows and int(s.offsets[-1]) == rows
+        assert s.offsets.shape[0] == 21 + extra and s.max_len == max_lens[name] and int(lengths.max()) <= s.max_len
+        assert torch.equal(s.offsets[:21], real.offsets) and not s.values[real.values.shape[0] :].any()
+    assert all(t.shape[0] == 20 + extra for t in sparse.pooled.values())
+
+    grads = []
+    for row_bucket in (0, bucket):
+        run = GEMModel(model.sparse_arch, model.dense_arch, row_bucket, max_lens)
+        run.zero_grad()
+        logits = run(batch)
+        assert logits.shape == (20, tiny_schema.num_tasks)
+        (logits * torch.linspace(-1, 1, logits.numel()).view_as(logits)).sum().backward()
+        grads.append((logits.detach(), [p.grad.clone() for p in run.parameters() if p.grad is not None]))
+    (logits, plain), (logits_padded, padded) = grads
+    torch.testing.assert_close(logits_padded, logits, rtol=1e-5, atol=1e-6)
+    assert len(plain) == len(padded)
+    for a, b in zip(plain, padded):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
 
 
 def _select(batch: Batch, rows: list[int]) -> Batch:

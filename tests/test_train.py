@@ -116,6 +116,23 @@ def test_unknown_task_weight_and_empty_dataset_fail_clearly(cache_dir, tmp_path)
         train(_cfg(cache_dir, tmp_path / "run", "data=parquet", f"data.dir={tmp_path / 'empty'}", "data.schema={}"))
 
 
+def test_row_buckets_train_the_same_losses_and_bad_values_fail(cache_dir, tmp_path):
+    """parallelism.row_bucket (empty examples padding the dense arch's inputs to few shapes, for
+    CUDA graphs) leaves every step's loss as it was."""
+    common = ["model=gem_tiny", "sparse=native", "trainer.log_every=1", "trainer.plots=false", "trainer.max_steps=6"]
+    train(_cfg(cache_dir, tmp_path / "plain", *common))
+    train(_cfg(cache_dir, tmp_path / "bucket", *common, "parallelism.row_bucket=100"))
+    plain, bucket = (_losses(tmp_path / name)[0] for name in ("plain", "bucket"))
+    assert len(plain) == 6 and bucket == pytest.approx(plain, rel=1e-5, abs=1e-6)
+    config = validate(_cfg(cache_dir, tmp_path / "bucket", *common, "parallelism.row_bucket=100"))
+    env = init_distributed("cpu", need_process_group=False)
+    schema, _ = load_data(config, env)
+    model = build_model(config, schema, env)  # what train() ran: the model pads
+    assert model.row_bucket == 100 and model.max_lens == {g.name: g.max_len for g in schema.sequence_groups}
+    with pytest.raises(ConfigError, match="parallelism.row_bucket=-1 must be >= 0"):
+        train(_cfg(cache_dir, tmp_path / "bad", *common, "parallelism.row_bucket=-1"))
+
+
 def test_quickstart_default_learns_the_hidden_signal(tmp_path):
     """The embedded default (`make train`), end to end: the click AUC on the test split."""
     result = train(compose([f"trainer.run_dir={tmp_path}", "trainer.progress_bar=false"]))

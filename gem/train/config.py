@@ -184,6 +184,9 @@ class ParallelismConfig:
     # Inductor options for the compile (torch.compile's `options`), e.g. +parallelism.inductor.combo_kernels=true;
     # nested keys as torch._inductor.config spells them (triton.cudagraphs); checked against it at start
     inductor: dict[str, Any] = field(default_factory=dict)
+    # > 0: each batch's event rows padded to a multiple of this with empty examples, so the dense arch
+    # sees few shapes, as CUDA graphs (+parallelism.inductor.triton.cudagraphs=true) need (docs/e2e.md)
+    row_bucket: int = 0
 
 
 def _kernels_config() -> type:
