@@ -582,6 +582,22 @@ def main() -> None:
             print(f"autotuned {kind} {key}: {config}")
 
 
+def _write_rows(path: pathlib.Path, versions: dict, rows: list[dict], **fields) -> None:
+    """A results JSON of ``rows`` with the run's versions, the shape constants and ``fields``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        **versions,
+        "num_heads": NUM_HEADS,
+        "head_dim": HEAD_DIM,
+        "dtype": str(DTYPE),
+        "flops": "fwd = 4*H*D*sum(visible pairs); bwd = 2.5x fwd; fwd+bwd = 3.5x fwd",
+        **fields,
+        "tuned_configs": _tuned_configs(),
+        "rows": rows,
+    }
+    path.write_text(json.dumps(record, indent=1))
+
+
 def length_sweep(out_dir: pathlib.Path) -> None:
     """--lengths: the default path and LENGTHS_VARIANTS at each of LENGTHS, one JSON."""
     versions, rows = _versions(), []
@@ -598,21 +614,7 @@ def length_sweep(out_dir: pathlib.Path) -> None:
             baselines=False,
             variants=LENGTHS_VARIANTS,
         )
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "attention-h200-lengths.json").write_text(
-            json.dumps(
-                {
-                    **versions,
-                    "num_heads": NUM_HEADS,
-                    "head_dim": HEAD_DIM,
-                    "dtype": str(DTYPE),
-                    "flops": "fwd = 4*H*D*sum(visible pairs); bwd = 2.5x fwd; fwd+bwd = 3.5x fwd",
-                    "tuned_configs": _tuned_configs(),
-                    "rows": rows,
-                },
-                indent=1,
-            )
-        )
+        _write_rows(out_dir / "attention-h200-lengths.json", versions, rows)
     for length in LENGTHS:
         line = [r for r in rows if r["max_len"] == length and r["status"] == "ok"]
         print(
@@ -645,24 +647,14 @@ def flagship(out_dir: pathlib.Path) -> None:
             lengths=lengths,
             check=True,
         )
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "attention-h200-flagship.json").write_text(
-            json.dumps(
-                {
-                    **versions,
-                    "num_heads": NUM_HEADS,
-                    "head_dim": HEAD_DIM,
-                    "dtype": str(DTYPE),
-                    "lengths": f"lognormal({FLAGSHIP_LOG_MEAN}, {FLAGSHIP_LOG_STD}), in [1, {FLAGSHIP_MAX_LEN}]",
-                    "mean_length": float(lengths.double().mean()),
-                    "flops": "fwd = 4*H*D*sum(visible pairs); bwd = 2.5x fwd; fwd+bwd = 3.5x fwd",
-                    "kernel_ms": "device time of the CUDA kernels of one forward+backward (torch.profiler)",
-                    "rel_err": "max |x - ref| / max |ref| against the float32 reference on the same inputs",
-                    "tuned_configs": _tuned_configs(),
-                    "rows": rows,
-                },
-                indent=1,
-            )
+        _write_rows(
+            out_dir / "attention-h200-flagship.json",
+            versions,
+            rows,
+            lengths=f"lognormal({FLAGSHIP_LOG_MEAN}, {FLAGSHIP_LOG_STD}), in [1, {FLAGSHIP_MAX_LEN}]",
+            mean_length=float(lengths.double().mean()),
+            kernel_ms="device time of the CUDA kernels of one forward+backward (torch.profiler)",
+            rel_err="max |x - ref| / max |ref| against the float32 reference on the same inputs",
         )
     for r in rows:
         if r["status"] == "ok":
