@@ -274,7 +274,9 @@ def plot_losses(files: list[str], out: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )  # a mistyped --out is an error, not --out-dir (the JSON always goes to benchmarks/results)
     parser.add_argument(
         "--runs",
         nargs="+",
