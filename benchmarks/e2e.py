@@ -15,7 +15,8 @@ the warm-up and gives the device time by kind (windows holding a profiled step a
 arch a graph per block (``parallelism.compile_scope=blocks``; the flagship compiles it as one
 graph); ``combo-<block>`` turns on Inductor's combo kernels (``parallelism.inductor``), ``static-<block>``
 its static launcher for user Triton kernels, ``autotune-<block>`` its GEMM autotuning,
-``graphs-<block>`` CUDA graphs over the dense arch with its inputs padded to few shapes.
+``graphs-<block>`` / ``graphs2k-<block>`` CUDA graphs over the dense arch with its inputs padded
+to a multiple of 8,192 / 2,048 event rows.
 ``cold-<block>`` and ``warm-<block>`` run a block for a few steps, on a machine without and then
 with the caches (data, Inductor, Triton), for the time to first step.
 
@@ -180,6 +181,8 @@ VARIANTS = {
     # CUDA graphs over the compiled dense arch, its inputs padded to a multiple of 8,192 event rows
     # (parallelism.row_bucket: a few shapes a run, a graph recorded for each)
     "graphs": ["parallelism.row_bucket=8192", "+parallelism.inductor.triton.cudagraphs=true"],
+    # the same with a quarter of the padding and about four times the shapes to record
+    "graphs2k": ["parallelism.row_bucket=2048", "+parallelism.inductor.triton.cudagraphs=true"],
 }
 
 
