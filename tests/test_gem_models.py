@@ -249,6 +249,11 @@ def test_two_event_streams_with_their_own_width_heads_and_window(block):
     longer = {n: JaggedEmbeddings(s.values, s.offsets, s.max_len + 9) for n, s in sequences.items()}
     with torch.no_grad():
         torch.testing.assert_close(arch(SparseOutput(pooled, longer), dense, domain), logits, rtol=1e-5, atol=1e-6)
+        # row buckets over streams of other caps: as many extra examples as the short stream needs
+        padded = pad_examples(SparseOutput(pooled, sequences), dense, domain, 16, {"views": 20, "buys": 5})
+        assert [s.offsets.shape[0] for s in padded[0].sequences.values()] == [9, 9]  # 5 examples + 3
+        assert [s.values.shape[0] for s in padded[0].sequences.values()] == [32, 16]  # 31 and 8 rows
+        torch.testing.assert_close(arch(*padded)[:batch_size], logits, rtol=1e-5, atol=1e-6)
 
 
 def test_jagged_prepend_and_window_pairs():
