@@ -377,6 +377,8 @@ def validate(cfg: DictConfig | dict) -> Config:
     if p.float8 and importlib.util.find_spec("torchao") is None:
         raise ConfigError("parallelism.float8=true needs torchao; pip install torchao, or set parallelism.float8=false")
     _positive("parallelism.float8_min_features", p.float8_min_features)
+    if p.row_bucket < 0:
+        raise ConfigError(f"parallelism.row_bucket={p.row_bucket} must be >= 0 (0: batches as they come)")
     p.inductor = inductor_options(p.inductor, p.compile)
     if t.autocast is not None:
         _one_of("trainer.autocast", t.autocast, ("bfloat16",))  # float16 would need a GradScaler

@@ -200,8 +200,6 @@ def build_model(config: Config, schema: FeatureSchema, env: DistEnv, timer: Star
         raise ConfigError(f"model: could not build {config.model.get('_target_')}: {e}") from e
     dense.to_empty(device=env.device)
     dense.init_weights()  # the same on every rank (same seed): fully_shard keeps each rank's slice
-    if p.row_bucket < 0:
-        raise ConfigError(f"parallelism.row_bucket={p.row_bucket} must be >= 0 (0: batches as they come)")
     if p.row_bucket and (getattr(dense, "teacher_inputs", False) or getattr(dense, "sequence_ids", ())):
         raise ConfigError(
             "parallelism.row_bucket pads the ranking model's inputs; this model reads sequence ids or a "
