@@ -319,15 +319,20 @@ def split_loader(
     )  # eval: groups stay contiguous
 
 
+def _split_rows(make_loader, split: str) -> tuple[int, str]:
+    """The split's row count, and what to say of it when there are none (empty or missing)."""
+    try:
+        return make_loader(split).num_rows(), "has no examples"
+    except FileNotFoundError as e:
+        return 0, f"is missing ({e})"
+
+
 def check_eval_splits(config: Config, make_loader, data_dir: Path) -> None:
     """Before training: a missing or empty validation split turns ``trainer.eval_every`` off with a
     warning (its AUC / NE would be NaN); a missing or empty test split fails now rather than after
     training, unless ``trainer.test`` is off."""
     if config.trainer.eval_every:
-        try:
-            rows, why = make_loader("val").num_rows(), "has no examples"
-        except FileNotFoundError as e:
-            rows, why = 0, f"is missing ({e})"
+        rows, why = _split_rows(make_loader, "val")
         if rows == 0:
             logger.warning(
                 "trainer.eval_every=%d but the validation split %s %s: training without validation; add "
@@ -339,10 +344,7 @@ def check_eval_splits(config: Config, make_loader, data_dir: Path) -> None:
             config.trainer.eval_every = 0  # this run's typed copy of the config
     if not config.trainer.test:
         return
-    try:
-        rows, why = make_loader("test").num_rows(), "has no examples"
-    except FileNotFoundError as e:
-        rows, why = 0, f"is missing ({e})"
+    rows, why = _split_rows(make_loader, "test")
     if rows == 0:
         raise DataError(
             f"the test split {data_dir / 'test'} {why}; the run would end on NaN metrics: add examples there "
