@@ -133,9 +133,11 @@ def padded_pooling(x, a, offsets, max_len, backend=None):
     return torch.softmax(scores, dim=1).transpose(1, 2) @ rows
 
 
-def padded_rotary(qkv, cos, sin, backend=None):
-    """``kernels.rotary.rotary_qkv`` as a padded model computes it: the PyTorch formula."""
-    return rotary_reference(qkv, cos, sin)
+def padded_self_attention(qkv, cos, sin, offsets, max_len, *, causal=False, window=None, backend=None):
+    """``kernels.jagged_attention.rotary_self_attention`` as a padded model computes it: the rotary
+    embedding's PyTorch formula, then :func:`padded_attention`."""
+    q, k, v = rotary_reference(qkv, cos, sin)
+    return padded_attention(q, k, v, offsets, offsets, max_len, max_len, causal=causal, window=window, backend=backend)
 
 
 class PaddedGEMDenseArch(GEMDenseArch):
@@ -146,7 +148,7 @@ class PaddedGEMDenseArch(GEMDenseArch):
             raise ValueError("the padded baseline pads one event stream")
         super().__init__(*args, **(kwargs | {"attention_backend": "padded"}))
         sequence.jagged_attention = padded_attention  # the blocks' attention calls, in this process
-        sequence.rotary_qkv = padded_rotary  # and their rotary embedding: plain PyTorch, compiled
+        sequence.rotary_self_attention = padded_self_attention  # self-attention's rotary embedding: PyTorch, compiled
         sequence.attention_pooling = padded_pooling
 
     def forward(self, sparse: SparseOutput, dense: torch.Tensor, domain: torch.Tensor) -> torch.Tensor:

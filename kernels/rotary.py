@@ -88,9 +88,11 @@ def _rotary_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BACKWARD: tl.constexpr,
+    COPY_V: tl.constexpr,
 ):
-    """Forward: Q, K, V = rotate(QKV[:, 0]), rotate(QKV[:, 1]), QKV[:, 2]. Backward (BACKWARD):
-    QKV[:, 0], QKV[:, 1], QKV[:, 2] = rotate^T(Q), rotate^T(K), V (Q, K, V hold the gradients)."""
+    """Forward: Q, K, V = rotate(QKV[:, 0]), rotate(QKV[:, 1]), QKV[:, 2] (V only with COPY_V).
+    Backward (BACKWARD): QKV[:, 0], QKV[:, 1], QKV[:, 2] = rotate^T(Q), rotate^T(K), V (Q, K, V
+    hold the gradients)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     mask = (rows < num_rows)[:, None] & (tl.arange(0, BLOCK_HALF) < HALF)[None, :]
     rows = rows.to(tl.int64)[:, None]
@@ -109,10 +111,11 @@ def _rotary_kernel(
         else:
             _rotate(QKV, Q, packed, q_row, cos, sin, mask, HALF, BLOCK_HALF, False)
             _rotate(QKV, K, packed + stride_qkv_c, k_row, cos, sin, mask, HALF, BLOCK_HALF, False)
-            _copy(QKV, V, packed + 2 * stride_qkv_c, v_row, mask, HALF, BLOCK_HALF)
+            if COPY_V:
+                _copy(QKV, V, packed + 2 * stride_qkv_c, v_row, mask, HALF, BLOCK_HALF)
 
 
-def _launch(qkv, q, k, v, cos, sin, backward: bool, wrap) -> None:
+def _launch(qkv, q, k, v, cos, sin, backward: bool, wrap, copy_v: bool = True) -> None:
     num_rows, _, num_heads, head_dim = qkv.shape
     if num_rows == 0 or num_heads == 0:
         return
@@ -140,6 +143,7 @@ def _launch(qkv, q, k, v, cos, sin, backward: bool, wrap) -> None:
         BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_T=BLOCK_T,
         BACKWARD=backward,
+        COPY_V=copy_v,
         num_warps=4,
     )
 
@@ -149,6 +153,16 @@ def _forward(qkv, cos, sin, wrap):
     q, k, v = (qkv.new_empty(shape) for _ in range(3))
     _launch(qkv, q, k, v, cos, sin, False, wrap)
     return q, k, v
+
+
+def rotate_qk(qkv, cos, sin, wrap) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q and K of ``qkv [T, 3, H, D]`` rotated, each ``[T, H, D]`` (no autograd): the forward of
+    ``kernels.jagged_attention.rotary_self_attention``, whose kernels read V from ``qkv`` and
+    turn the gradients of Q and K back through the rotation themselves."""
+    shape = (qkv.shape[0], qkv.shape[2], qkv.shape[3])
+    q, k = qkv.new_empty(shape), qkv.new_empty(shape)
+    _launch(qkv, q, k, q, cos, sin, False, wrap, copy_v=False)
+    return q, k
 
 
 def _backward(dq, dk, dv, cos, sin, wrap):
@@ -192,6 +206,21 @@ def _grad(ctx, dq, dk, dv):
 torch.library.register_autograd("gem_kernels::rotary_qkv_fwd", _grad, setup_context=_setup_context)
 
 
+def check_inputs(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """A ValueError naming the argument unless ``qkv`` is ``[T, 3, H, D]`` with D even and
+    ``cos, sin`` are float32 ``[T, D/2]``."""
+    if qkv.dim() != 4 or qkv.shape[1] != 3:
+        raise ValueError(f"qkv must be [T, 3, H, D], got {tuple(qkv.shape)}")
+    num_rows, _, _, head_dim = qkv.shape
+    if head_dim % 2:
+        raise ValueError(f"rotary embeddings rotate channel pairs: head dim {head_dim} must be even")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.shape != (num_rows, head_dim // 2):
+            raise ValueError(f"{name} must be [T, D/2] = [{num_rows}, {head_dim // 2}], got {tuple(t.shape)}")
+        if t.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32, got {t.dtype}")
+
+
 def rotary_qkv(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -205,16 +234,7 @@ def rotary_qkv(
 
     Differentiable in ``qkv`` (the tables take no gradient).
     """
-    if qkv.dim() != 4 or qkv.shape[1] != 3:
-        raise ValueError(f"qkv must be [T, 3, H, D], got {tuple(qkv.shape)}")
-    num_rows, _, _, head_dim = qkv.shape
-    if head_dim % 2:
-        raise ValueError(f"rotary embeddings rotate channel pairs: head dim {head_dim} must be even")
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t.shape != (num_rows, head_dim // 2):
-            raise ValueError(f"{name} must be [T, D/2] = [{num_rows}, {head_dim // 2}], got {tuple(t.shape)}")
-        if t.dtype != torch.float32:
-            raise ValueError(f"{name} must be float32, got {t.dtype}")
+    check_inputs(qkv, cos, sin)
     if backend is None:
         backend = "triton" if qkv.is_cuda else "reference"
     if backend == "reference":

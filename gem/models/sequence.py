@@ -19,8 +19,7 @@ from torch import nn
 
 from kernels.attention_pooling import attention_pooling
 from kernels.jagged import jagged_positions
-from kernels.jagged_attention import jagged_attention
-from kernels.rotary import rotary_qkv
+from kernels.jagged_attention import jagged_attention, rotary_self_attention
 
 
 def linear_flops(rows: int, in_dim: int, out_dim: int) -> int:
@@ -61,7 +60,7 @@ def rotary_tables(
     offsets: torch.Tensor, total: int, head_dim: int, base: float = 10000.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin)`` float32 ``[T, D/2]`` of the rotary embedding at every row's position in
-    its own sequence (0 = oldest), for :func:`kernels.rotary.rotary_qkv`. The tables depend only
+    its own sequence (0 = oldest), for :func:`kernels.jagged_attention.rotary_self_attention`. The tables depend only
     on the offsets: computed once per event stream and batch, every layer reuses them."""
     half = head_dim // 2
     inv_freq = base ** (-torch.arange(half, device=offsets.device, dtype=torch.float32) / half)
@@ -124,10 +123,9 @@ class JaggedSelfAttention(nn.Module):
         """``rope``: the stream's :func:`rotary_tables` (computed here when None)."""
         if rope is None:
             rope = rotary_tables(offsets, x.shape[0], self.head_dim)
-        qkv = self.qkv(self.norm(x)).view(-1, 3, self.num_heads, self.head_dim)
-        q, k, v = attention_inputs(*rotary_qkv(qkv, *rope, backend=self.backend))  # [T, H, D] each
-        o = jagged_attention(
-            q, k, v, offsets, offsets, max_len, max_len, causal=self.causal, window=self.window, backend=self.backend
+        (qkv,) = attention_inputs(self.qkv(self.norm(x)).view(-1, 3, self.num_heads, self.head_dim))
+        o = rotary_self_attention(  # [T, H, D]
+            qkv, *rope, offsets, max_len, causal=self.causal, window=self.window, backend=self.backend
         )
         o = self.out(o.reshape(x.shape))
         return x + (o if self.dropout is None else self.dropout(o))

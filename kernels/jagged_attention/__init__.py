@@ -24,7 +24,14 @@ from kernels.jagged_attention.reference import (
     num_visible_pairs,
 )
 
-__all__ = ["ACTIVATIONS", "check_offsets", "jagged_attention", "jagged_attention_reference", "num_visible_pairs"]
+__all__ = [
+    "ACTIVATIONS",
+    "check_offsets",
+    "jagged_attention",
+    "jagged_attention_reference",
+    "num_visible_pairs",
+    "rotary_self_attention",
+]
 
 BACKENDS = ("triton", "reference")
 
@@ -146,13 +153,9 @@ def jagged_attention(
         max_q_len = q.shape[0]
     if max_q_len is None or max_kv_len is None:
         raise ValueError("max_q_len / max_kv_len are required for jagged inputs")
-    for name, value in (("max_q_len", max_q_len), ("max_kv_len", max_kv_len)):
-        if torch.compiler.is_compiling():
-            break  # may be symbolic
-        if isinstance(value, bool) or int(value) != value or value < 0:
-            raise ValueError(f"{name}={value!r} must be a non-negative integer: a host-side upper bound on the lengths")
-    if check is None:  # not while compiling: the check syncs, and torch 2.11's Dynamo fails to guard on settings
-        check = not torch.compiler.is_compiling() and settings.current().check
+    _check_bound("max_q_len", max_q_len)
+    _check_bound("max_kv_len", max_kv_len)
+    check = _resolve_check(check)
     if q_offsets is not None:
         check_offsets("q_offsets", q_offsets, "q", q.shape[0], "max_q_len", max_q_len, check)
     if kv_offsets is not None:
@@ -210,6 +213,94 @@ def jagged_attention(
     if q_broadcast:
         return out.view(num_batches, q.shape[0], *q.shape[1:])
     return out
+
+
+def rotary_self_attention(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    offsets: torch.Tensor,
+    max_len: int,
+    *,
+    causal: bool = False,
+    window: int | None = None,
+    scale: float | None = None,
+    backend: str | None = None,
+    check: bool | None = None,
+) -> torch.Tensor:
+    """Softmax self-attention over the jagged rows of a packed projection with rotary positions:
+    ``jagged_attention(*rotary_qkv(qkv, cos, sin), offsets, offsets, max_len, max_len, ...)`` in
+    fewer passes over memory.
+
+    Args:
+        qkv: ``[T, 3, H, D]``, each row's Q, K and V (one linear layer's output, viewed).
+        cos, sin: float32 ``[T, D/2]``, the rotation of each row (``kernels.rotary.rotary_qkv``;
+            ``gem.models.sequence.rotary_tables`` computes them).
+        offsets, max_len: the rows' ``[B+1]`` offsets and a host-side bound on the lengths.
+        causal, window, scale, backend, check: as :func:`jagged_attention`'s.
+
+    Returns ``[T, H, D]`` in ``qkv.dtype``, differentiable in ``qkv``. On the Triton backend with a
+    head dim that is a power of two (16 and up) the kernels read V from ``qkv`` in place and write
+    the gradient of ``qkv`` whole: the dK/dV and dQ kernels turn the gradients of Q and K back
+    through the rotation as they store them, so neither a rotary backward nor a copy of V runs.
+    Elsewhere it is the two calls above.
+    """
+    from kernels.rotary import check_inputs, rotary_qkv
+
+    check_inputs(qkv, cos, sin)
+    head_dim = qkv.shape[-1]
+    if backend is None:
+        backend = "triton" if qkv.is_cuda else "reference"
+    if backend != "triton" or head_dim < 16 or head_dim & (head_dim - 1):
+        q, k, v = rotary_qkv(qkv, cos, sin, backend=backend)
+        return jagged_attention(
+            q,
+            k,
+            v,
+            offsets,
+            offsets,
+            max_len,
+            max_len,
+            causal=causal,
+            window=window,
+            scale=scale,
+            backend=backend,
+            check=check,
+        )
+    if window is not None and window < 0:
+        raise ValueError(f"window={window} must be >= 0 (or None)")
+    if offsets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"offsets must be int32 or int64, got {offsets.dtype}")
+    _check_bound("max_len", max_len)
+    check_offsets("offsets", offsets, "qkv", qkv.shape[0], "max_len", max_len, _resolve_check(check))
+    qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
+    cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
+    return op.rotary_self_attention_triton(
+        qkv,
+        cos,
+        sin,
+        offsets,
+        int(max_len),
+        1.0 / math.sqrt(head_dim) if scale is None else float(scale),
+        bool(causal),
+        -1 if window is None else int(window),
+    )
+
+
+def _check_bound(name: str, value) -> None:
+    """A ValueError unless ``value`` (a length bound) is a non-negative integer; symbolic while compiling."""
+    if torch.compiler.is_compiling():
+        return
+    if isinstance(value, bool) or int(value) != value or value < 0:
+        raise ValueError(f"{name}={value!r} must be a non-negative integer: a host-side upper bound on the lengths")
+
+
+def _resolve_check(check: bool | None) -> bool:
+    """``check``, or the ``check`` setting where None; never while compiling: the check syncs, and
+    torch 2.11's Dynamo fails to guard on settings."""
+    if check is None:
+        return not torch.compiler.is_compiling() and settings.current().check
+    return check
 
 
 def check_offsets(

@@ -83,6 +83,7 @@ _TUNE_KEY = [
     "Q_BROADCAST",
     "PACKED_ACT",
     "STORE_DS",
+    "ROPE",
 ]
 # Test-facing: launch-config entries that replace the defaults' (``testing.forced_config``).
 _FORCED: dict[str, dict] = {}

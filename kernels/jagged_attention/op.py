@@ -29,6 +29,7 @@ import torch
 import triton
 from torch.utils.flop_counter import register_flop_formula
 
+from kernels import rotary  # (a module: kernels.rotary imports this package's triton_common)
 from kernels.jagged_attention import triton_bwd, triton_fwd
 from kernels.jagged_attention.batch_order import batch_order
 from kernels.jagged_attention.reference import num_visible_pairs
@@ -218,25 +219,35 @@ def launch_backward(
     wrap=identity,
     config: KernelSettings | None = None,
     arch: tuple[int, int] | None = None,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dq, dk, dv`` shaped like ``q, k, v``; arguments as :func:`launch_forward`, ``grad_out``
     shaped like ``out``. With ``q_broadcast``, dQ is computed per example in float32 and summed
-    over the batch."""
+    over the batch. ``grads``: where to write ``dq, dk, dv`` (views of one packed gradient, say;
+    not with ``q_broadcast``). ``rope``: ``(cos, sin)`` where Q and K are the rotated operands of
+    self-attention, whose gradients are then turned back through the rotation as they are stored
+    (the Triton kernels only; needs head dim = its power-of-two block)."""
     config = config or current_settings()
     num_batches = kv_offsets.numel() - 1
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_rows = out.shape[0]
     packed = packed_act(q, activation, config, arch)
     meta = launch_meta(q, activation, causal, window, block_size, q_broadcast, packed)
+    if rope is not None and (q_broadcast or not meta["EVEN_D"]):
+        raise ValueError("rope: the gradients turn back through the rotation for jagged Q with head dim a power of 2")
     # Every row of an example is written by the kernels (an empty example has no rows).
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
-    if q_broadcast:
-        dq_rows = q.new_empty(num_rows, num_heads, head_dim, dtype=torch.float32)
+    if grads is not None:
+        dq_rows, dk, dv = grads
     else:
-        dq_rows = torch.empty_like(q)
+        dk = torch.empty_like(k)
+        dv = torch.empty_like(v)
+        if q_broadcast:
+            dq_rows = q.new_empty(num_rows, num_heads, head_dim, dtype=torch.float32)
+        else:
+            dq_rows = torch.empty_like(q)
     if num_rows == 0 or num_heads == 0 or num_batches == 0 or max_q_len == 0 or max_kv_len == 0:
-        return torch.zeros_like(q), dk.zero_(), dv.zero_()
+        return (dq_rows if grads is not None else torch.zeros_like(q)).zero_(), dk.zero_(), dv.zero_()
     grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
 
     if activation == "softmax":
@@ -257,7 +268,9 @@ def launch_backward(
     store_ds = ds is not None
     if ds is None:
         ds = dk
-    if _gluon_dkdv(q, k, v, grad_out, activation, causal, window, block_size, q_broadcast, store_ds, packed, config):
+    if rope is None and _gluon_dkdv(
+        q, k, v, grad_out, activation, causal, window, block_size, q_broadcast, store_ds, packed, config
+    ):
         from kernels.jagged_attention import gluon_bwd
 
         _took("gluon_dkdv")
@@ -304,11 +317,24 @@ def launch_backward(
             meta,
             config,
             wrap,
+            rope,
         )
     if store_ds:
         _took("dq_from_ds")
         triton_bwd.dq_from_ds(
-            ds, k, dq_rows, q_offsets, kv_offsets, batch_order, max_q_len, max_kv_len, grad_scale, meta, config, wrap
+            ds,
+            k,
+            dq_rows,
+            q_offsets,
+            kv_offsets,
+            batch_order,
+            max_q_len,
+            max_kv_len,
+            grad_scale,
+            meta,
+            config,
+            wrap,
+            rope,
         )
         return dq_rows, dk, dv
     _took("dq")
@@ -332,6 +358,7 @@ def launch_backward(
         meta,
         config,
         wrap,
+        rope,
     )
     if q_broadcast:
         dq = dq_rows.view(num_batches, q.shape[0], num_heads, head_dim).sum(0).to(q.dtype)
@@ -467,6 +494,122 @@ def _bwd_flop_formula(
 ) -> int:
     # dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q (+ S recomputed): 2.5 x forward.
     return 5 * _forward_flops(q, kv_offsets, q_offsets, sizes) // 2
+
+
+# ---------------------------------------------------------------------------------------
+# self-attention over a packed, rotary-embedded Q/K/V projection
+# ---------------------------------------------------------------------------------------
+
+
+def _rope_forward(qkv, cos, sin, offsets, sizes, activation, scales, wrap):
+    """(out, lse, batch_order, q, k): Q and K rotated (``kernels.rotary``; kept for the backward),
+    V read from ``qkv`` in place."""
+    q, k = rotary.rotate_qk(qkv, cos, sin, wrap)
+    out, lse, order = _forward(q, k, qkv[:, 2], offsets, offsets, sizes, activation, scales, wrap)
+    return out, lse, order, q, k
+
+
+@define_op("gem_kernels::rotary_self_attention_fwd")
+def _rope_fwd_op(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    offsets: torch.Tensor,
+    sizes: list[int],
+    activation: str,
+    scales: list[float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _rope_forward(qkv, cos, sin, offsets, sizes, activation, scales, OP_WRAP)
+
+
+def _rope_backward_kernels(grad_out, q, k, qkv, out, lse, cos, sin, offsets, order, sizes, activation, scales, wrap):
+    """``d qkv``: the kernels write dQ, dK and dV into it, dQ and dK turned back through the rotation."""
+    dqkv = qkv.new_empty(qkv.shape)
+    launch_backward(
+        grad_out,
+        q,
+        k,
+        qkv[:, 2],
+        out,
+        lse,
+        offsets,
+        offsets,
+        order,
+        *_unpack(sizes, activation, scales),
+        wrap=wrap,
+        grads=tuple(dqkv.unbind(1)),
+        rope=(cos, sin),
+    )
+    return dqkv
+
+
+@define_op("gem_kernels::rotary_self_attention_bwd")
+def _rope_bwd_op(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    qkv: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    offsets: torch.Tensor,
+    batch_order: torch.Tensor,
+    sizes: list[int],
+    activation: str,
+    scales: list[float],
+) -> torch.Tensor:
+    return _rope_backward_kernels(
+        grad_out, q, k, qkv, out, lse, cos, sin, offsets, batch_order, sizes, activation, scales, OP_WRAP
+    )
+
+
+if INTERPRET:
+
+    @_rope_fwd_op.register_fake
+    def _rope_fwd_fake(*args):
+        return _rope_forward(*args, wrap=no_launch)
+
+    @_rope_bwd_op.register_fake
+    def _rope_bwd_fake(*args):
+        return _rope_backward_kernels(*args, wrap=no_launch)
+
+
+def _rope_setup_context(ctx, inputs, output) -> None:
+    qkv, cos, sin, offsets, *params = inputs
+    out, lse, order, q, k = output
+    ctx.save_for_backward(q, k, qkv, out, lse, cos, sin, offsets, order)
+    ctx.params = params  # sizes, activation, scales
+
+
+def _rope_backward(ctx, grad_out, *unused):  # lse, order, q and k take no gradient
+    dqkv = torch.ops.gem_kernels.rotary_self_attention_bwd(grad_out, *ctx.saved_tensors, *ctx.params)
+    return dqkv, None, None, None, *([None] * len(ctx.params))
+
+
+torch.library.register_autograd(
+    "gem_kernels::rotary_self_attention_fwd", _rope_backward, setup_context=_rope_setup_context
+)
+
+
+@register_flop_formula(torch.ops.gem_kernels.rotary_self_attention_fwd, get_raw=True)
+def _rope_fwd_flop_formula(qkv, cos, sin, offsets, sizes, *args, out_val=None, **kwargs) -> int:
+    return _forward_flops(qkv[:, 0], offsets, offsets, sizes)
+
+
+@register_flop_formula(torch.ops.gem_kernels.rotary_self_attention_bwd, get_raw=True)
+def _rope_bwd_flop_formula(
+    grad_out, q, k, qkv, out, lse, cos, sin, offsets, batch_order, sizes, *args, **kwargs
+) -> int:
+    return 5 * _forward_flops(q, offsets, offsets, sizes) // 2
+
+
+def rotary_self_attention_triton(qkv, cos, sin, offsets, max_len, scale, causal, window) -> torch.Tensor:
+    """Calls the registered rotary self-attention op (softmax, differentiable in ``qkv``)."""
+    out, _, _, _, _ = torch.ops.gem_kernels.rotary_self_attention_fwd(
+        qkv, cos, sin, offsets, [max_len, max_len, int(causal), window, 0, 0], "softmax", [scale, 1.0]
+    )
+    return out
 
 
 def jagged_attention_triton(

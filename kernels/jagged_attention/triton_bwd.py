@@ -32,6 +32,7 @@ from kernels.jagged_attention.triton_common import (
     program_block,
     query_interval,
     split_blocks,
+    store_grad,
     visible_mask,
 )
 
@@ -154,6 +155,8 @@ def _bwd_dkdv_kernel(
     DK,
     DV,
     DS,
+    COS,
+    SIN,
     q_offsets,
     kv_offsets,
     batch_order,
@@ -172,6 +175,7 @@ def _bwd_dkdv_kernel(
     stride_lse_h,
     stride_dsh,
     stride_dst,
+    stride_cs,
     num_heads,
     head_dim,
     max_kv_len,
@@ -192,9 +196,12 @@ def _bwd_dkdv_kernel(
     DOT_PRECISION: tl.constexpr,
     PACKED_ACT: tl.constexpr,
     STORE_DS: tl.constexpr,
+    ROPE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    """dK and dV of one (example, head, key block). With ROPE, K and Q are the rotated operands
+    and dK is turned back through the rotation as it is stored (``triton_common.store_grad``)."""
     qk_scale = tl.cast(qk_scale, tl.float32)  # fp64 under Inductor, as in _fwd_kernel
     dk_scale = tl.cast(dk_scale, tl.float32)
     dv_scale = tl.cast(dv_scale, tl.float32)
@@ -369,11 +376,16 @@ def _bwd_dkdv_kernel(
             STORE_DS,
         )
 
-    col_mask = (cols < kv_len)[:, None] & dmask[None, :]
+    col_mask = cols < kv_len
     DK += kv_start * stride_dkt + h * stride_dkh
     DV += kv_start * stride_dvt + h * stride_dvh
-    tl.store(DK + cols[:, None] * stride_dkt + offs_d[None, :], (dk * dk_scale).to(DK.dtype.element_ty), mask=col_mask)
-    tl.store(DV + cols[:, None] * stride_dvt + offs_d[None, :], (dv * dv_scale).to(DV.dtype.element_ty), mask=col_mask)
+    table_rows = kv_start + cols
+    store_grad(
+        DK, cols, stride_dkt, offs_d, col_mask, dmask, dk * dk_scale, COS, SIN, table_rows, stride_cs, ROPE, BLOCK_D
+    )
+    store_grad(
+        DV, cols, stride_dvt, offs_d, col_mask, dmask, dv * dv_scale, COS, SIN, table_rows, stride_cs, False, BLOCK_D
+    )
 
 
 @triton.jit
@@ -440,6 +452,8 @@ def _bwd_dq_kernel(
     LSE,
     DELTA,
     DQ,
+    COS,
+    SIN,
     q_offsets,
     kv_offsets,
     batch_order,
@@ -454,6 +468,7 @@ def _bwd_dq_kernel(
     stride_dqt,
     stride_dqh,
     stride_lse_h,
+    stride_cs,
     num_heads,
     head_dim,
     max_q_len,
@@ -472,9 +487,11 @@ def _bwd_dq_kernel(
     EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PACKED_ACT: tl.constexpr,
+    ROPE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    """dQ of one (example, head, query block), recomputing S and dP; ROPE as _bwd_dkdv_kernel's."""
     qk_scale = tl.cast(qk_scale, tl.float32)  # fp64 under Inductor, as in _fwd_kernel
     dq_scale = tl.cast(dq_scale, tl.float32)
     m_block, rank, h = program_block(tl.program_id(0), max_q_len, BLOCK_M, num_heads)
@@ -636,8 +653,9 @@ def _bwd_dq_kernel(
         )
 
     DQ += o_start * stride_dqt + h * stride_dqh
-    dq_ptrs = DQ + rows[:, None] * stride_dqt + offs_d[None, :]
-    tl.store(dq_ptrs, (dq * dq_scale).to(DQ.dtype.element_ty), mask=row_mask[:, None] & dmask[None, :])
+    store_grad(
+        DQ, rows, stride_dqt, offs_d, row_mask, dmask, dq * dq_scale, COS, SIN, o_start + rows, stride_cs, ROPE, BLOCK_D
+    )
 
 
 @triton.jit(do_not_specialize=["max_q_len"])
@@ -645,6 +663,8 @@ def _bwd_dq_from_ds_kernel(
     DS,
     K,
     DQ,
+    COS,
+    SIN,
     q_offsets,
     kv_offsets,
     batch_order,
@@ -654,6 +674,7 @@ def _bwd_dq_from_ds_kernel(
     stride_kh,
     stride_dqt,
     stride_dqh,
+    stride_cs,
     num_heads,
     head_dim,
     max_q_len,
@@ -663,6 +684,7 @@ def _bwd_dq_from_ds_kernel(
     BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ROPE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -670,7 +692,8 @@ def _bwd_dq_from_ds_kernel(
     but reading the dS that _bwd_dkdv_kernel stored (``DS[h, kv row, query]``: a key's row of
     its example's queries) instead of recomputing S and dP. Keys past the example's end are
     masked; queries are not (so the loads vectorize): the rows are padded to a multiple of
-    every BLOCK_M, and a query past the end only reaches its own dQ row, which is not stored."""
+    every BLOCK_M, and a query past the end only reaches its own dQ row, which is not stored.
+    ROPE as _bwd_dkdv_kernel's."""
     dq_scale = tl.cast(dq_scale, tl.float32)  # fp64 under Inductor, as in _fwd_kernel
     m_block, rank, h = program_block(tl.program_id(0), max_q_len, BLOCK_M, num_heads)
     b = tl.load(batch_order + rank)
@@ -698,13 +721,22 @@ def _bwd_dq_from_ds_kernel(
         dq = dot(tl.trans(ds_t), k, dq, DOT_PRECISION)
 
     DQ += o_start * stride_dqt + h * stride_dqh
-    dq_ptrs = DQ + rows[:, None] * stride_dqt + offs_d[None, :]
-    tl.store(dq_ptrs, (dq * dq_scale).to(DQ.dtype.element_ty), mask=row_mask[:, None] & dmask[None, :])
+    store_grad(
+        DQ, rows, stride_dqt, offs_d, row_mask, dmask, dq * dq_scale, COS, SIN, o_start + rows, stride_cs, ROPE, BLOCK_D
+    )
 
 
 # ---------------------------------------------------------------------------------------
 # launchers (arguments as in triton_fwd.forward; ``meta``: triton_common.launch_meta's)
 # ---------------------------------------------------------------------------------------
+
+
+def _tables(rope, dummy) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(cos, sin, row stride)`` of the rotary tables, or a stand-in (unread) without them."""
+    if rope is None:
+        return dummy, dummy, 0
+    cos, sin = rope
+    return cos, sin, cos.stride(0)
 
 
 def preprocess(
@@ -755,10 +787,13 @@ def dkdv(
     meta,
     config: KernelSettings,
     wrap=identity,
+    rope=None,
 ) -> None:
     """Writes dK and dV (and, where ``store_ds``, dS into ``ds``: ``[H, K/V rows, padded
-    queries]``; without it ``ds`` is any tensor, unused)."""
+    queries]``; without it ``ds`` is any tensor, unused). ``rope``: ``(cos, sin)`` where Q and K
+    are rotated and dK is to be turned back through the rotation (``triton_common.store_grad``)."""
     num_batches, num_heads, head_dim = kv_offsets.numel() - 1, q.shape[1], q.shape[2]
+    cos, sin, stride_cs = _tables(rope, dk)
     lse_stride = lse.stride(0) if meta["ACTIVATION"] == 0 else 0
     kernel, launch = autotune.kernel_and_config(_bwd_dkdv_kernel, "dkdv", meta["BLOCK_D"], q.element_size(), config)
 
@@ -775,6 +810,8 @@ def dkdv(
         dk,
         dv,
         ds,
+        cos,
+        sin,
         q_offsets,
         kv_offsets,
         batch_order,
@@ -793,6 +830,7 @@ def dkdv(
         lse_stride,
         ds.stride(0),
         ds.stride(1),
+        stride_cs,
         num_heads,
         head_dim,
         max_kv_len,
@@ -805,6 +843,7 @@ def dkdv(
         bucket(max_kv_len),
         **meta,
         STORE_DS=store_ds,
+        ROPE=rope is not None,
         **launch,
     )
 
@@ -829,9 +868,11 @@ def dq(
     meta,
     config: KernelSettings,
     wrap=identity,
+    rope=None,
 ) -> None:
-    """Writes dQ into ``dq_rows`` (``[To, H, D]``), recomputing S and dP."""
+    """Writes dQ into ``dq_rows`` (``[To, H, D]``), recomputing S and dP; ``rope`` as :func:`dkdv`'s."""
     num_batches, num_heads, head_dim = kv_offsets.numel() - 1, q.shape[1], q.shape[2]
+    cos, sin, stride_cs = _tables(rope, dq_rows)
     lse_stride = lse.stride(0) if meta["ACTIVATION"] == 0 else 0
     kernel, launch = autotune.kernel_and_config(_bwd_dq_kernel, "dq", meta["BLOCK_D"], q.element_size(), config)
 
@@ -846,6 +887,8 @@ def dq(
         lse,
         delta,
         dq_rows,
+        cos,
+        sin,
         q_offsets,
         kv_offsets,
         batch_order,
@@ -860,6 +903,7 @@ def dq(
         dq_rows.stride(0),
         dq_rows.stride(1),
         lse_stride,
+        stride_cs,
         num_heads,
         head_dim,
         max_q_len,
@@ -870,6 +914,7 @@ def dq(
         bucket(max_q_len),
         bucket(max_kv_len),
         **meta,
+        ROPE=rope is not None,
         **launch,
     )
 
@@ -887,9 +932,12 @@ def dq_from_ds(
     meta,
     config: KernelSettings,
     wrap=identity,
+    rope=None,
 ) -> None:
-    """Writes dQ = dS K into ``dq_rows`` from the dS that the dK/dV kernel stored."""
+    """Writes dQ = dS K into ``dq_rows`` from the dS that the dK/dV kernel stored; ``rope`` as
+    :func:`dkdv`'s."""
     num_batches, num_heads, head_dim = kv_offsets.numel() - 1, k.shape[1], k.shape[2]
+    cos, sin, stride_cs = _tables(rope, dq_rows)
     kernel, launch = autotune.kernel_and_config(
         _bwd_dq_from_ds_kernel, "dq_ds", meta["BLOCK_D"], k.element_size(), config
     )
@@ -901,6 +949,8 @@ def dq_from_ds(
         ds,
         k,
         dq_rows,
+        cos,
+        sin,
         q_offsets,
         kv_offsets,
         batch_order,
@@ -910,6 +960,7 @@ def dq_from_ds(
         k.stride(1),
         dq_rows.stride(0),
         dq_rows.stride(1),
+        stride_cs,
         num_heads,
         head_dim,
         max_q_len,
@@ -919,5 +970,6 @@ def dq_from_ds(
         BLOCK_D=meta["BLOCK_D"],
         EVEN_D=meta["EVEN_D"],
         DOT_PRECISION=meta["DOT_PRECISION"],
+        ROPE=rope is not None,
         **launch,
     )

@@ -353,6 +353,42 @@ def load_tile(X, stride, start, rows, num_rows, offs_d, dmask, MASKED: tl.conste
     return load_rows(X + rows[:, None] * stride + offs_d[None, :], rows, num_rows, dmask, MASKED, EVEN_D)
 
 
+@triton.jit
+def store_grad(
+    X,
+    rows,
+    stride,
+    offs_d,
+    row_mask,
+    dmask,
+    g,
+    COS,
+    SIN,
+    table_rows,
+    stride_cs,
+    ROPE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Stores a gradient tile ``g [BLOCK, BLOCK_D]`` (float32) into rows ``rows`` of an example's
+    ``[num_rows, D]`` operand (X at its first row). With ROPE, ``g`` is the gradient of the
+    rotated operand and is turned back through the rotation first: ``R^T g`` on the channel pairs
+    ``(j, j + D/2)``, with the tables' rows ``table_rows`` (float32 ``[T, D/2]``, as
+    ``kernels.rotary``); ROPE needs ``BLOCK_D == D``."""
+    if ROPE:
+        HALF: tl.constexpr = BLOCK_D // 2
+        g1, g2 = tl.split(tl.permute(tl.reshape(g, [g.shape[0], 2, HALF]), [0, 2, 1]))
+        half = tl.arange(0, HALF)[None, :]
+        table = table_rows.to(tl.int64)[:, None] * stride_cs + half
+        cos = tl.load(COS + table, mask=row_mask[:, None], other=0.0)
+        sin = tl.load(SIN + table, mask=row_mask[:, None], other=0.0)
+        ptrs = X + rows[:, None] * stride + half
+        tl.store(ptrs, (g1 * cos + g2 * sin).to(X.dtype.element_ty), mask=row_mask[:, None])
+        tl.store(ptrs + HALF, (g2 * cos - g1 * sin).to(X.dtype.element_ty), mask=row_mask[:, None])
+    else:
+        ptrs = X + rows[:, None] * stride + offs_d[None, :]
+        tl.store(ptrs, g.to(X.dtype.element_ty), mask=row_mask[:, None] & dmask[None, :])
+
+
 # ---------------------------------------------------------------------------------------
 # host side: what the launchers share
 # ---------------------------------------------------------------------------------------

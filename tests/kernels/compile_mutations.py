@@ -32,6 +32,7 @@ from kernels.jagged_attention.inputs import make_inputs  # noqa: E402
 from kernels.jagged_attention.testing import launch_backward, launch_forward  # noqa: E402
 from kernels.rotary import _backward as rotary_backward  # noqa: E402
 from kernels.rotary import _forward as rotary_forward  # noqa: E402
+from kernels.rotary import rotate_qk  # noqa: E402
 
 OUTPUTS = {
     "_batch_order_kernel": {"ORDER"},
@@ -131,9 +132,26 @@ def main() -> None:
             )
             out, lse = launch_forward(q, k, v, *common, wrap=checked, config=config)
             launch_backward(torch.randn_like(out), q, k, v, out, lse, *common, wrap=checked, config=config)
+            if layout == "jagged" and activation == "softmax":  # rotary self-attention's backward
+                rope = torch.randn(2, q.shape[0], 32).unbind(0)
+                grads = torch.empty(q.shape[0], 3, *q.shape[1:], dtype=q.dtype).unbind(1)
+                launch_backward(
+                    torch.randn_like(out),
+                    q,
+                    q,
+                    q,
+                    out,
+                    lse,
+                    *common,
+                    wrap=checked,
+                    config=config,
+                    grads=grads,
+                    rope=rope,
+                )
     qkv = torch.randn(6, 3, 2, 64, dtype=torch.bfloat16)
     cos, sin = torch.randn(2, 6, 32).unbind(0)
     rotary_forward(qkv, cos, sin, wrap=checked)
+    rotate_qk(qkv, cos, sin, wrap=checked)  # rotary self-attention's forward: Q and K only
     OUTPUTS["_rotary_kernel"] = {"QKV"}
     rotary_backward(*qkv.unbind(1), cos, sin, wrap=checked)
     x, a = torch.randn(14, 64, dtype=torch.bfloat16), torch.randn(64, 8, dtype=torch.bfloat16)

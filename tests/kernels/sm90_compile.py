@@ -46,6 +46,7 @@ from kernels.jagged_attention.batch_order import batch_order  # noqa: E402
 from kernels.jagged_attention.inputs import make_inputs  # noqa: E402
 from kernels.rotary import _backward as rotary_backward  # noqa: E402
 from kernels.rotary import _forward as rotary_forward  # noqa: E402
+from kernels.rotary import rotate_qk  # noqa: E402
 
 HOPPER = (9, 0)
 
@@ -168,6 +169,8 @@ def _compile(fn, args, kwargs, float_type):
         line += " late_pv=1"
     if kwargs.get("STORE_DS"):
         line += " store_ds=1"
+    if kwargs.get("ROPE"):
+        line += " rope=1"
     if RESOURCES:
         tiles = {key: kwargs[key] for key in ("BLOCK_M", "BLOCK_N") if key in kwargs}
         line += f" {tiles} {options} {_resources(compiled.asm['cubin'])}"
@@ -227,6 +230,30 @@ def main() -> None:
         cos, sin = torch.randn(2, 40, head_dim // 2).unbind(0)
         rotary_forward(qkv, cos, sin, wrap=compile_only)
         rotary_backward(*qkv.unbind(1), cos, sin, wrap=compile_only)
+    # rotary self-attention (softmax, head dim 128): Q and K rotated, and the backward's dK and dQ
+    # turned back as they are stored into one packed gradient, with dS stored (no mask) and recomputed (causal)
+    qkv = torch.randn(q.shape[0], 3, *q.shape[1:], dtype=torch.bfloat16)
+    cos, sin = torch.randn(2, q.shape[0], 64).unbind(0)
+    rotate_qk(qkv, cos, sin, compile_only)
+    for causal, config in ((False, stored), (True, recompute)):
+        rows = (inputs.q_offsets, inputs.q_offsets, order, inputs.max_q_len, inputs.max_q_len, "softmax", 0.088, 1.0)
+        common = (*rows, causal, -1, 0, False)
+        q_rot, k_rot, v_in = qkv.unbind(1)
+        out, lse = testing.launch_forward(q_rot, k_rot, v_in, *common, wrap=compile_only, config=config, arch=HOPPER)
+        testing.launch_backward(
+            torch.randn_like(out),
+            q_rot,
+            k_rot,
+            v_in,
+            out,
+            lse,
+            *common,
+            wrap=compile_only,
+            config=config,
+            arch=HOPPER,
+            grads=torch.empty_like(qkv).unbind(1),
+            rope=(cos, sin),
+        )
     # the pooling kernels at gem_base's width with its launch configs: 16 columns (InterFormer's
     # PMA: 64-row backward blocks) and 128 (Kunlun's seeds: every column in one block)
     offsets = torch.tensor([0, 5, 5, 70])

@@ -1,4 +1,6 @@
-"""kernels.rotary: the Triton rotary kernels (forward and gradient) against the PyTorch reference.
+"""kernels.rotary: the Triton rotary kernels (forward and gradient) against the PyTorch reference,
+and kernels.jagged_attention.rotary_self_attention (the attention kernels reading the packed
+projection and turning dQ and dK back through the rotation) against the two calls it replaces.
 
 CPU tier: Triton's interpreter at small shapes. GPU tier (``-m gpu``): gem_base's shapes, eager
 and under torch.compile (Inductor launches the kernels).
@@ -8,8 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from gem.models.sequence import rotary_tables
+from kernels.jagged_attention import jagged_attention, num_visible_pairs, rotary_self_attention, testing
 from kernels.rotary import rotary_qkv
 
 HAS_CUDA = torch.cuda.is_available()
@@ -115,3 +119,117 @@ def test_gpu_gem_base_shapes_eager_and_compiled(head_dim):
     qkv.grad = None
     torch.autograd.backward(rotary_qkv(qkv, cos, sin, backend="triton"), [g.to(qkv.dtype) for g in grads])
     assert torch.equal(compiled_grad, qkv.grad.float())
+
+
+def _self_attention(qkv, cos, sin, offsets, grad, backend, **masks):
+    """Output and d qkv of rotary self-attention on ``backend`` ("two-calls": rotary_qkv, then
+    jagged_attention, on Triton), and the kernels it launched."""
+    qkv.grad = None
+    max_len = int((offsets[1:] - offsets[:-1]).max())
+    with testing.record_paths() as paths:
+        if backend == "two-calls":
+            q, k, v = rotary_qkv(qkv, cos, sin, backend="triton")
+            out = jagged_attention(q, k, v, offsets, offsets, max_len, max_len, backend="triton", **masks)
+        else:
+            out = rotary_self_attention(qkv, cos, sin, offsets, max_len, backend=backend, **masks)
+        out.backward(grad)
+    return out.detach().float(), qkv.grad.float(), list(paths)
+
+
+ROPE_MASKS = {  # and the dQ kernel each takes
+    "none": ({}, "dq_from_ds"),
+    "causal": ({"causal": True}, "dq"),
+    "window": ({"window": 3}, "dq"),
+}
+
+
+@pytest.mark.parametrize("mask", ROPE_MASKS)
+@pytest.mark.parametrize("head_dim", [16, 32])
+def test_self_attention_matches_reference(mask, head_dim):
+    """The fused path (V read in place, dQ and dK turned back in the kernels' stores) against the
+    reference in float32, output and every part of d qkv; and the kernels it chose."""
+    masks, dq_kernel = ROPE_MASKS[mask]
+    lengths = [5, 0, 13, 1]
+    qkv, cos, sin = _inputs(lengths, 2, head_dim, torch.float32)
+    offsets = torch.tensor([0, *lengths], device=DEVICE).cumsum(0)
+    grad = torch.randn(qkv.shape[0], *qkv.shape[2:], device=DEVICE)
+    out, dqkv, paths = _self_attention(qkv, cos, sin, offsets, grad, "triton", **masks)
+    ref, ref_dqkv, _ = _self_attention(qkv, cos, sin, offsets, grad, "reference", **masks)
+    assert paths == ["triton_fwd", "triton_dkdv", dq_kernel]
+    assert (out - ref).norm() <= 1e-5 * ref.norm()
+    for part in range(3):  # dQ, dK, dV
+        assert (dqkv[:, part] - ref_dqkv[:, part]).norm() <= 1e-5 * ref_dqkv[:, part].norm(), part
+
+
+def test_self_attention_recomputed_dq_and_bf16():
+    """bf16 against the two calls it replaces (the same rounding of Q, K and V), with the
+    stored-dS backward off: the recomputing dQ kernel turns dQ back too."""
+    lengths = [9, 30, 0, 4]
+    qkv, cos, sin = _inputs(lengths, 2, 32, torch.bfloat16)
+    offsets = torch.tensor([0, *lengths], device=DEVICE).cumsum(0)
+    grad = torch.randn(qkv.shape[0], *qkv.shape[2:], device=DEVICE, dtype=qkv.dtype)
+    with testing.override(store_ds=False):
+        out, dqkv, paths = _self_attention(qkv, cos, sin, offsets, grad, "triton")
+        ref, ref_dqkv, _ = _self_attention(qkv, cos, sin, offsets, grad, "two-calls")
+    assert paths[-1] == "dq"
+    assert (out - ref).norm() <= 1e-2 * ref.norm()
+    assert (dqkv - ref_dqkv).norm() <= 1e-2 * ref_dqkv.norm()
+
+
+def test_self_attention_other_head_dims_take_the_two_calls():
+    """A head dim that is not a power of two runs rotary_qkv then jagged_attention (same result)."""
+    lengths = [6, 11]
+    qkv, cos, sin = _inputs(lengths, 2, 24, torch.float32)
+    offsets = torch.tensor([0, *lengths], device=DEVICE).cumsum(0)
+    grad = torch.randn(qkv.shape[0], *qkv.shape[2:], device=DEVICE)
+    out, dqkv, _ = _self_attention(qkv, cos, sin, offsets, grad, "triton")
+    ref, ref_dqkv, _ = _self_attention(qkv, cos, sin, offsets, grad, "reference")
+    assert (out - ref).norm() <= 1e-5 * ref.norm()
+    assert (dqkv - ref_dqkv).norm() <= 1e-5 * ref_dqkv.norm()
+
+
+def test_self_attention_flops_and_bad_input():
+    """FlopCounterMode counts the fused op as jagged attention (forward 4 H D pairs, backward 2.5x);
+    bad arguments get a ValueError naming them."""
+    lengths = [5, 0, 12]
+    qkv, cos, sin = _inputs(lengths, 2, 32, torch.float32)
+    offsets = torch.tensor([0, *lengths], device=DEVICE).cumsum(0)
+    with FlopCounterMode(display=False) as counter:
+        rotary_self_attention(qkv, cos, sin, offsets, 12, causal=True, backend="triton").sum().backward()
+    pairs = num_visible_pairs(torch.tensor(lengths), torch.tensor(lengths), causal=True)
+    assert counter.get_total_flops() == 4 * 2 * 32 * pairs * 7 // 2
+    with pytest.raises(ValueError, match="offsets must be int32 or int64"):
+        rotary_self_attention(qkv, cos, sin, offsets.float(), 12, backend="triton")
+    with pytest.raises(ValueError, match="max_len=5 is less than the longest sequence"):
+        rotary_self_attention(qkv, cos, sin, offsets, 5, backend="triton")
+    with pytest.raises(ValueError, match="window=-1 must be >= 0"):
+        rotary_self_attention(qkv, cos, sin, offsets, 12, window=-1, backend="triton")
+    with pytest.raises(ValueError, match=r"cos must be \[T, D/2\]"):
+        rotary_self_attention(qkv, cos[:, :3], sin, offsets, 12, backend="triton")
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("mask", ROPE_MASKS)
+def test_gpu_self_attention_gem_base_shapes_eager_and_compiled(mask):
+    """gem_base's self-attention (4 heads of 128, histories up to 512 rows) in bf16: the fused
+    path against the two calls, eager and under torch.compile (Inductor launches the kernels)."""
+    masks, _ = ROPE_MASKS[mask]
+    lengths = torch.randint(0, 513, (64,), generator=torch.Generator().manual_seed(2)).tolist()
+    qkv, cos, sin = _inputs(lengths, 4, 128, torch.bfloat16, device="cuda")
+    offsets = torch.tensor([0, *lengths], device="cuda").cumsum(0)
+    grad = torch.randn(qkv.shape[0], 4, 128, device="cuda", dtype=qkv.dtype)
+    out, dqkv, _ = _self_attention(qkv, cos, sin, offsets, grad, "triton", **masks)
+    ref, ref_dqkv, _ = _self_attention(qkv, cos, sin, offsets, grad, "two-calls", **masks)
+    assert (out - ref).norm() <= 1e-2 * ref.norm()
+    for part in range(3):
+        assert (dqkv[:, part] - ref_dqkv[:, part]).norm() <= 1e-2 * ref_dqkv[:, part].norm(), part
+
+    def layer(x):
+        return rotary_self_attention(x * 1.0, cos, sin, offsets, max(lengths), **masks)
+
+    qkv.grad = None
+    compiled = torch.compile(layer, fullgraph=True)(qkv)
+    compiled.backward(grad)
+    assert torch.equal(compiled.float(), out)
+    assert torch.equal(qkv.grad.float(), dqkv)
