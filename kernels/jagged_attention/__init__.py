@@ -239,19 +239,26 @@ def rotary_self_attention(
         offsets, max_len: the rows' ``[B+1]`` offsets and a host-side bound on the lengths.
         causal, window, scale, backend, check: as :func:`jagged_attention`'s.
 
-    Returns ``[T, H, D]`` in ``qkv.dtype``, differentiable in ``qkv``. On the Triton backend with a
-    head dim that is a power of two (16 and up) the kernels read V from ``qkv`` in place and write
-    the gradient of ``qkv`` whole: the dK/dV and dQ kernels turn the gradients of Q and K back
-    through the rotation as they store them, so neither a rotary backward nor a copy of V runs.
-    Elsewhere it is the two calls above.
+    Returns ``[T, H, D]`` in ``qkv.dtype``, differentiable in ``qkv``. With the ``rotary_fused``
+    setting, on the Triton backend with a head dim that is a power of two (16 and up), the kernels
+    read V from ``qkv`` in place and write the gradient of ``qkv`` whole: the dK/dV and dQ kernels
+    turn the gradients of Q and K back through the rotation as they store them, so neither a rotary
+    backward nor a copy of V runs. Otherwise it is the two calls above.
     """
     from kernels.rotary import check_inputs, rotary_qkv
 
     check_inputs(qkv, cos, sin)
+    if window is not None and window < 0:
+        raise ValueError(f"window={window} must be >= 0 (or None)")
+    if offsets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"offsets must be int32 or int64, got {offsets.dtype}")
+    _check_bound("max_len", max_len)
+    check_offsets("offsets", offsets, "qkv", qkv.shape[0], "max_len", max_len, _resolve_check(check))
     head_dim = qkv.shape[-1]
     if backend is None:
         backend = "triton" if qkv.is_cuda else "reference"
-    if backend != "triton" or head_dim < 16 or head_dim & (head_dim - 1):
+    fused = backend == "triton" and head_dim >= 16 and not head_dim & (head_dim - 1)
+    if not (fused and settings.current().rotary_fused):
         q, k, v = rotary_qkv(qkv, cos, sin, backend=backend)
         return jagged_attention(
             q,
@@ -265,14 +272,8 @@ def rotary_self_attention(
             window=window,
             scale=scale,
             backend=backend,
-            check=check,
+            check=False,  # checked above
         )
-    if window is not None and window < 0:
-        raise ValueError(f"window={window} must be >= 0 (or None)")
-    if offsets.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"offsets must be int32 or int64, got {offsets.dtype}")
-    _check_bound("max_len", max_len)
-    check_offsets("offsets", offsets, "qkv", qkv.shape[0], "max_len", max_len, _resolve_check(check))
     qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
     cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
     return op.rotary_self_attention_triton(

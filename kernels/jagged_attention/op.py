@@ -219,26 +219,32 @@ def launch_backward(
     wrap=identity,
     config: KernelSettings | None = None,
     arch: tuple[int, int] | None = None,
-    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    packed_grad: torch.Tensor | None = None,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dq, dk, dv`` shaped like ``q, k, v``; arguments as :func:`launch_forward`, ``grad_out``
     shaped like ``out``. With ``q_broadcast``, dQ is computed per example in float32 and summed
-    over the batch. ``grads``: where to write ``dq, dk, dv`` (views of one packed gradient, say;
-    not with ``q_broadcast``). ``rope``: ``(cos, sin)`` where Q and K are the rotated operands of
-    self-attention, whose gradients are then turned back through the rotation as they are stored
-    (the Triton kernels only; needs head dim = its power-of-two block)."""
+    over the batch. Self-attention only (Q, K and V share rows, no broadcast Q; the Triton
+    kernels): ``packed_grad`` ``[T, 3, H, D]`` receives dQ, dK and dV in its three slices (they
+    are returned as its views), and ``rope`` ``(cos, sin)`` says Q and K are the rotated operands,
+    whose gradients are turned back through the rotation as they are stored (head dim a power of 2)."""
     config = config or current_settings()
     num_batches = kv_offsets.numel() - 1
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_rows = out.shape[0]
     packed = packed_act(q, activation, config, arch)
     meta = launch_meta(q, activation, causal, window, block_size, q_broadcast, packed)
-    if rope is not None and (q_broadcast or not meta["EVEN_D"]):
-        raise ValueError("rope: the gradients turn back through the rotation for jagged Q with head dim a power of 2")
+    if (packed_grad is not None or rope is not None) and q_broadcast:
+        raise ValueError("packed_grad and rope are for self-attention: jagged Q, K and V on the same rows")
+    if rope is not None and not meta["EVEN_D"]:
+        raise ValueError(f"rope: the kernels turn dQ and dK back for a power-of-two head dim, not {head_dim}")
     # Every row of an example is written by the kernels (an empty example has no rows).
-    if grads is not None:
-        dq_rows, dk, dv = grads
+    offsets = [0, 0, 0]  # of dQ, dK and dV from their tensors' data, in elements
+    if packed_grad is not None:
+        # One buffer and offsets into it, not three views: torch.compile clones a mutated view with
+        # an offset out of bounds (torch 2.11, pytorch#192226). [T, 3H, D]: heads are D apart.
+        dq_rows = dk = dv = packed_grad.flatten(1, 2)
+        offsets = [part * num_heads * head_dim for part in range(3)]
     else:
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
@@ -247,7 +253,9 @@ def launch_backward(
         else:
             dq_rows = torch.empty_like(q)
     if num_rows == 0 or num_heads == 0 or num_batches == 0 or max_q_len == 0 or max_kv_len == 0:
-        return (dq_rows if grads is not None else torch.zeros_like(q)).zero_(), dk.zero_(), dv.zero_()
+        if packed_grad is not None:
+            return packed_grad.zero_().unbind(1)
+        return torch.zeros_like(q), dk.zero_(), dv.zero_()
     grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
 
     if activation == "softmax":
@@ -268,8 +276,12 @@ def launch_backward(
     store_ds = ds is not None
     if ds is None:
         ds = dk
-    if rope is None and _gluon_dkdv(
-        q, k, v, grad_out, activation, causal, window, block_size, q_broadcast, store_ds, packed, config
+    if (
+        packed_grad is None
+        and rope is None
+        and _gluon_dkdv(
+            q, k, v, grad_out, activation, causal, window, block_size, q_broadcast, store_ds, packed, config
+        )
     ):
         from kernels.jagged_attention import gluon_bwd
 
@@ -318,6 +330,7 @@ def launch_backward(
             config,
             wrap,
             rope,
+            offsets[1:],
         )
     if store_ds:
         _took("dq_from_ds")
@@ -335,31 +348,35 @@ def launch_backward(
             config,
             wrap,
             rope,
+            offsets[0],
         )
-        return dq_rows, dk, dv
-    _took("dq")
-    triton_bwd.dq(
-        q,
-        k,
-        v,
-        grad_out,
-        lse,
-        delta,
-        dq_rows,
-        q_offsets,
-        kv_offsets,
-        batch_order,
-        max_q_len,
-        max_kv_len,
-        qk_scale,
-        grad_scale,
-        window,
-        block_size,
-        meta,
-        config,
-        wrap,
-        rope,
-    )
+    else:
+        _took("dq")
+        triton_bwd.dq(
+            q,
+            k,
+            v,
+            grad_out,
+            lse,
+            delta,
+            dq_rows,
+            q_offsets,
+            kv_offsets,
+            batch_order,
+            max_q_len,
+            max_kv_len,
+            qk_scale,
+            grad_scale,
+            window,
+            block_size,
+            meta,
+            config,
+            wrap,
+            rope,
+            offsets[0],
+        )
+    if packed_grad is not None:
+        return packed_grad.unbind(1)
     if q_broadcast:
         dq = dq_rows.view(num_batches, q.shape[0], num_heads, head_dim).sum(0).to(q.dtype)
         return dq, dk, dv
@@ -537,7 +554,7 @@ def _rope_backward_kernels(grad_out, q, k, qkv, out, lse, cos, sin, offsets, ord
         order,
         *_unpack(sizes, activation, scales),
         wrap=wrap,
-        grads=tuple(dqkv.unbind(1)),
+        packed_grad=dqkv,
         rope=(cos, sin),
     )
     return dqkv

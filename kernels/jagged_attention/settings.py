@@ -40,6 +40,10 @@ class KernelSettings:
         store_ds: without a causal, window or block mask and without a broadcast Q, the dK/dV
             kernel stores dS and dQ = dS K reads it instead of recomputing S and dP.
         store_ds_max_mib: the stored-dS buffer's cap in MiB; above it dQ is recomputed.
+        rotary_fused: :func:`kernels.jagged_attention.rotary_self_attention` runs its fused
+            kernels (V read from the packed projection, its gradient written whole); off, it
+            runs the rotary kernel and then :func:`jagged_attention`. Off until measured on a GPU
+            under torch.compile (docs/kernels.md).
     """
 
     check: bool = False
@@ -51,6 +55,7 @@ class KernelSettings:
     gluon_bwd: bool = True
     store_ds: bool = True
     store_ds_max_mib: int = 8192
+    rotary_fused: bool = False
 
     @property
     def store_ds_max_bytes(self) -> int:

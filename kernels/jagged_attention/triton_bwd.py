@@ -176,6 +176,8 @@ def _bwd_dkdv_kernel(
     stride_dsh,
     stride_dst,
     stride_cs,
+    dk_offset,
+    dv_offset,
     num_heads,
     head_dim,
     max_kv_len,
@@ -200,8 +202,9 @@ def _bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """dK and dV of one (example, head, key block). With ROPE, K and Q are the rotated operands
-    and dK is turned back through the rotation as it is stored (``triton_common.store_grad``)."""
+    """dK and dV of one (example, head, key block), written at DK + dk_offset and DV + dv_offset
+    (elements; see :func:`dkdv`). With ROPE, K and Q are the rotated operands and dK is turned back
+    through the rotation as it is stored (``triton_common.store_grad``)."""
     qk_scale = tl.cast(qk_scale, tl.float32)  # fp64 under Inductor, as in _fwd_kernel
     dk_scale = tl.cast(dk_scale, tl.float32)
     dv_scale = tl.cast(dv_scale, tl.float32)
@@ -377,8 +380,8 @@ def _bwd_dkdv_kernel(
         )
 
     col_mask = cols < kv_len
-    DK += kv_start * stride_dkt + h * stride_dkh
-    DV += kv_start * stride_dvt + h * stride_dvh
+    DK += dk_offset + kv_start * stride_dkt + h * stride_dkh
+    DV += dv_offset + kv_start * stride_dvt + h * stride_dvh
     table_rows = kv_start + cols
     store_grad(
         DK, cols, stride_dkt, offs_d, col_mask, dmask, dk * dk_scale, COS, SIN, table_rows, stride_cs, ROPE, BLOCK_D
@@ -469,6 +472,7 @@ def _bwd_dq_kernel(
     stride_dqh,
     stride_lse_h,
     stride_cs,
+    dq_offset,
     num_heads,
     head_dim,
     max_q_len,
@@ -491,7 +495,8 @@ def _bwd_dq_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """dQ of one (example, head, query block), recomputing S and dP; ROPE as _bwd_dkdv_kernel's."""
+    """dQ of one (example, head, query block), recomputing S and dP, written at DQ + dq_offset;
+    ROPE as _bwd_dkdv_kernel's."""
     qk_scale = tl.cast(qk_scale, tl.float32)  # fp64 under Inductor, as in _fwd_kernel
     dq_scale = tl.cast(dq_scale, tl.float32)
     m_block, rank, h = program_block(tl.program_id(0), max_q_len, BLOCK_M, num_heads)
@@ -652,7 +657,7 @@ def _bwd_dq_kernel(
             PACKED_ACT,
         )
 
-    DQ += o_start * stride_dqt + h * stride_dqh
+    DQ += dq_offset + o_start * stride_dqt + h * stride_dqh
     store_grad(
         DQ, rows, stride_dqt, offs_d, row_mask, dmask, dq * dq_scale, COS, SIN, o_start + rows, stride_cs, ROPE, BLOCK_D
     )
@@ -675,6 +680,7 @@ def _bwd_dq_from_ds_kernel(
     stride_dqt,
     stride_dqh,
     stride_cs,
+    dq_offset,
     num_heads,
     head_dim,
     max_q_len,
@@ -693,7 +699,7 @@ def _bwd_dq_from_ds_kernel(
     its example's queries) instead of recomputing S and dP. Keys past the example's end are
     masked; queries are not (so the loads vectorize): the rows are padded to a multiple of
     every BLOCK_M, and a query past the end only reaches its own dQ row, which is not stored.
-    ROPE as _bwd_dkdv_kernel's."""
+    dq_offset and ROPE as _bwd_dq_kernel's."""
     dq_scale = tl.cast(dq_scale, tl.float32)  # fp64 under Inductor, as in _fwd_kernel
     m_block, rank, h = program_block(tl.program_id(0), max_q_len, BLOCK_M, num_heads)
     b = tl.load(batch_order + rank)
@@ -720,7 +726,7 @@ def _bwd_dq_from_ds_kernel(
         k = load_rows(K + cols[:, None] * stride_kt + offs_d[None, :], cols, kv_len, dmask, True, EVEN_D)
         dq = dot(tl.trans(ds_t), k, dq, DOT_PRECISION)
 
-    DQ += o_start * stride_dqt + h * stride_dqh
+    DQ += dq_offset + o_start * stride_dqt + h * stride_dqh
     store_grad(
         DQ, rows, stride_dqt, offs_d, row_mask, dmask, dq * dq_scale, COS, SIN, o_start + rows, stride_cs, ROPE, BLOCK_D
     )
@@ -788,10 +794,15 @@ def dkdv(
     config: KernelSettings,
     wrap=identity,
     rope=None,
+    offsets=(0, 0),
 ) -> None:
     """Writes dK and dV (and, where ``store_ds``, dS into ``ds``: ``[H, K/V rows, padded
     queries]``; without it ``ds`` is any tensor, unused). ``rope``: ``(cos, sin)`` where Q and K
-    are rotated and dK is to be turned back through the rotation (``triton_common.store_grad``)."""
+    are rotated and dK is to be turned back through the rotation (``triton_common.store_grad``).
+    ``offsets``: elements from ``dk`` and ``dv``'s data to their first row, for gradients written
+    into slices of one buffer: under torch.compile the kernels must get the buffer, not a view
+    with an offset (torch 2.11's functionalization clones such a mutated view out of bounds,
+    pytorch#192226)."""
     num_batches, num_heads, head_dim = kv_offsets.numel() - 1, q.shape[1], q.shape[2]
     cos, sin, stride_cs = _tables(rope, dk)
     lse_stride = lse.stride(0) if meta["ACTIVATION"] == 0 else 0
@@ -831,6 +842,7 @@ def dkdv(
         ds.stride(0),
         ds.stride(1),
         stride_cs,
+        *offsets,
         num_heads,
         head_dim,
         max_kv_len,
@@ -869,8 +881,10 @@ def dq(
     config: KernelSettings,
     wrap=identity,
     rope=None,
+    offset=0,
 ) -> None:
-    """Writes dQ into ``dq_rows`` (``[To, H, D]``), recomputing S and dP; ``rope`` as :func:`dkdv`'s."""
+    """Writes dQ into ``dq_rows`` (``[To, H, D]``, from element ``offset``), recomputing S and dP;
+    ``rope`` and ``offset`` as :func:`dkdv`'s."""
     num_batches, num_heads, head_dim = kv_offsets.numel() - 1, q.shape[1], q.shape[2]
     cos, sin, stride_cs = _tables(rope, dq_rows)
     lse_stride = lse.stride(0) if meta["ACTIVATION"] == 0 else 0
@@ -904,6 +918,7 @@ def dq(
         dq_rows.stride(1),
         lse_stride,
         stride_cs,
+        offset,
         num_heads,
         head_dim,
         max_q_len,
@@ -933,9 +948,10 @@ def dq_from_ds(
     config: KernelSettings,
     wrap=identity,
     rope=None,
+    offset=0,
 ) -> None:
-    """Writes dQ = dS K into ``dq_rows`` from the dS that the dK/dV kernel stored; ``rope`` as
-    :func:`dkdv`'s."""
+    """Writes dQ = dS K into ``dq_rows`` (from element ``offset``) from the dS that the dK/dV
+    kernel stored; ``rope`` and ``offset`` as :func:`dkdv`'s."""
     num_batches, num_heads, head_dim = kv_offsets.numel() - 1, k.shape[1], k.shape[2]
     cos, sin, stride_cs = _tables(rope, dq_rows)
     kernel, launch = autotune.kernel_and_config(
@@ -961,6 +977,7 @@ def dq_from_ds(
         dq_rows.stride(0),
         dq_rows.stride(1),
         stride_cs,
+        offset,
         num_heads,
         head_dim,
         max_q_len,

@@ -8,7 +8,11 @@ offsets of every attention call; under dynamic shapes (evaluation, with a batch 
 training's) torch 2.11 then failed to compile the clone (``decompose_triton_kernel_wrapper_functional``).
 
 This runs the real launchers on CPU tensors (no GPU: Triton's frontend runs on the CPU) for every
-kernel and mode and checks that only each kernel's outputs count as written. The CPU test tier runs
+kernel and mode and checks that only each kernel's outputs count as written, and that each written
+tensor is a whole buffer: torch 2.11 clones a written view with an offset or gaps (functionalization's
+``clone_preserve_strides``) reading past the buffer Inductor sized to the view (pytorch#192226; an
+illegal address on an H200 when the rotary self-attention's gradients were first written into
+views of one buffer). The CPU test tier runs
 it in a subprocess, since Triton's interpreter setting is fixed at import.
 """
 
@@ -76,6 +80,17 @@ def checked(kernel):
                 written = written_tensors(kernel, named)
                 extra = written - OUTPUTS[fn.__name__]
                 assert not extra, f"{fn.__name__}: Inductor would treat inputs {sorted(extra)} as written"
+                for name in written:  # a written view must span its whole storage (pytorch#192226)
+                    t = named[name]
+                    extent = 1 + sum((n - 1) * stride for n, stride in zip(t.shape, t.stride())) if t.numel() else 0
+                    assert (
+                        t.storage_offset() == 0
+                        and extent == t.numel() == t.untyped_storage().nbytes() // t.element_size()
+                    ), (
+                        f"{fn.__name__}: {name} is a view (offset {t.storage_offset()}, {t.numel()} of "
+                        f"{t.untyped_storage().nbytes() // t.element_size()} elements): torch.compile would clone it "
+                        "out of bounds; pass its buffer and an offset"
+                    )
                 print(f"{fn.__name__}: writes {sorted(written)}", flush=True)
 
             return check
@@ -134,7 +149,7 @@ def main() -> None:
             launch_backward(torch.randn_like(out), q, k, v, out, lse, *common, wrap=checked, config=config)
             if layout == "jagged" and activation == "softmax":  # rotary self-attention's backward
                 rope = torch.randn(2, q.shape[0], 32).unbind(0)
-                grads = torch.empty(q.shape[0], 3, *q.shape[1:], dtype=q.dtype).unbind(1)
+                packed_grad = torch.empty(q.shape[0], 3, *q.shape[1:], dtype=q.dtype)
                 launch_backward(
                     torch.randn_like(out),
                     q,
@@ -145,7 +160,7 @@ def main() -> None:
                     *common,
                     wrap=checked,
                     config=config,
-                    grads=grads,
+                    packed_grad=packed_grad,
                     rope=rope,
                 )
     qkv = torch.randn(6, 3, 2, 64, dtype=torch.bfloat16)

@@ -251,7 +251,7 @@ def main() -> None:
             wrap=compile_only,
             config=config,
             arch=HOPPER,
-            grads=torch.empty_like(qkv).unbind(1),
+            packed_grad=torch.empty_like(qkv),
             rope=(cos, sin),
         )
     # the pooling kernels at gem_base's width with its launch configs: 16 columns (InterFormer's

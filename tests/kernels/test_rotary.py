@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+import kernels.rotary
 from gem.models.sequence import rotary_tables
 from kernels.jagged_attention import jagged_attention, num_visible_pairs, rotary_self_attention, testing
 from kernels.rotary import rotary_qkv
@@ -122,16 +123,19 @@ def test_gpu_gem_base_shapes_eager_and_compiled(head_dim):
 
 
 def _self_attention(qkv, cos, sin, offsets, grad, backend, **masks):
-    """Output and d qkv of rotary self-attention on ``backend`` ("two-calls": rotary_qkv, then
-    jagged_attention, on Triton), and the kernels it launched."""
+    """Output and d qkv of rotary self-attention on ``backend`` ("fused": Triton with the
+    ``rotary_fused`` setting; "two-calls": rotary_qkv, then jagged_attention, on Triton), and the
+    kernels it launched."""
     qkv.grad = None
     max_len = int((offsets[1:] - offsets[:-1]).max())
-    with testing.record_paths() as paths:
+    with testing.record_paths() as paths, testing.override(rotary_fused=backend == "fused"):
         if backend == "two-calls":
             q, k, v = rotary_qkv(qkv, cos, sin, backend="triton")
             out = jagged_attention(q, k, v, offsets, offsets, max_len, max_len, backend="triton", **masks)
         else:
-            out = rotary_self_attention(qkv, cos, sin, offsets, max_len, backend=backend, **masks)
+            out = rotary_self_attention(
+                qkv, cos, sin, offsets, max_len, backend="triton" if backend == "fused" else backend, **masks
+            )
         out.backward(grad)
     return out.detach().float(), qkv.grad.float(), list(paths)
 
@@ -153,7 +157,7 @@ def test_self_attention_matches_reference(mask, head_dim):
     qkv, cos, sin = _inputs(lengths, 2, head_dim, torch.float32)
     offsets = torch.tensor([0, *lengths], device=DEVICE).cumsum(0)
     grad = torch.randn(qkv.shape[0], *qkv.shape[2:], device=DEVICE)
-    out, dqkv, paths = _self_attention(qkv, cos, sin, offsets, grad, "triton", **masks)
+    out, dqkv, paths = _self_attention(qkv, cos, sin, offsets, grad, "fused", **masks)
     ref, ref_dqkv, _ = _self_attention(qkv, cos, sin, offsets, grad, "reference", **masks)
     assert paths == ["triton_fwd", "triton_dkdv", dq_kernel]
     assert (out - ref).norm() <= 1e-5 * ref.norm()
@@ -169,23 +173,31 @@ def test_self_attention_recomputed_dq_and_bf16():
     offsets = torch.tensor([0, *lengths], device=DEVICE).cumsum(0)
     grad = torch.randn(qkv.shape[0], *qkv.shape[2:], device=DEVICE, dtype=qkv.dtype)
     with testing.override(store_ds=False):
-        out, dqkv, paths = _self_attention(qkv, cos, sin, offsets, grad, "triton")
+        out, dqkv, paths = _self_attention(qkv, cos, sin, offsets, grad, "fused")
         ref, ref_dqkv, _ = _self_attention(qkv, cos, sin, offsets, grad, "two-calls")
     assert paths[-1] == "dq"
     assert (out - ref).norm() <= 1e-2 * ref.norm()
     assert (dqkv - ref_dqkv).norm() <= 1e-2 * ref_dqkv.norm()
 
 
-def test_self_attention_other_head_dims_take_the_two_calls():
-    """A head dim that is not a power of two runs rotary_qkv then jagged_attention (same result)."""
+@pytest.mark.parametrize("head_dim, fused", [(16, False), (24, True)])
+def test_self_attention_runs_the_two_calls_unless_fused_applies(monkeypatch, head_dim, fused):
+    """The fused kernels run only with the setting and a power-of-two head dim; otherwise
+    rotary_qkv, then jagged_attention (the same result)."""
+    rotations = []
+    rotate_qk = kernels.rotary.rotate_qk
+    monkeypatch.setattr(kernels.rotary, "rotate_qk", lambda *args: rotations.append(1) or rotate_qk(*args))
     lengths = [6, 11]
-    qkv, cos, sin = _inputs(lengths, 2, 24, torch.float32)
+    qkv, cos, sin = _inputs(lengths, 2, head_dim, torch.float32)
     offsets = torch.tensor([0, *lengths], device=DEVICE).cumsum(0)
     grad = torch.randn(qkv.shape[0], *qkv.shape[2:], device=DEVICE)
-    out, dqkv, _ = _self_attention(qkv, cos, sin, offsets, grad, "triton")
+    out, dqkv, _ = _self_attention(qkv, cos, sin, offsets, grad, "fused" if fused else "triton")
+    assert not rotations
     ref, ref_dqkv, _ = _self_attention(qkv, cos, sin, offsets, grad, "reference")
     assert (out - ref).norm() <= 1e-5 * ref.norm()
     assert (dqkv - ref_dqkv).norm() <= 1e-5 * ref_dqkv.norm()
+    _self_attention(qkv, cos, sin, offsets, grad, "fused")
+    assert len(rotations) == (head_dim == 16)
 
 
 def test_self_attention_flops_and_bad_input():
@@ -194,7 +206,7 @@ def test_self_attention_flops_and_bad_input():
     lengths = [5, 0, 12]
     qkv, cos, sin = _inputs(lengths, 2, 32, torch.float32)
     offsets = torch.tensor([0, *lengths], device=DEVICE).cumsum(0)
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False) as counter, testing.override(rotary_fused=True):
         rotary_self_attention(qkv, cos, sin, offsets, 12, causal=True, backend="triton").sum().backward()
     pairs = num_visible_pairs(torch.tensor(lengths), torch.tensor(lengths), causal=True)
     assert counter.get_total_flops() == 4 * 2 * 32 * pairs * 7 // 2
@@ -219,7 +231,7 @@ def test_gpu_self_attention_gem_base_shapes_eager_and_compiled(mask):
     qkv, cos, sin = _inputs(lengths, 4, 128, torch.bfloat16, device="cuda")
     offsets = torch.tensor([0, *lengths], device="cuda").cumsum(0)
     grad = torch.randn(qkv.shape[0], 4, 128, device="cuda", dtype=qkv.dtype)
-    out, dqkv, _ = _self_attention(qkv, cos, sin, offsets, grad, "triton", **masks)
+    out, dqkv, _ = _self_attention(qkv, cos, sin, offsets, grad, "fused", **masks)
     ref, ref_dqkv, _ = _self_attention(qkv, cos, sin, offsets, grad, "two-calls", **masks)
     assert (out - ref).norm() <= 1e-2 * ref.norm()
     for part in range(3):
@@ -229,7 +241,8 @@ def test_gpu_self_attention_gem_base_shapes_eager_and_compiled(mask):
         return rotary_self_attention(x * 1.0, cos, sin, offsets, max(lengths), **masks)
 
     qkv.grad = None
-    compiled = torch.compile(layer, fullgraph=True)(qkv)
-    compiled.backward(grad)
+    with testing.override(rotary_fused=True):
+        compiled = torch.compile(layer, fullgraph=True)(qkv)
+        compiled.backward(grad)
     assert torch.equal(compiled.float(), out)
     assert torch.equal(qkv.grad.float(), dqkv)
