@@ -199,12 +199,13 @@ def _bwd_dkdv_kernel(
     PACKED_ACT: tl.constexpr,
     STORE_DS: tl.constexpr,
     ROPE: tl.constexpr,
+    DV_IN_DK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """dK and dV of one (example, head, key block), written at DK + dk_offset and DV + dv_offset
-    (elements; see :func:`dkdv`). With ROPE, K and Q are the rotated operands and dK is turned back
-    through the rotation as it is stored (``triton_common.store_grad``)."""
+    (elements; DK + dv_offset with DV_IN_DK; see :func:`dkdv`). With ROPE, K and Q are the rotated
+    operands and dK is turned back through the rotation as it is stored (``triton_common.store_grad``)."""
     qk_scale = tl.cast(qk_scale, tl.float32)  # fp64 under Inductor, as in _fwd_kernel
     dk_scale = tl.cast(dk_scale, tl.float32)
     dv_scale = tl.cast(dv_scale, tl.float32)
@@ -380,8 +381,11 @@ def _bwd_dkdv_kernel(
         )
 
     col_mask = cols < kv_len
+    if DV_IN_DK:  # one packed gradient: a kernel may write one argument only, under torch.compile
+        DV = DK + dv_offset + kv_start * stride_dvt + h * stride_dvh
+    else:
+        DV += dv_offset + kv_start * stride_dvt + h * stride_dvh
     DK += dk_offset + kv_start * stride_dkt + h * stride_dkh
-    DV += dv_offset + kv_start * stride_dvt + h * stride_dvh
     table_rows = kv_start + cols
     store_grad(
         DK, cols, stride_dkt, offs_d, col_mask, dmask, dk * dk_scale, COS, SIN, table_rows, stride_cs, ROPE, BLOCK_D
@@ -800,9 +804,11 @@ def dkdv(
     queries]``; without it ``ds`` is any tensor, unused). ``rope``: ``(cos, sin)`` where Q and K
     are rotated and dK is to be turned back through the rotation (``triton_common.store_grad``).
     ``offsets``: elements from ``dk`` and ``dv``'s data to their first row, for gradients written
-    into slices of one buffer: under torch.compile the kernels must get the buffer, not a view
-    with an offset (torch 2.11's functionalization clones such a mutated view out of bounds,
-    pytorch#192226)."""
+    into slices of one buffer, which is then passed as both ``dk`` and ``dv`` (and written through
+    ``dk`` only). Under torch.compile a kernel's written argument must be a whole buffer (2.11's
+    functionalization clones a written view with an offset out of bounds, pytorch#192226), and
+    only one argument may name it (functionalization clones each written argument on its own, so
+    writes through another could be lost)."""
     num_batches, num_heads, head_dim = kv_offsets.numel() - 1, q.shape[1], q.shape[2]
     cos, sin, stride_cs = _tables(rope, dk)
     lse_stride = lse.stride(0) if meta["ACTIVATION"] == 0 else 0
@@ -856,6 +862,7 @@ def dkdv(
         **meta,
         STORE_DS=store_ds,
         ROPE=rope is not None,
+        DV_IN_DK=dv is dk,
         **launch,
     )
 
