@@ -16,7 +16,8 @@ arch a graph per block (``parallelism.compile_scope=blocks``; the flagship compi
 graph); ``combo-<block>`` turns on Inductor's combo kernels (``parallelism.inductor``), ``static-<block>``
 its static launcher for user Triton kernels, ``autotune-<block>`` its GEMM autotuning,
 ``graphs-<block>`` / ``graphs2k-<block>`` CUDA graphs over the dense arch with its inputs padded
-to a multiple of 8,192 / 2,048 event rows.
+to a multiple of 8,192 / 2,048 event rows; ``rope-<block>`` the fused rotary self-attention kernels
+(``kernels.rotary_fused``).
 ``cold-<block>`` and ``warm-<block>`` run a block for a few steps, on a machine without and then
 with the caches (data, Inductor, Triton), for the time to first step.
 
@@ -185,6 +186,8 @@ VARIANTS = {
     "graphs": ["parallelism.row_bucket=8192", "+parallelism.inductor.triton.cudagraphs=true"],
     # the same with a quarter of the padding and about four times the shapes to record
     "graphs2k": ["parallelism.row_bucket=2048", "+parallelism.inductor.triton.cudagraphs=true"],
+    # rotary self-attention on its fused kernels (no rotary backward, no copy of V; docs/kernels.md)
+    "rope": ["kernels.rotary_fused=true"],
 }
 
 

@@ -482,11 +482,14 @@ def _run_trajectory(backend: str, env: dict, steps: int) -> list[float]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_reference_and_triton_backends_give_the_same_loss_trajectory(one_thread):
+@pytest.mark.parametrize("rotary_fused", ["0", "1"])
+def test_reference_and_triton_backends_give_the_same_loss_trajectory(one_thread, rotary_fused):
     """8 steps (each of the 4 batches twice), both blocks; Triton runs in its interpreter on CPU
-    (TRITON_INTERPRET=1 in a subprocess). The GPU test below runs 20 steps at a larger batch."""
+    (TRITON_INTERPRET=1 in a subprocess), with the self-attention's rotary kernels fused or not
+    (``kernels.rotary_fused``). The GPU test below runs 20 steps at a larger batch."""
     # One thread: the interpreter gains nothing from more, and on a busy machine they only contend.
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env["GEM_KERNELS_ROTARY_FUSED"] = rotary_fused
     triton_losses = _run_trajectory("triton", env, steps=8)
     reference_losses = trajectory("reference", steps=8)
     assert len(triton_losses) == 8
