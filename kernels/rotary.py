@@ -161,7 +161,7 @@ def rotate_qk(qkv, cos, sin, wrap) -> tuple[torch.Tensor, torch.Tensor]:
     turn the gradients of Q and K back through the rotation themselves."""
     shape = (qkv.shape[0], qkv.shape[2], qkv.shape[3])
     q, k = qkv.new_empty(shape), qkv.new_empty(shape)
-    _launch(qkv, q, k, q, cos, sin, False, wrap, copy_v=False)
+    _launch(qkv, q, k, qkv, cos, sin, False, wrap, copy_v=False)  # (V: a stand-in, unread)
     return q, k
 
 

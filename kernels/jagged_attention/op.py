@@ -1,10 +1,14 @@
 """torch.library registration of the jagged attention kernels: which kernels run, autograd, FLOPs.
 
-Two ops in the ``gem_kernels`` namespace, both ``triton_op`` so that ``torch.compile`` sees
-the Triton kernels inside them (no graph break) and a ``FlopCounterMode`` counts them:
+Two pairs of ops in the ``gem_kernels`` namespace, all ``triton_op`` so that ``torch.compile``
+sees the Triton kernels inside them (no graph break) and a ``FlopCounterMode`` counts them:
 
 * ``gem_kernels::jagged_attention_fwd(...) -> (out, lse, batch_order)``
 * ``gem_kernels::jagged_attention_bwd(grad_out, ...) -> (dq, dk, dv)``
+* ``gem_kernels::rotary_self_attention_fwd(qkv, cos, sin, ...) -> (out, lse, batch_order, q, k)``
+  (softmax self-attention over a packed projection, Q and K rotated by ``kernels.rotary``)
+* ``gem_kernels::rotary_self_attention_bwd(grad_out, ...) -> d qkv`` (the same kernels, writing
+  the packed gradient, dQ and dK turned back through the rotation as they are stored)
 
 This module chooses the kernels, from the settings in force (``settings.py``) and the inputs:
 
@@ -17,8 +21,9 @@ This module chooses the kernels, from the settings in force (``settings.py``) an
 
 The forward computes the order in which the kernels' programs take the examples
 (``batch_order.py``) and returns it for the backward. Callers use
-:func:`kernels.jagged_attention`, which validates, normalizes layouts and calls
-:func:`jagged_attention_triton` below.
+:func:`kernels.jagged_attention` and :func:`kernels.jagged_attention.rotary_self_attention`, which
+validate, normalize layouts and call :func:`jagged_attention_triton` /
+:func:`rotary_self_attention_triton` below.
 """
 
 from __future__ import annotations
@@ -271,11 +276,12 @@ def launch_backward(
         config.store_ds
         and 0 < store_ds_bytes(q, k, max_q_len, causal, window, block_size, q_broadcast) <= config.store_ds_max_bytes
     )
-    # dS[h, kv row, query of its example], rows padded (dk stands in, unused, without a buffer)
+    # dS[h, kv row, query of its example], rows padded (q stands in, unread, without a buffer: an
+    # input, not a tensor the kernel writes, which Inductor may then not write in place)
     ds = _store_ds_buffer(q, k, max_q_len) if store_ds else None
     store_ds = ds is not None
     if ds is None:
-        ds = dk
+        ds = q
     if (
         packed_grad is None
         and rope is None

@@ -742,7 +742,9 @@ def _bwd_dq_from_ds_kernel(
 
 
 def _tables(rope, dummy) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``(cos, sin, row stride)`` of the rotary tables, or a stand-in (unread) without them."""
+    """``(cos, sin, row stride)`` of the rotary tables, or a stand-in (unread) without them: an
+    input, never a tensor the kernel writes (an argument aliasing a written one could keep
+    Inductor from writing that one in place)."""
     if rope is None:
         return dummy, dummy, 0
     cos, sin = rope
@@ -810,7 +812,9 @@ def dkdv(
     only one argument may name it (functionalization clones each written argument on its own, so
     writes through another could be lost)."""
     num_batches, num_heads, head_dim = kv_offsets.numel() - 1, q.shape[1], q.shape[2]
-    cos, sin, stride_cs = _tables(rope, dk)
+    cos, sin, stride_cs = _tables(rope, q)
+    packed = dv is dk  # written through DK (DV_IN_DK); the DV argument is a stand-in, unread
+    dv_arg = q if packed else dv
     lse_stride = lse.stride(0) if meta["ACTIVATION"] == 0 else 0
     kernel, launch = autotune.kernel_and_config(_bwd_dkdv_kernel, "dkdv", meta["BLOCK_D"], q.element_size(), config)
 
@@ -825,7 +829,7 @@ def dkdv(
         lse,
         delta,
         dk,
-        dv,
+        dv_arg,
         ds,
         cos,
         sin,
@@ -842,7 +846,7 @@ def dkdv(
         grad_out.stride(1),
         dk.stride(0),
         dk.stride(1),
-        dv.stride(0),
+        dv.stride(0),  # (dk's where packed)
         dv.stride(1),
         lse_stride,
         ds.stride(0),
@@ -862,7 +866,7 @@ def dkdv(
         **meta,
         STORE_DS=store_ds,
         ROPE=rope is not None,
-        DV_IN_DK=dv is dk,
+        DV_IN_DK=packed,
         **launch,
     )
 
@@ -893,7 +897,7 @@ def dq(
     """Writes dQ into ``dq_rows`` (``[To, H, D]``, from element ``offset``), recomputing S and dP;
     ``rope`` and ``offset`` as :func:`dkdv`'s."""
     num_batches, num_heads, head_dim = kv_offsets.numel() - 1, q.shape[1], q.shape[2]
-    cos, sin, stride_cs = _tables(rope, dq_rows)
+    cos, sin, stride_cs = _tables(rope, q)
     lse_stride = lse.stride(0) if meta["ACTIVATION"] == 0 else 0
     kernel, launch = autotune.kernel_and_config(_bwd_dq_kernel, "dq", meta["BLOCK_D"], q.element_size(), config)
 
@@ -960,7 +964,7 @@ def dq_from_ds(
     """Writes dQ = dS K into ``dq_rows`` (from element ``offset``) from the dS that the dK/dV
     kernel stored; ``rope`` and ``offset`` as :func:`dkdv`'s."""
     num_batches, num_heads, head_dim = kv_offsets.numel() - 1, k.shape[1], k.shape[2]
-    cos, sin, stride_cs = _tables(rope, dq_rows)
+    cos, sin, stride_cs = _tables(rope, k)
     kernel, launch = autotune.kernel_and_config(
         _bwd_dq_from_ds_kernel, "dq_ds", meta["BLOCK_D"], k.element_size(), config
     )

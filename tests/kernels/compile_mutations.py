@@ -12,9 +12,11 @@ kernel and mode and checks that only each kernel's outputs count as written, and
 tensor is a whole buffer: torch 2.11 clones a written view with an offset or gaps (functionalization's
 ``clone_preserve_strides``) reading past the buffer Inductor sized to the view (pytorch#192226; an
 illegal address on an H200 when the rotary self-attention's gradients were first written into
-views of one buffer), and that no two written arguments share a buffer (functionalization clones
-each written argument on its own, so writes through one could be lost). The CPU test tier runs
-it in a subprocess, since Triton's interpreter setting is fixed at import.
+views of one buffer), and that no other argument names a written tensor's buffer
+(functionalization clones each written argument on its own, so writes through another could be
+lost, and a stand-in argument aliasing a written one could keep Inductor from writing it in
+place). The CPU test tier runs it in a subprocess, since Triton's interpreter setting is fixed at
+import.
 """
 
 from __future__ import annotations
@@ -81,11 +83,18 @@ def checked(kernel):
                 written = written_tensors(kernel, named)
                 extra = written - OUTPUTS[fn.__name__]
                 assert not extra, f"{fn.__name__}: Inductor would treat inputs {sorted(extra)} as written"
-                buffers = [named[name].untyped_storage().data_ptr() for name in written]
-                assert len(set(buffers)) == len(buffers), (
-                    f"{fn.__name__}: written arguments {sorted(written)} share a buffer: torch.compile clones each "
-                    "on its own, so writes through one could be lost"
-                )
+                for name in written:  # no other argument names a written tensor's buffer
+                    buffer = named[name].untyped_storage().data_ptr()
+                    sharing = [
+                        other
+                        for other, t in named.items()
+                        if other != name and isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == buffer
+                    ]
+                    assert not sharing, (
+                        f"{fn.__name__}: {sharing} share written {name}'s buffer: torch.compile clones each written "
+                        "argument on its own (writes through another could be lost) and may not write one in place "
+                        "that another argument reads"
+                    )
                 for name in written:  # a written view must span its whole storage (pytorch#192226)
                     t = named[name]
                     extent = 1 + sum((n - 1) * stride for n, stride in zip(t.shape, t.stride())) if t.numel() else 0
