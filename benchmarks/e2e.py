@@ -30,7 +30,8 @@ runs' pooling, see gem.models.sequence.PoolingByAttention), compiled like the ja
 measures throughput only: its padded rows feed the "most recent events" summary, so its losses are
 not comparable.
 
-Writes ``benchmarks/results/e2e-<hardware>.json`` and prints a table.
+Writes ``benchmarks/results/e2e-<hardware>.json`` (``--tag``: ``e2e-<tag>.json``) after every run, so a
+time limit that cuts a run keeps the ones before it, and prints a table.
 """
 
 from __future__ import annotations
@@ -310,6 +311,8 @@ def main() -> None:
         plot_losses(args.plot_losses, args.plot_out)
         return
     env = environment()
+    tag = args.tag or "".join(c if c.isalnum() else "-" for c in env["hardware"].lower()).strip("-")
+    out = ROOT / "benchmarks" / "results" / f"e2e-{tag}.json"
     results = []
     for name in args.runs:
         run_dir = Path(args.out_dir) / name
@@ -321,11 +324,7 @@ def main() -> None:
             )
         )
         results.append(collect(name, run_dir, args.warmup) | launched)
-    by_name = {r["name"]: r for r in results}
-    for r in results:
-        base = by_name.get(f"padded-{r['name']}")
-        if base and r.get("examples_per_s") and base.get("examples_per_s"):
-            r["vs_padded"] = r["examples_per_s"] / base["examples_per_s"]
+        write_results(out, env, args, results)  # after every run: a time limit that cuts the next keeps these
     print(
         f"\n{'run':<20} {'rc':>3} {'examples/s':>11} {'step ms':>8} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7} "
         f"{'first step s':>12} {'vs padded':>9}"
@@ -339,8 +338,17 @@ def main() -> None:
             f"{cell('tflops', '8.1f')} {cell('mfu', '6.1%')} {cell('peak_mem_gb', '7.1f')} "
             f"{format(first, '12.1f') if first else '-':>12} {cell('vs_padded', '9.2f')}"
         )
-    tag = args.tag or "".join(c if c.isalnum() else "-" for c in env["hardware"].lower()).strip("-")
-    out = ROOT / "benchmarks" / "results" / f"e2e-{tag}.json"
+    print(f"wrote {out}")
+
+
+def write_results(out: Path, env: dict, args: argparse.Namespace, results: list[dict]) -> None:
+    """The benchmark's JSON: the environment, the arguments and the runs so far (each padded
+    baseline's ratio filled in once both runs are in)."""
+    by_name = {r["name"]: r for r in results}
+    for r in results:
+        base = by_name.get(f"padded-{r['name']}")
+        if base and r.get("examples_per_s") and base.get("examples_per_s"):
+            r["vs_padded"] = r["examples_per_s"] / base["examples_per_s"]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
         json.dumps(
@@ -358,7 +366,6 @@ def main() -> None:
         )
         + "\n"
     )
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
