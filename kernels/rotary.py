@@ -13,7 +13,9 @@ gradient ``d qkv`` once. V is copied in the forward so that its gradient joins t
 a view of the input would send it through a separate ``select`` backward and a sum.
 
 ``backend="reference"`` (the default off CUDA) is the same math in PyTorch. The tables are float32;
-the kernels compute in float32 and round once.
+the kernels compute in float32 and round once. :func:`rotate_qk` (Q and K only, no autograd) is the
+forward of ``kernels.jagged_attention.rotary_self_attention``'s fused path, whose attention kernels
+read V in place and turn the gradients back themselves.
 """
 
 from __future__ import annotations

@@ -60,8 +60,9 @@ def rotary_tables(
     offsets: torch.Tensor, total: int, head_dim: int, base: float = 10000.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin)`` float32 ``[T, D/2]`` of the rotary embedding at every row's position in
-    its own sequence (0 = oldest), for :func:`kernels.jagged_attention.rotary_self_attention`. The tables depend only
-    on the offsets: computed once per event stream and batch, every layer reuses them."""
+    its own sequence (0 = oldest), for :func:`kernels.jagged_attention.rotary_self_attention`.
+    The tables depend only on the offsets: computed once per event stream and batch, every layer
+    reuses them."""
     half = head_dim // 2
     inv_freq = base ** (-torch.arange(half, device=offsets.device, dtype=torch.float32) / half)
     angles = jagged_positions(offsets, total).to(torch.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
