@@ -31,7 +31,7 @@ import triton.language as tl
 from torch.utils.flop_counter import register_flop_formula
 
 from kernels.jagged import jagged_to_padded, offsets_to_lengths
-from kernels.jagged_attention.triton_common import INTERPRET, OP_WRAP, define_op, dot, no_launch
+from kernels.jagged_attention.triton_common import INTERPRET, OP_WRAP, define_op, dot, fake_without_launch
 
 BACKENDS = ("triton", "reference")
 MAX_BLOCK_D = 1024  # wider rows run the reference (the kernels hold a block of rows in registers)
@@ -290,15 +290,8 @@ def _bwd_op(
     return _backward(grad_out, x, a, out, lse, offsets, max_len, OP_WRAP)
 
 
-if INTERPRET:
-
-    @_fwd_op.register_fake
-    def _fwd_fake(x, a, offsets, max_len):
-        return _forward(x, a, offsets, max_len, no_launch)
-
-    @_bwd_op.register_fake
-    def _bwd_fake(grad_out, x, a, out, lse, offsets, max_len):
-        return _backward(grad_out, x, a, out, lse, offsets, max_len, no_launch)
+fake_without_launch(_fwd_op, _forward)
+fake_without_launch(_bwd_op, _backward)
 
 
 def _setup_context(ctx, inputs, output) -> None:

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.jagged_attention.triton_common import INTERPRET, OP_WRAP, define_op, no_launch
+from kernels.jagged_attention.triton_common import OP_WRAP, define_op, fake_without_launch
 
 BACKENDS = ("triton", "reference")
 BLOCK_T = 16  # rows per program: 16 x 3 x H x D elements (24,576 at 4 heads x 128)
@@ -183,15 +183,8 @@ def _bwd_op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Ten
     return _backward(dq, dk, dv, cos, sin, OP_WRAP)
 
 
-if INTERPRET:
-
-    @_fwd_op.register_fake
-    def _fwd_fake(qkv, cos, sin):
-        return _forward(qkv, cos, sin, no_launch)
-
-    @_bwd_op.register_fake
-    def _bwd_fake(dq, dk, dv, cos, sin):
-        return _backward(dq, dk, dv, cos, sin, no_launch)
+fake_without_launch(_fwd_op, _forward)
+fake_without_launch(_bwd_op, _backward)
 
 
 def _setup_context(ctx, inputs, output) -> None:

@@ -46,9 +46,9 @@ from kernels.jagged_attention.triton_common import (
     LOG2E,
     OP_WRAP,
     define_op,
+    fake_without_launch,
     identity,
     launch_meta,
-    no_launch,
     packed_act,
 )
 
@@ -461,15 +461,8 @@ def _bwd_op(
     )
 
 
-if INTERPRET:
-
-    @_fwd_op.register_fake
-    def _fwd_fake(*args):
-        return _forward(*args, wrap=no_launch)
-
-    @_bwd_op.register_fake
-    def _bwd_fake(*args):
-        return _backward_kernels(*args, wrap=no_launch)
+fake_without_launch(_fwd_op, _forward)
+fake_without_launch(_bwd_op, _backward_kernels)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -587,15 +580,8 @@ def _rope_bwd_op(
     )
 
 
-if INTERPRET:
-
-    @_rope_fwd_op.register_fake
-    def _rope_fwd_fake(*args):
-        return _rope_forward(*args, wrap=no_launch)
-
-    @_rope_bwd_op.register_fake
-    def _rope_bwd_fake(*args):
-        return _rope_backward_kernels(*args, wrap=no_launch)
+fake_without_launch(_rope_fwd_op, _rope_forward)
+fake_without_launch(_rope_bwd_op, _rope_backward_kernels)
 
 
 def _rope_setup_context(ctx, inputs, output) -> None:

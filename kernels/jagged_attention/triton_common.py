@@ -415,10 +415,17 @@ def define_op(name: str):
     """A decorator registering a kernels op: ``triton_op``, so that torch.compile sees the Triton
     kernels inside it (launched through :data:`OP_WRAP`). Interpreted kernels cannot be traced into
     a graph (``wrap_triton`` hands them back raw), so under ``TRITON_INTERPRET=1`` the op is an
-    opaque ``custom_op``, whose fake impl the caller registers."""
+    opaque ``custom_op``, whose fake impl the caller registers (:func:`fake_without_launch`)."""
     if INTERPRET:
         return torch.library.custom_op(name, mutates_args=())
     return triton_op(name, mutates_args=())
+
+
+def fake_without_launch(op, launcher) -> None:
+    """Under ``TRITON_INTERPRET=1``, registers ``op``'s fake impl: ``launcher(*op's args, wrap=no_launch)``,
+    which allocates the outputs and launches nothing (a ``triton_op`` needs none: it is traced)."""
+    if INTERPRET:
+        op.register_fake(lambda *args: launcher(*args, wrap=no_launch))
 
 
 # The ``wrap`` of the registered ops' launchers: traced by torch.compile, or the interpreted kernel itself.
