@@ -131,6 +131,12 @@ def test_row_buckets_train_the_same_losses_and_bad_values_fail(cache_dir, tmp_pa
     assert model.row_bucket == 100 and model.max_lens == {g.name: g.max_len for g in schema.sequence_groups}
     with pytest.raises(ConfigError, match="parallelism.row_bucket=-1 must be >= 0"):
         train(_cfg(cache_dir, tmp_path / "bad", *common, "parallelism.row_bucket=-1"))
+    graphs = ["parallelism.compile=true", "+parallelism.inductor.triton.cudagraphs=true"]
+    config = validate(_cfg(cache_dir, tmp_path / "fsdp", *common, *graphs, "parallelism.fully_shard=true"))
+    with pytest.raises(
+        ConfigError, match="cudagraphs=true under FSDP2.*set parallelism.inductor.triton.cudagraphs=false"
+    ):
+        build_model(config, schema, env)  # refused before any process group is needed
 
 
 def test_quickstart_default_learns_the_hidden_signal(tmp_path):

@@ -13,11 +13,14 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.util
+import logging
 from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+logger = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -443,7 +446,9 @@ def inductor_options(options: dict[str, Any], compile: bool) -> dict[str, Any]:
     """``parallelism.inductor`` as torch.compile's ``options``: nested keys joined with dots
     (``{"triton": {"cudagraphs": True}}`` -> ``"triton.cudagraphs"``), each checked to be one of
     ``torch._inductor.config``'s, so that a misspelt key stops the run at start and not at the first
-    step's compile."""
+    step's compile. Without ``compile`` there is nothing to apply them to: they are dropped with a
+    warning (an experiment's options, e.g. gem_base_h200's CUDA graphs, under
+    ``parallelism.compile=false``)."""
     flat: dict[str, Any] = {}
 
     def walk(prefix: str, value: Any) -> None:
@@ -456,8 +461,6 @@ def inductor_options(options: dict[str, Any], compile: bool) -> dict[str, Any]:
     walk("", options)
     if not flat:
         return flat
-    if not compile:
-        raise ConfigError("parallelism.inductor sets Inductor options, but parallelism.compile=false: set it to true")
     from torch._inductor import config as inductor_config
 
     known = inductor_config.get_config_copy()
@@ -466,6 +469,9 @@ def inductor_options(options: dict[str, Any], compile: bool) -> dict[str, Any]:
             close = difflib.get_close_matches(key, known, n=3)
             hint = f"; did you mean {' or '.join(close)}?" if close else ""
             raise ConfigError(f"parallelism.inductor.{key} is not an option of torch._inductor.config{hint}")
+    if not compile:
+        logger.warning("parallelism.inductor (%s) ignored: parallelism.compile=false", ", ".join(sorted(flat)))
+        return {}
     return flat
 
 

@@ -219,6 +219,12 @@ def build_model(config: Config, schema: FeatureSchema, env: DistEnv, timer: Star
             f"{'FSDP2' if use_fsdp else 'activation checkpointing'} wraps each block: "
             "set parallelism.compile_scope=blocks"
         )
+    if use_fsdp and p.inductor.get("triton.cudagraphs"):
+        raise ConfigError(
+            "parallelism.inductor.triton.cudagraphs=true under FSDP2: CUDA graphs over fully_shard's "
+            "blocks have not been run with gem; set parallelism.inductor.triton.cudagraphs=false "
+            "and parallelism.row_bucket=0 (experiment=gem_base_h200 turns them on for one GPU)"
+        )
     mesh = dims.build_mesh(env.device.type) if use_fsdp else None
     logger.info(
         "dense: %s%s%s",
