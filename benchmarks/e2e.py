@@ -15,9 +15,9 @@ the warm-up and gives the device time by kind (windows holding a profiled step a
 arch a graph per block (``parallelism.compile_scope=blocks``; the flagship compiles it as one
 graph); ``combo-<block>`` turns on Inductor's combo kernels (``parallelism.inductor``), ``static-<block>``
 its static launcher for user Triton kernels, ``autotune-<block>`` its GEMM autotuning,
-``graphs-<block>`` / ``graphs2k-<block>`` CUDA graphs over the dense arch with its inputs padded
-to a multiple of 8,192 / 2,048 event rows; ``rope-<block>`` the fused rotary self-attention kernels
-(``kernels.rotary_fused``).
+``nographs-<block>`` runs without the flagship's CUDA graphs (and the 2,048-row bucket they need),
+``graphs8k-<block>`` with them over an 8,192-row bucket, ``unfused-<block>`` with the rotary
+self-attention as two calls (``kernels.rotary_fused=false``).
 ``cold-<block>`` and ``warm-<block>`` run a block for a few steps, on a machine without and then
 with the caches (data, Inductor, Triton), for the time to first step.
 
@@ -26,7 +26,8 @@ kernels: :class:`PaddedGEMDenseArch` pads every history to the batch's ``max_len
 so every dense layer runs on ``B x max_len`` rows, and attention runs on ``[B, H, L, D]`` through
 PyTorch's ``scaled_dot_product_attention`` with a key-padding mask (softmax) or plain PyTorch
 matmuls (GDPA, and the pooling queries' scores and weighted sum: the same math as the jagged
-runs' pooling, see gem.models.sequence.PoolingByAttention), compiled like the jagged runs. It
+runs' pooling, see gem.models.sequence.PoolingByAttention), compiled a graph per block, without
+CUDA graphs (its steps are GPU-bound) and without the row bucket (it pads to ``max_len``). It
 measures throughput only: its padded rows feed the "most recent events" summary, so its losses are
 not comparable.
 
@@ -164,10 +165,16 @@ class PaddedGEMDenseArch(GEMDenseArch):
         return super().forward(SparseOutput(sparse.pooled, {name: rows}), dense, domain)
 
 
-# Run-name prefixes: <prefix>-<block> adds these overrides (longest prefix first).
+NO_GRAPHS = ["parallelism.row_bucket=0", "parallelism.inductor.triton.cudagraphs=false"]
+# Run-name prefixes: <prefix>-<block> adds these overrides to the flagship's.
 VARIANTS = {
-    # compiled block by block, as its figures in docs/e2e.md were measured
-    "padded": ["model._target_=benchmarks.e2e.PaddedGEMDenseArch", "parallelism.compile_scope=blocks"],
+    # compiled block by block, as its figures in docs/e2e.md were measured, without CUDA graphs (its
+    # padded batches are GPU-bound) and without the row bucket (its own padding is to max_len)
+    "padded": [
+        "model._target_=benchmarks.e2e.PaddedGEMDenseArch",
+        "parallelism.compile_scope=blocks",
+        *NO_GRAPHS,
+    ],
     # TorchRec-sharded tables on FBGEMM's fused CUDA kernels (needs the CUDA fbgemm-gpu build,
     # tools/fbgemm_gpu_parts.sh), with and without TrainPipelineSparseDist
     "fbgemm-nopipe": ["sparse=torchrec", "sparse.pipeline=false"],
@@ -182,21 +189,20 @@ VARIANTS = {
     "static": ["+parallelism.inductor.static_launch_user_defined_triton_kernels=true"],
     # Inductor's GEMM autotuning: cuBLAS against its Triton GEMM templates, which can take pointwise epilogues
     "autotune": ["+parallelism.inductor.max_autotune_gemm=true"],
-    # CUDA graphs over the compiled dense arch, its inputs padded to a multiple of 8,192 event rows
-    # (parallelism.row_bucket: a few shapes a run, a graph recorded for each)
-    "graphs": ["parallelism.row_bucket=8192", "+parallelism.inductor.triton.cudagraphs=true"],
-    # the same with a quarter of the padding and about four times the shapes to record
-    "graphs2k": ["parallelism.row_bucket=2048", "+parallelism.inductor.triton.cudagraphs=true"],
-    # rotary self-attention on its fused kernels (no rotary backward, no copy of V; docs/kernels.md)
-    "rope": ["kernels.rotary_fused=true"],
+    # the flagship without CUDA graphs and the row bucket they need (its default before 2026-12-04)
+    "nographs": NO_GRAPHS,
+    # CUDA graphs with the inputs padded to a multiple of 8,192 event rows (the flagship's: 2,048),
+    # four times the padding and about a quarter of the shapes to record
+    "graphs8k": ["parallelism.row_bucket=8192"],
+    # rotary self-attention as two calls, the rotary kernel and then the attention (the flagship fuses them)
+    "unfused": ["kernels.rotary_fused=false"],
 }
 
 
 def launch(name: str, overrides: list[str], run_dir: Path, steps: int, warmup: int) -> dict:
     """One training run in its own process."""
-    block = name.split("-")[-1]
+    block, variant = parse_run(name)
     profile = [] if _startup_only(name) else [f"trainer.profile.start={warmup + 1}", "trainer.profile.steps=6"]
-    variant = next((v for k, v in VARIANTS.items() if name.startswith(k + "-")), [])
     cmd = [
         sys.executable,
         "-m",
@@ -216,6 +222,18 @@ def launch(name: str, overrides: list[str], run_dir: Path, steps: int, warmup: i
     tick = time.perf_counter()
     done = subprocess.run(cmd, cwd=ROOT, env=os.environ | {"PYTHONPATH": path})
     return {"returncode": done.returncode, "wall_s": round(time.perf_counter() - tick, 1)}
+
+
+def parse_run(name: str) -> tuple[str, list[str]]:
+    """A run name's block and the overrides its prefix adds: ``<block>``, ``<variant>-<block>``,
+    ``cold-<block>`` or ``warm-<block>``; anything else raises, naming the choices."""
+    prefix, _, block = name.rpartition("-")
+    if block not in ("interformer", "kunlun") or prefix not in ("", "cold", "warm", *VARIANTS):
+        raise ValueError(
+            f"--runs {name}: expected <block>, <variant>-<block>, cold-<block> or warm-<block> with block "
+            f"interformer or kunlun and variant one of {', '.join(VARIANTS)}"
+        )
+    return block, VARIANTS.get(prefix, [])
 
 
 def _startup_only(name: str) -> bool:
@@ -310,6 +328,11 @@ def main() -> None:
     if args.plot_losses:
         plot_losses(args.plot_losses, args.plot_out)
         return
+    for name in args.runs:
+        try:
+            parse_run(name)
+        except ValueError as e:
+            parser.error(str(e))  # before the first run, not after an hour of them
     env = environment()
     tag = args.tag or "".join(c if c.isalnum() else "-" for c in env["hardware"].lower()).strip("-")
     out = ROOT / "benchmarks" / "results" / f"e2e-{tag}.json"

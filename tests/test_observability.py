@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -401,6 +402,28 @@ def test_e2e_benchmark_takes_its_figures_from_the_windows_after_warm_up_without_
     assert result["windows"] == 4  # 20, 30, 50, 60: the window of steps 31-40 held the profiled steps
     assert result["step_ms"] == 51.5 and result["test"]["click/auc"] == 0.7
     assert result["step_ms_by_window"] == {10: 90.0, 20: 50.0, 30: 51.0, 40: 80.0, 50: 52.0, 60: 53.0}
+
+
+def test_e2e_benchmark_run_names_add_their_variant_and_bad_names_are_refused():
+    """A run is <block>, <variant>-<block>, cold-<block> or warm-<block>; a name that is none of
+    these (a variant since folded into the flagship, a typo) stops the benchmark before any run."""
+    from benchmarks.e2e import NO_GRAPHS, parse_run
+
+    assert parse_run("kunlun") == ("kunlun", []) and parse_run("warm-interformer") == ("interformer", [])
+    assert parse_run("nographs-interformer") == ("interformer", NO_GRAPHS)
+    assert parse_run("fbgemm-nopipe-kunlun") == ("kunlun", ["sparse=torchrec", "sparse.pipeline=false"])
+    assert set(NO_GRAPHS) <= set(parse_run("padded-kunlun")[1])  # the baseline as measured: no CUDA graphs
+    for bad in ("graphs2k-kunlun", "interformer-padded", "padded-dlrm"):
+        with pytest.raises(ValueError, match=f"--runs {bad}: expected <block>"):
+            parse_run(bad)
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "benchmarks/e2e.py", "--runs", "kunlun", "rope-kunlun"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "--runs rope-kunlun: expected" in done.stderr, done.stderr
 
 
 def test_e2e_benchmark_plots_the_loss_curves_of_result_and_ab_files(tmp_path):
