@@ -525,15 +525,26 @@ def test_gem_tiny_trains_on_cuda(tmp_path, block, autocast):
     assert result["steps"] == 20 and result["click/auc"] > 0.5
 
 
+FLAGSHIP_GRAPHS = (
+    "parallelism.row_bucket=512",
+    "+parallelism.inductor.triton.cudagraphs=true",
+    "kernels.rotary_fused=true",
+)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("scope", ["blocks", "dense_arch"])
+@pytest.mark.parametrize(
+    "scope, extra",
+    [("blocks", ()), ("dense_arch", ()), ("dense_arch", FLAGSHIP_GRAPHS)],
+    ids=["blocks", "arch", "graphs"],
+)
 @pytest.mark.parametrize("block", BLOCKS)
-def test_gem_tiny_compiled_trains_and_evaluates_on_cuda(tmp_path, block, scope):
+def test_gem_tiny_compiled_trains_and_evaluates_on_cuda(tmp_path, block, scope, extra):
     """parallelism.compile=true with the Triton kernels through training and the final, compiled
     evaluation, whose batches (256, and a last one of 88) are not the training batch (64): Dynamo
     recompiles with a dynamic batch size there (gem_base's evaluation once failed in Inductor at
-    that point, tests/kernels/compile_mutations.py); a graph per block and the whole arch as one
-    (the flagship's)."""
+    that point, tests/kernels/compile_mutations.py); a graph per block, the whole arch as one, and
+    that with CUDA graphs over bucketed rows and the fused rotary self-attention (the flagship's)."""
     result = train(
         compose(
             [
@@ -547,6 +558,7 @@ def test_gem_tiny_compiled_trains_and_evaluates_on_cuda(tmp_path, block, scope):
                 f"parallelism.compile_scope={scope}",
                 f"trainer.run_dir={tmp_path}",
                 f"data.cache_dir={tmp_path}",
+                *extra,
             ]
         )
     )
