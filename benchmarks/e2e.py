@@ -17,7 +17,8 @@ graph); ``combo-<block>`` turns on Inductor's combo kernels (``parallelism.induc
 its static launcher for user Triton kernels, ``autotune-<block>`` its GEMM autotuning,
 ``nographs-<block>`` runs without the flagship's CUDA graphs (and the 2,048-row bucket they need),
 ``graphs8k-<block>`` with them over an 8,192-row bucket, ``unfused-<block>`` with the rotary
-self-attention as two calls (``kernels.rotary_fused=false``).
+self-attention as two calls (``kernels.rotary_fused=false``), ``gluon-<block>`` with the Gluon
+kernels under compile (``kernels.gluon_compiled=true``).
 ``cold-<block>`` and ``warm-<block>`` run a block for a few steps, on a machine without and then
 with the caches (data, Inductor, Triton), for the time to first step.
 
@@ -196,6 +197,8 @@ VARIANTS = {
     "graphs8k": ["parallelism.row_bucket=8192"],
     # rotary self-attention as two calls, the rotary kernel and then the attention (the flagship fuses them)
     "unfused": ["kernels.rotary_fused=false"],
+    # the personalized FFN's Gluon kernels under compile, through the opaque op (docs/kernels.md)
+    "gluon": ["kernels.gluon_compiled=true"],
 }
 
 

@@ -1,10 +1,13 @@
 """torch.library registration of the jagged attention kernels: which kernels run, autograd, FLOPs.
 
-Two pairs of ops in the ``gem_kernels`` namespace, all ``triton_op`` so that ``torch.compile``
-sees the Triton kernels inside them (no graph break) and a ``FlopCounterMode`` counts them:
+Ops in the ``gem_kernels`` namespace, ``triton_op`` so that ``torch.compile`` sees the Triton
+kernels inside them (no graph break), and a ``FlopCounterMode`` counts them all:
 
 * ``gem_kernels::jagged_attention_fwd(...) -> (out, lse, batch_order)``
 * ``gem_kernels::jagged_attention_bwd(grad_out, ...) -> (dq, dk, dv)``
+* ``gem_kernels::jagged_attention_fwd_eager`` / ``jagged_attention_bwd_eager``: the same two as
+  opaque ``custom_op`` s, which launch their kernels themselves, the Gluon ones included, where
+  ``torch.compile`` would trace the ``triton_op`` s (``settings.gluon_compiled``)
 * ``gem_kernels::rotary_self_attention_fwd(qkv, cos, sin, ...) -> (out, lse, batch_order, q, k)``
   (softmax self-attention over a packed projection, Q and K rotated by ``kernels.rotary``)
 * ``gem_kernels::rotary_self_attention_bwd(grad_out, ...) -> d qkv`` (the same kernels, writing
@@ -49,6 +52,7 @@ from kernels.jagged_attention.triton_common import (
     fake_without_launch,
     identity,
     launch_meta,
+    no_launch,
     packed_act,
 )
 
@@ -465,6 +469,46 @@ fake_without_launch(_fwd_op, _forward)
 fake_without_launch(_bwd_op, _backward_kernels)
 
 
+@torch.library.custom_op("gem_kernels::jagged_attention_fwd_eager", mutates_args=())
+def _fwd_eager_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    sizes: list[int],
+    activation: str,
+    scales: list[float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, q_offsets, kv_offsets, sizes, activation, scales, identity)
+
+
+@torch.library.custom_op("gem_kernels::jagged_attention_bwd_eager", mutates_args=())
+def _bwd_eager_op(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    batch_order: torch.Tensor,
+    sizes: list[int],
+    activation: str,
+    scales: list[float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward_kernels(
+        grad_out, q, k, v, out, lse, q_offsets, kv_offsets, batch_order, sizes, activation, scales, identity
+    )
+
+
+# The opaque ops' outputs under tracing: the Triton launchers' allocations, nothing launched (the
+# Gluon kernels allocate the same shapes: lse is a placeholder of one element without softmax)
+_fwd_eager_op.register_fake(lambda *args: _forward(*args, wrap=no_launch))
+_bwd_eager_op.register_fake(lambda *args: _backward_kernels(*args, wrap=no_launch))
+
+
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, q_offsets, kv_offsets, *params = inputs
     out, lse, order = output
@@ -472,15 +516,27 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.params = params  # sizes, activation, scales
 
 
-def _backward(ctx, grad_out, grad_lse, grad_order):
-    q, k, v, out, lse, q_offsets, kv_offsets, order = ctx.saved_tensors
-    dq, dk, dv = torch.ops.gem_kernels.jagged_attention_bwd(
-        grad_out, q, k, v, out, lse, q_offsets, kv_offsets, order, *ctx.params
-    )
-    return dq, dk, dv, None, None, *([None] * len(ctx.params))
+def _autograd_backward(bwd_op):
+    """The autograd formula of a forward op whose backward op is ``bwd_op``."""
+
+    def backward(ctx, grad_out, grad_lse, grad_order):
+        q, k, v, out, lse, q_offsets, kv_offsets, order = ctx.saved_tensors
+        dq, dk, dv = bwd_op(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, order, *ctx.params)
+        return dq, dk, dv, None, None, *([None] * len(ctx.params))
+
+    return backward
 
 
-torch.library.register_autograd("gem_kernels::jagged_attention_fwd", _backward, setup_context=_setup_context)
+torch.library.register_autograd(
+    "gem_kernels::jagged_attention_fwd",
+    _autograd_backward(torch.ops.gem_kernels.jagged_attention_bwd),
+    setup_context=_setup_context,
+)
+torch.library.register_autograd(
+    "gem_kernels::jagged_attention_fwd_eager",
+    _autograd_backward(torch.ops.gem_kernels.jagged_attention_bwd_eager),
+    setup_context=_setup_context,
+)
 
 
 def _forward_flops(q, kv_offsets, q_offsets, sizes) -> int:
@@ -499,12 +555,16 @@ def _forward_flops(q, kv_offsets, q_offsets, sizes) -> int:
     return 4 * num_heads * head_dim * pairs
 
 
-@register_flop_formula(torch.ops.gem_kernels.jagged_attention_fwd, get_raw=True)
+@register_flop_formula(
+    [torch.ops.gem_kernels.jagged_attention_fwd, torch.ops.gem_kernels.jagged_attention_fwd_eager], get_raw=True
+)
 def _fwd_flop_formula(q, k, v, q_offsets, kv_offsets, sizes, *args, out_val=None, **kwargs) -> int:
     return _forward_flops(q, kv_offsets, q_offsets, sizes)
 
 
-@register_flop_formula(torch.ops.gem_kernels.jagged_attention_bwd, get_raw=True)
+@register_flop_formula(
+    [torch.ops.gem_kernels.jagged_attention_bwd, torch.ops.gem_kernels.jagged_attention_bwd_eager], get_raw=True
+)
 def _bwd_flop_formula(
     grad_out, q, k, v, out, lse, q_offsets, kv_offsets, batch_order, sizes, *args, out_val=None, **kwargs
 ) -> int:
@@ -637,8 +697,18 @@ def jagged_attention_triton(
     block_size,
     q_broadcast,
 ) -> torch.Tensor:
-    """Calls the registered forward op (differentiable); arguments as in ``triton_fwd.forward``."""
-    out, _, _ = torch.ops.gem_kernels.jagged_attention_fwd(
+    """Calls the registered forward op (differentiable); arguments as in ``triton_fwd.forward``.
+    Under ``torch.compile`` with ``settings.gluon_compiled``, a call the Gluon kernels may take (a
+    pointwise activation, no mask, jagged queries) goes to the opaque op instead, which decides
+    on the real tensors, as an eager call does."""
+    opaque = (
+        activation != "softmax"
+        and not (causal or window >= 0 or block_size > 0 or q_broadcast)
+        and torch.compiler.is_compiling()
+        and current_settings().gluon_compiled
+    )
+    fwd_op = torch.ops.gem_kernels.jagged_attention_fwd_eager if opaque else torch.ops.gem_kernels.jagged_attention_fwd
+    out, _, _ = fwd_op(
         q,
         k,
         v,

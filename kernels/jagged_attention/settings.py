@@ -45,6 +45,10 @@ class KernelSettings:
             runs the rotary kernel and then :func:`jagged_attention`. Less GPU time (gem_base
             InterFormer: -1.3 ms a step), two ``[T, H, D]`` tensors a layer more kept for the
             backward; on in ``experiment=gem_base_h200`` (docs/kernels.md).
+        gluon_compiled: under ``torch.compile``, attention with a pointwise activation and no mask
+            (GDPA, the personalized FFN) runs as an opaque op that launches its kernels itself, so
+            that the Gluon kernels run there too (Inductor launches only Triton kernels); meant
+            for CUDA graphs, which take away the launches' host time. Not yet measured: off.
     """
 
     check: bool = False
@@ -57,6 +61,7 @@ class KernelSettings:
     store_ds: bool = True
     store_ds_max_mib: int = 8192
     rotary_fused: bool = False
+    gluon_compiled: bool = False
 
     @property
     def store_ds_max_bytes(self) -> int:

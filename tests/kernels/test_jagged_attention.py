@@ -257,6 +257,37 @@ def test_torch_compile_fullgraph(mask, kernel_settings, paths):
     assert ("dq_from_ds" in paths) == (not mask)
 
 
+@pytest.mark.parametrize("on", [False, True])
+def test_gluon_compiled_sends_unmasked_pointwise_calls_to_the_opaque_op(on, kernel_settings):
+    """settings.gluon_compiled: under torch.compile an unmasked GDPA call goes to the opaque op,
+    which launches its kernels itself (the Gluon ones where they apply, on an H200); softmax and
+    masked calls stay on the traced op. The same outputs and gradients as eager."""
+    from torch._dynamo.testing import EagerAndRecordGraphs
+
+    kernel_settings(gluon_compiled=on)
+    inputs = make_inputs([6, 0, 19], [11, 2, 19], device=DEVICE)
+    rest = inputs.args()[3:]
+
+    def attention(q, k, v):
+        gdpa = jagged_attention(q, k, v, *rest, activation="silu", backend="triton")
+        softmax = jagged_attention(q, k, v, *rest, activation="softmax", backend="triton")
+        window = jagged_attention(q, k, v, *rest, activation="fast_gelu", window=4, backend="triton")
+        return gdpa + softmax + window
+
+    graphs = EagerAndRecordGraphs()
+    torch._dynamo.reset()
+    out = torch.compile(attention, fullgraph=True, backend=graphs)(*inputs.tensors())
+    grads = torch.autograd.grad(out.sum(), inputs.tensors())
+    ref = attention(*inputs.tensors())
+    ref_grads = torch.autograd.grad(ref.sum(), inputs.tensors())
+    for actual, expected in zip((out, *grads), (ref, *ref_grads)):
+        assert _relative_error(actual, expected) < 1e-6
+    (graph,) = graphs.graphs
+    ops = [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
+    assert ops.count("gem_kernels.jagged_attention_fwd_eager") == on
+    assert ops.count("gem_kernels.jagged_attention_fwd") == 3 - on
+
+
 def test_inductor_counts_only_the_kernels_outputs_as_written():
     """torch.compile clones every kernel argument it counts as written and may not write in
     place; a pointer passed to a @triton.jit helper whose result fed a store address counted as
@@ -868,6 +899,38 @@ def test_gpu_gluon_backward(activation, layout, kernel_settings, paths):
     inputs.q, inputs.k, inputs.v = (t.detach().half().requires_grad_() for t in inputs.tensors())
     _check_against_reference(inputs, torch.float16, activation=activation)
     assert len(calls()) == (0 if layout == "broadcast_q" else 1)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_gpu_gluon_kernels_under_compile(mode, kernel_settings, paths):
+    """settings.gluon_compiled: the personalized FFN's call (bf16 fast_gelu, jagged queries against
+    256 dense K/V rows) compiled by Inductor, and under CUDA graphs (``reduce-overhead``, three
+    calls: warm-up, recording, replay), runs the Gluon forward and dK/dV through the opaque op, with
+    the eager call's outputs and gradients within bf16 rounding."""
+    forward_calls = _gluon_forward_calls(kernel_settings, paths)
+    dkdv_calls = _gluon_dkdv_calls(kernel_settings, paths)
+    kernel_settings(gluon_compiled=True)
+    inputs = _gpu_layout_inputs("dense_kv", seed=13, empty=2)
+    rest = inputs.args()[3:]
+
+    def attention(q, k, v):
+        return jagged_attention(q, k, v, *rest, activation="fast_gelu", backend="triton")
+
+    eager = attention(*inputs.tensors())
+    grad_out = torch.randn_like(eager)
+    expected = torch.autograd.grad(eager, inputs.tensors(), grad_out)
+    before = len(forward_calls()), len(dkdv_calls())
+    torch._dynamo.reset()
+    compiled = torch.compile(attention, mode=mode, fullgraph=True)
+    for _ in range(3 if mode == "reduce-overhead" else 1):
+        out = compiled(*inputs.tensors())
+        grads = torch.autograd.grad(out, inputs.tensors(), grad_out)
+    assert len(forward_calls()) > before[0] and len(dkdv_calls()) > before[1]  # CUDA graphs replay unseen
+    assert _relative_error(out, eager) < 1e-2
+    for name, actual, want in zip(("dq", "dk", "dv"), grads, expected):
+        assert _relative_error(actual, want) < 1e-2, name
 
 
 @gpu
