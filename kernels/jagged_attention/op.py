@@ -425,18 +425,22 @@ def _forward(q, k, v, q_offsets, kv_offsets, sizes, activation, scales, wrap):
     return out, lse, order
 
 
-@define_op("gem_kernels::jagged_attention_fwd")
-def _fwd_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_offsets: torch.Tensor,
-    kv_offsets: torch.Tensor,
-    sizes: list[int],
-    activation: str,
-    scales: list[float],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, q_offsets, kv_offsets, sizes, activation, scales, OP_WRAP)
+def _forward_op(wrap):
+    """The forward op's function, launching through ``wrap``."""
+
+    def forward(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_offsets: torch.Tensor,
+        kv_offsets: torch.Tensor,
+        sizes: list[int],
+        activation: str,
+        scales: list[float],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _forward(q, k, v, q_offsets, kv_offsets, sizes, activation, scales, wrap)
+
+    return forward
 
 
 def _backward_kernels(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, order, sizes, activation, scales, wrap):
@@ -445,66 +449,44 @@ def _backward_kernels(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, order,
     )
 
 
-@define_op("gem_kernels::jagged_attention_bwd")
-def _bwd_op(
-    grad_out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    q_offsets: torch.Tensor,
-    kv_offsets: torch.Tensor,
-    batch_order: torch.Tensor,
-    sizes: list[int],
-    activation: str,
-    scales: list[float],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward_kernels(
-        grad_out, q, k, v, out, lse, q_offsets, kv_offsets, batch_order, sizes, activation, scales, OP_WRAP
-    )
+def _backward_op(wrap):
+    """The backward op's function, launching through ``wrap``."""
+
+    def backward(
+        grad_out: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        q_offsets: torch.Tensor,
+        kv_offsets: torch.Tensor,
+        batch_order: torch.Tensor,
+        sizes: list[int],
+        activation: str,
+        scales: list[float],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _backward_kernels(
+            grad_out, q, k, v, out, lse, q_offsets, kv_offsets, batch_order, sizes, activation, scales, wrap
+        )
+
+    return backward
 
 
+_fwd_op = define_op("gem_kernels::jagged_attention_fwd")(_forward_op(OP_WRAP))
+_bwd_op = define_op("gem_kernels::jagged_attention_bwd")(_backward_op(OP_WRAP))
 fake_without_launch(_fwd_op, _forward)
 fake_without_launch(_bwd_op, _backward_kernels)
 
-
-@torch.library.custom_op("gem_kernels::jagged_attention_fwd_eager", mutates_args=())
-def _fwd_eager_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_offsets: torch.Tensor,
-    kv_offsets: torch.Tensor,
-    sizes: list[int],
-    activation: str,
-    scales: list[float],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, q_offsets, kv_offsets, sizes, activation, scales, identity)
-
-
-@torch.library.custom_op("gem_kernels::jagged_attention_bwd_eager", mutates_args=())
-def _bwd_eager_op(
-    grad_out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    q_offsets: torch.Tensor,
-    kv_offsets: torch.Tensor,
-    batch_order: torch.Tensor,
-    sizes: list[int],
-    activation: str,
-    scales: list[float],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward_kernels(
-        grad_out, q, k, v, out, lse, q_offsets, kv_offsets, batch_order, sizes, activation, scales, identity
-    )
-
-
-# The opaque ops' outputs under tracing: the Triton launchers' allocations, nothing launched (the
-# Gluon kernels allocate the same shapes: lse is a placeholder of one element without softmax)
+# The opaque pair (settings.gluon_compiled): the same launchers, called as they are. Their outputs
+# under tracing are the Triton launchers' allocations with nothing launched; the Gluon kernels
+# allocate the same shapes (lse is a placeholder of one element without softmax).
+_fwd_eager_op = torch.library.custom_op("gem_kernels::jagged_attention_fwd_eager", mutates_args=())(
+    _forward_op(identity)
+)
+_bwd_eager_op = torch.library.custom_op("gem_kernels::jagged_attention_bwd_eager", mutates_args=())(
+    _backward_op(identity)
+)
 _fwd_eager_op.register_fake(lambda *args: _forward(*args, wrap=no_launch))
 _bwd_eager_op.register_fake(lambda *args: _backward_kernels(*args, wrap=no_launch))
 
