@@ -34,9 +34,9 @@ def applies(q, k, v, activation, causal, window, block_size, q_broadcast) -> boo
     GPU, a pointwise activation without a causal, window or block mask, jagged queries, head dim
     64 or 128, and non-empty ``[rows, H, D]`` tensors that a 2-D descriptor over ``[rows, H * D]``
     can address (heads adjacent, 16-byte aligned base and row stride)."""
-    if activation == "softmax" or causal or window >= 0 or block_size > 0:
+    if not tc.unmasked_pointwise(activation, causal, window, block_size, q_broadcast):
         return False
-    if q_broadcast or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
+    if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         return False
     if torch.compiler.is_compiling() or any(is_fake(t) for t in (q, k, v)):
         return False

@@ -54,6 +54,7 @@ from kernels.jagged_attention.triton_common import (
     launch_meta,
     no_launch,
     packed_act,
+    unmasked_pointwise,
 )
 
 # Test-facing (``testing.record_paths``): where not None, each launch appends the kernels it
@@ -684,8 +685,7 @@ def jagged_attention_triton(
     pointwise activation, no mask, jagged queries) goes to the opaque op instead, which decides
     on the real tensors, as an eager call does."""
     opaque = (
-        activation != "softmax"
-        and not (causal or window >= 0 or block_size > 0 or q_broadcast)
+        unmasked_pointwise(activation, causal, window, block_size, q_broadcast)
         and torch.compiler.is_compiling()
         and current_settings().gluon_compiled
     )

@@ -443,6 +443,12 @@ def device_capability(t: torch.Tensor) -> tuple[int, int]:
     return capability(t.device.index) if t.is_cuda else (0, 0)
 
 
+def unmasked_pointwise(activation: str, causal: bool, window: int, block_size: int, q_broadcast: bool) -> bool:
+    """A call the Gluon kernels take, as far as its arguments say: a pointwise activation (GDPA),
+    no causal, window or block mask, jagged queries (``gluon_common.applies`` checks the tensors)."""
+    return activation != "softmax" and not (causal or window >= 0 or block_size > 0 or q_broadcast)
+
+
 def packed_act(q: torch.Tensor, activation: str, config: KernelSettings, arch: tuple[int, int] | None = None) -> bool:
     """Whether the kernels take the bf16x2 activation path: ``config.packed_act``, bf16 silu or
     fast_gelu, on a GPU with the sm_90 bf16x2 instructions (Hopper or newer). ``arch`` (a compute
