@@ -87,6 +87,8 @@ def run(
         "step": final["step"],
         "seconds": round(time.perf_counter() - tick, 1),
         **{m: final[f"next_item/{m}"] for m in METRICS},
+        # the evaluation set's sampling error (over its users), which more seeds do not shrink
+        **{f"{m}_se": final[f"next_item/{m}_se"] for m in ("hr@10", "ndcg@10")},
     }
 
 
@@ -102,6 +104,8 @@ def summarize(results: list[dict]) -> dict:
             for m in METRICS
         }
         out[name]["seconds"] = statistics.mean(r["seconds"] for r in runs)
+        for m in ("hr@10", "ndcg@10"):  # a run's standard error over the split's users
+            out[name][f"{m}_se"] = statistics.mean(r[f"{m}_se"] for r in runs)
     return out
 
 
@@ -138,6 +142,7 @@ def main() -> None:
     summary = summarize(results)
     print(
         f"\n{'set':<22} {'HR@10':>15} {'NDCG@10':>15} {'HR@1':>15} {'MRR':>15} {'s/run':>6}  published HR@10 / NDCG@10"
+        "\n(mean +- standard deviation over seeds; a run's standard error over the split's users below)"
     )
     for name, s in summary.items():
         cell = lambda m, s=s: f"{s[m]['mean']:.4f}+-{s[m]['std']:.4f}"  # noqa: E731
@@ -146,6 +151,7 @@ def main() -> None:
             f"{name:<22} {cell('hr@10'):>15} {cell('ndcg@10'):>15} {cell('hr@1'):>15} {cell('mrr'):>15} "
             f"{s['seconds']:>6.0f}  {refs}"
         )
+        print(f"{'':<22} {'se ' + format(s['hr@10_se'], '.4f'):>15} {'se ' + format(s['ndcg@10_se'], '.4f'):>15}")
     tag = args.tag or "".join(c if c.isalnum() else "-" for c in env["hardware"].lower()).strip("-")
     out = ROOT / "benchmarks" / "results" / f"seqrec-{args.experiment}-{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

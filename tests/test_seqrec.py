@@ -1,6 +1,7 @@
 import concurrent.futures
 import json
 import math
+import statistics
 import time
 
 import numpy as np
@@ -173,6 +174,12 @@ def test_ranking_metrics_by_hand():
     assert got["ndcg@5"] == pytest.approx((1 + 1 / math.log2(4)) / 4)
     assert got["ndcg@10"] == pytest.approx((1 + 1 / math.log2(4) + 1 / math.log2(9)) / 4)
     assert got["mrr"] == pytest.approx((1 + 1 / 3 + 1 / 8 + 1 / 31) / 4)
+    # standard errors: the per-row values' sample standard deviation over sqrt(4)
+    assert got["hr@10_se"] == pytest.approx(statistics.stdev([1, 1, 1, 0]) / 2)
+    assert got["ndcg@5_se"] == pytest.approx(statistics.stdev([1, 1 / math.log2(4), 0, 0]) / 2)
+    assert got["mrr_se"] == pytest.approx(statistics.stdev([1, 1 / 3, 1 / 8, 1 / 31]) / 2)
+    assert math.isnan(ranking_metrics(torch.tensor([3]))["hr@10_se"])
+    assert all(math.isnan(v) for v in ranking_metrics(torch.tensor([], dtype=torch.long)).values())
 
 
 def test_ranking_evaluator_groups_across_batches_and_skips_masked_rows():

@@ -131,18 +131,19 @@ def positive_ranks(scores: torch.Tensor, labels: torch.Tensor, groups: torch.Ten
 
 
 def ranking_metrics(ranks: torch.Tensor) -> dict[str, float]:
-    """HR@{1,5,10}, NDCG@{5,10} and MRR from 0-based ranks (one positive per row)."""
+    """HR@{1,5,10}, NDCG@{5,10} and MRR from 0-based ranks (one positive per row), each with its
+    standard error over the rows (``hr@10_se``, ...: the per-row values' sample standard deviation
+    over the square root of their count), the sampling error of an evaluation set of that size."""
     ranks = ranks.double()
-    if ranks.numel() == 0:
-        return {
-            **{f"hr@{k}": float("nan") for k in RANKING_KS["hr"]},
-            **{f"ndcg@{k}": float("nan") for k in RANKING_KS["ndcg"]},
-            "mrr": float("nan"),
-        }
-    out = {f"hr@{k}": (ranks < k).double().mean().item() for k in RANKING_KS["hr"]}
     gain = 1.0 / torch.log2(ranks + 2.0)
-    out |= {f"ndcg@{k}": torch.where(ranks < k, gain, 0.0).mean().item() for k in RANKING_KS["ndcg"]}
-    out["mrr"] = (1.0 / (ranks + 1.0)).mean().item()
+    per_row = {f"hr@{k}": (ranks < k).double() for k in RANKING_KS["hr"]}
+    per_row |= {f"ndcg@{k}": torch.where(ranks < k, gain, 0.0) for k in RANKING_KS["ndcg"]}
+    per_row["mrr"] = 1.0 / (ranks + 1.0)
+    n = ranks.numel()
+    out = {}
+    for name, values in per_row.items():
+        out[name] = values.mean().item() if n else float("nan")
+        out[f"{name}_se"] = (values.std() / n**0.5).item() if n > 1 else float("nan")
     return out
 
 
@@ -151,7 +152,8 @@ class RankingEvaluator:
 
     ``update(logits [B, K], labels [B, K], mask [B, K], request_id [B])``; ``compute()`` gathers
     every rank's rows first, so a group split across batches or ranks is still ranked whole.
-    Keys: ``<task>/hr@10``, ``<task>/ndcg@10``, ``<task>/mrr``, ``<task>/groups`` ...
+    Keys: ``<task>/hr@10``, ``<task>/ndcg@10``, ``<task>/mrr``, ``<task>/groups`` ..., and each metric's
+    standard error over the groups (``<task>/ndcg@10_se``, ...).
     """
 
     def __init__(self, tasks: tuple[str, ...]) -> None:
