@@ -14,6 +14,8 @@ for its own override errors; ``HYDRA_FULL_ERROR=1`` shows the traceback:
 Every other exception keeps its full traceback.
 """
 
+import gc
+import logging
 import os
 import sys
 
@@ -73,5 +75,25 @@ def main(cfg: DictConfig) -> None:
             dist.destroy_process_group()
 
 
+def exit_without_finalization() -> None:
+    """Ends a rank of a multi-process run that has finished (files closed, process group destroyed)
+    with status 0 and without Python's finalization.
+
+    torch keeps the process groups alive after ``destroy_process_group()``: a ``DeviceMesh`` that
+    DTensor's caches hold holds them in its ``_pg_registry``. A gloo worker thread that frees a
+    finished collective's tensors while the interpreter finalizes then needs the GIL, and the
+    thread's forced exit aborts the process (``terminate called without an active exception``, exit
+    -6; pytorch/pytorch#179291). Seen about once in 140 two-rank runs on a loaded 2-core machine,
+    after all work was done. Leaving here instead skips only the atexit handlers, after the logs are
+    flushed and what is left to collect (a DataLoader iterator shuts its workers down) is collected."""
+    gc.collect()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        exit_without_finalization()
