@@ -314,6 +314,26 @@ def test_a_configuration_mistake_is_one_line_and_a_crash_keeps_its_traceback(tmp
     assert proc.returncode == 1 and "Traceback" in proc.stderr and "RuntimeError: a bug" in proc.stderr, proc.stderr
 
 
+def test_a_finished_rank_exits_0_without_finalization_and_keeps_its_log(tmp_path):
+    """exit_without_finalization (a rank of a multi-process run): status 0, the log and stdout's
+    buffer flushed, and no atexit handler run (Python's finalization skipped)."""
+    log = tmp_path / "rank.log"
+    code = (
+        "import atexit, logging, gem.train.__main__ as m\n"
+        f"handler = logging.FileHandler({str(log)!r})\n"
+        "logging.getLogger().addHandler(handler)\n"
+        "logging.getLogger().warning('the last line')\n"
+        "atexit.register(print, 'finalized')\n"
+        "print('still in the buffer', end='')\n"
+        "m.exit_without_finalization()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout to a pipe: block-buffered
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert log.read_text() == "the last line\n"
+    assert proc.stdout == "still in the buffer"  # flushed, and no atexit handler ran
+
+
 def test_a_data_or_checkpoint_error_is_one_line_too(tmp_path):
     empty = tmp_path / "dataset"  # a data.dir without the split folders
     empty.mkdir()
