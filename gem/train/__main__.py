@@ -79,13 +79,12 @@ def exit_without_finalization() -> None:
     """Ends a rank of a multi-process run that has finished (files closed, process group destroyed)
     with status 0 and without Python's finalization.
 
-    torch keeps the process groups alive after ``destroy_process_group()``: a ``DeviceMesh`` that
-    DTensor's caches hold holds them in its ``_pg_registry``. A gloo worker thread that frees a
-    finished collective's tensors while the interpreter finalizes then needs the GIL, and the
-    thread's forced exit aborts the process (``terminate called without an active exception``, exit
-    -6; pytorch/pytorch#179291). Seen about once in 140 two-rank runs on a loaded 2-core machine,
-    after all work was done. Leaving here instead skips only the atexit handlers, after the logs are
-    flushed and what is left to collect (a DataLoader iterator shuts its workers down) is collected."""
+    torch keeps the process groups alive after ``destroy_process_group()`` (a ``DeviceMesh`` kept by
+    DTensor's caches holds them in its ``_pg_registry``). A gloo worker thread that frees a finished
+    collective's tensors while the interpreter finalizes needs the GIL, and its forced exit aborts
+    the process (``terminate called without an active exception``; pytorch/pytorch#179291; rates in
+    docs/distributed.md). Leaving here skips only the atexit handlers, once the logs are flushed and
+    what is left to collect (a DataLoader iterator shuts its workers down) is collected."""
     gc.collect()
     logging.shutdown()
     sys.stdout.flush()
