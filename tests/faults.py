@@ -79,3 +79,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # as python -m gem.train ends a finished rank
+        from gem.train.__main__ import exit_without_finalization
+
+        exit_without_finalization()

@@ -142,3 +142,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from gem.train.__main__ import exit_without_finalization  # as python -m gem.train ends a finished rank
+
+    exit_without_finalization()
