@@ -2,7 +2,7 @@
 
     python benchmarks/seqrec.py [--sets LastFM Toys_and_Games Sports_and_Outdoors] [--seeds 0 1 2]
                                 [--experiment seqrec_gen] [--split test]
-                                [--pretrain model.objective=masked_item ...] [-- hydra overrides]
+                                [--pretrain model.objective=masked_item ...] [--parallel N] [-- hydra overrides]
 
 Each (set, seed) is ``python -m gem.train experiment=<experiment> data.name=<set> trainer.seed=<seed>
 data.seqrec.seed=<seed>`` in its own process, with the set's own experiment where there is one
@@ -12,13 +12,16 @@ evaluation of ``--split``: ``test`` for the figures to report, ``val`` (with ``t
 at the end) to choose a recipe. With ``--pretrain OVERRIDES``, each run starts from a pretraining
 stage of the same set and seed (the same experiment with OVERRIDES added, e.g. S3-Rec-style masked
 item prediction, ``model.objective=masked_item``): its tables and dense arch, through the
-trainer's ``trainer.pretrain``. Writes ``benchmarks/results/seqrec-<experiment>-<hardware>.json`` with every
-run's metrics and time, and prints mean +- standard deviation per set.
+trainer's ``trainer.pretrain``. ``--parallel N`` runs N at a time (on a GPU that the small
+models leave mostly idle; the figures do not depend on it). Writes
+``benchmarks/results/seqrec-<experiment>-<hardware>.json`` with every run's metrics and time, and
+prints mean +- standard deviation per set.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import json
 import os
@@ -123,22 +126,24 @@ def main() -> None:
         metavar="OVERRIDE",
         help="pretrain each run first with these overrides added (e.g. model.objective=masked_item)",
     )
+    parser.add_argument("--parallel", type=int, default=1, help="runs at a time")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = parser.parse_args()
     env = environment()
-    results = [
-        run(
-            args.experiment,
-            name,
-            seed,
-            args.split,
-            args.overrides,
-            Path(args.out_dir) / f"{name}-{seed}",
-            args.pretrain,
+    with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
+        results = list(
+            pool.map(
+                lambda name_seed: run(
+                    args.experiment,
+                    *name_seed,
+                    args.split,
+                    args.overrides,
+                    Path(args.out_dir) / "-".join(map(str, name_seed)),
+                    args.pretrain,
+                ),
+                [(name, seed) for name in args.sets for seed in args.seeds],
+            )
         )
-        for name in args.sets
-        for seed in args.seeds
-    ]
     summary = summarize(results)
     print(
         f"\n{'set':<22} {'HR@10':>15} {'NDCG@10':>15} {'HR@1':>15} {'MRR':>15} {'s/run':>6}  published HR@10 / NDCG@10"

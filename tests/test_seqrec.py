@@ -1,4 +1,5 @@
 import concurrent.futures
+import dataclasses
 import json
 import math
 import statistics
@@ -72,6 +73,52 @@ def test_s3rec_leave_one_out_split_examples_and_negatives(tmp_path):
         t = int(np.flatnonzero(seq == r["item_id"][0])[0])
         assert 1 <= t <= len(seq) - 3 and r["hist_item"] == seq[:t][-4:].tolist()
         assert r["dense"] == [pytest.approx(math.log1p(min(t, 4)))]
+
+
+@pytest.mark.parametrize("objective", ["pointwise", "generative"])
+def test_refit_trains_through_the_validation_target_and_drop_last_shifts_the_split(tmp_path, objective):
+    """``refit``: the training part ends with the validation target and no val split is written;
+    ``drop_last=1``: the test split is the full data's validation split, same rows and negatives."""
+    sequences = _write_s3rec(tmp_path)
+    data = read_s3rec(tmp_path, "Tiny")
+    options = dict(objective=objective, max_len=20, num_negatives=2, num_eval_negatives=9, users_per_file=7)
+
+    def last_targets(out):  # user -> the latest event its training rows predict
+        latest = {}
+        for r in _rows(out, "train"):
+            user = r["user_id"][0]
+            if objective == "generative":
+                latest[user] = r["hist_item"][-1]
+            elif r["label_next_item"] == 1:
+                t = len(r["hist_item"])  # max_len 20 holds every history here
+                latest[user] = max(latest.get(user, -1), t)
+        if objective == "pointwise":
+            latest = {u: int(sequences[u - 1][t]) for u, t in latest.items()}
+        return latest
+
+    def expected(back, min_len):  # pointwise rows exist where the training part has a target
+        min_len = min_len + (objective == "pointwise")
+        return {u: s[-back] for u, s in enumerate(sequences, 1) if len(s) >= min_len}
+
+    base = write_seqrec(data, tmp_path / "base", SeqRecOptions(**options))
+    refit = write_seqrec(data, tmp_path / "refit", SeqRecOptions(**options, refit=True))
+    assert last_targets(tmp_path / "base") == expected(3, 3)
+    assert last_targets(tmp_path / "refit") == expected(2, 2)
+    assert refit["rows"]["val"] == 0 and not (tmp_path / "refit" / "val").exists()
+    assert _rows(tmp_path / "refit", "test") == _rows(tmp_path / "base", "test")
+    assert refit["items_only_in_evaluation"] <= base["items_only_in_evaluation"]
+
+    shifted = write_seqrec(data, tmp_path / "shifted", SeqRecOptions(**options, drop_last=1))
+    assert shifted["users_kept"] == sum(len(s) >= 4 for s in sequences) < base["users_kept"]
+    assert last_targets(tmp_path / "shifted") == expected(4, 4)
+    # Where no user is dropped (as in the 5-core public sets), the same users draw the same negatives:
+    # the shifted test split is the validation split, row for row.
+    long = dataclasses.replace(data, sequences=[s for s in data.sequences if len(s) >= 4])
+    write_seqrec(long, tmp_path / "long", SeqRecOptions(**options))
+    write_seqrec(long, tmp_path / "long_shifted", SeqRecOptions(**options, drop_last=1))
+    assert _rows(tmp_path / "long_shifted", "test") == _rows(tmp_path / "long", "val")
+    with pytest.raises(ValueError, match="drop_last=-1"):
+        SeqRecOptions.from_config({"drop_last": -1})
 
 
 def test_s3rec_fixed_negatives_and_bad_files(tmp_path):

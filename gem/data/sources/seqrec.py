@@ -77,6 +77,13 @@ class SeqRecOptions:
         max_attrs: attributes kept per item (first ones, deduplicated).
         seed: training negatives; ``eval_seed`` (12345 as in the paper) the evaluation negatives.
         users_per_file: rows of this many users per Parquet file.
+        refit: the training part runs through the validation target, which is then no longer held
+            out (no ``val`` split is written): the final model for the test split, trained on every
+            event before it once the recipe is chosen on validation.
+        drop_last: leave each user's last ``drop_last`` events out before the split (users left with
+            under 3 are dropped; evaluation negatives are still drawn against the whole history). With
+            1, the test split is the validation target of the full data, with the same negatives: how
+            ``refit`` changes a model's ranking of it can be measured without the test split.
     """
 
     objective: str = "pointwise"
@@ -91,6 +98,8 @@ class SeqRecOptions:
     eval_seed: int = 12345
     users_per_file: int = 2000
     event_attrs: int = 0
+    refit: bool = False
+    drop_last: int = 0
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any] | None) -> SeqRecOptions:
@@ -107,6 +116,8 @@ class SeqRecOptions:
             )
         if options.objective == "generative" and options.num_negatives < 1:
             raise ValueError("data.seqrec.num_negatives must be >= 1 for the generative objective")
+        if options.drop_last < 0:
+            raise ValueError(f"data.seqrec.drop_last={options.drop_last}: the events to leave out must be >= 0")
         return options
 
 
@@ -337,12 +348,17 @@ def write_seqrec(data: SeqRecData, out_dir: str | Path, options: SeqRecOptions =
     """Write ``train/ val/ test/`` under ``out_dir`` (atomically) and return a summary (also ``conversion.json``)."""
     o = options
     out_dir = Path(out_dir)
-    lengths = np.array([len(s) for s in data.sequences])
+    full_lengths = np.array([len(s) for s in data.sequences])
+    lengths = full_lengths - o.drop_last  # the events the split sees, oldest first
     kept = np.flatnonzero(lengths >= 3)  # a train item, a validation and a test target
     if not len(kept):
-        raise ValueError("no user has 3 or more interactions; the leave-one-out split needs them")
+        raise ValueError(
+            f"no user has 3 or more interactions (after data.seqrec.drop_last={o.drop_last}); the leave-one-out "
+            "split needs them"
+        )
     flat = np.concatenate(data.sequences).astype(np.int64)
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    starts = np.concatenate([[0], np.cumsum(full_lengths)[:-1]])
+    train_len = lengths - (1 if o.refit else 2)  # events in each user's training part
     num_attributes, attrs = 0, None
     if data.attributes:
         num_attributes = max((max(v) for v in data.attributes.values() if v), default=0)
@@ -385,11 +401,11 @@ def write_seqrec(data: SeqRecData, out_dir: str | Path, options: SeqRecOptions =
     shutil.rmtree(tmp, ignore_errors=True)
     counts = {"train": 0, "val": 0, "test": 0}
 
-    # Training: targets t = 1 .. n-3 of each user (the most recent max_targets_per_user of them).
+    # Training: targets t = 1 .. n-3 of each user (refit: n-2), the most recent max_targets_per_user of them.
     rng = np.random.default_rng(o.seed)
     chunks = np.array_split(kept, max(1, -(-len(kept) // o.users_per_file)))
     for f, chunk in enumerate(chunks if generative else ()):  # a row per user: its training events
-        users, ends = chunk, lengths[chunk] - 2
+        users, ends = chunk, train_len[chunk]
         if o.train_windows:  # or per window of max_len events, max_len - 1 targets each, the latest first
             step = max(1, o.max_len - 1)
             windows = np.maximum(1, -(-(ends - 1) // step))
@@ -407,8 +423,8 @@ def write_seqrec(data: SeqRecData, out_dir: str | Path, options: SeqRecOptions =
         write_parquet(rows, tmp / "train" / f"part-{f:05d}.parquet", schema)
         counts["train"] += rows.num_rows
     for f, chunk in enumerate(() if generative else chunks):
-        first = np.maximum(1, lengths[chunk] - 3 + 1 - (o.max_targets_per_user or 1 << 40))
-        num_targets = np.maximum(0, lengths[chunk] - 2 - first)
+        first = np.maximum(1, train_len[chunk] - (o.max_targets_per_user or 1 << 40))
+        num_targets = np.maximum(0, train_len[chunk] - first)
         users = np.repeat(chunk, num_targets)
         ends = np.repeat(first - np.concatenate([[0], np.cumsum(num_targets)[:-1]]), num_targets) + np.arange(
             num_targets.sum()
@@ -431,7 +447,7 @@ def write_seqrec(data: SeqRecData, out_dir: str | Path, options: SeqRecOptions =
     for f, chunk in enumerate(np.array_split(eval_users, max(1, -(-len(eval_users) // o.users_per_file)))):
         negatives = _eval_negatives(data, seen, eval_rng, chunk, o.num_eval_negatives)
         k = 1 + negatives.shape[1]
-        for split, back in (("val", 2), ("test", 1)):
+        for split, back in (("test", 1),) if o.refit else (("val", 2), ("test", 1)):
             ends = lengths[chunk] - back
             items = np.concatenate([flat[starts[chunk] + ends][:, None], negatives], axis=1).reshape(-1)
             labels = np.tile(np.r_[1.0, np.zeros(k - 1)], len(chunk))
@@ -449,7 +465,7 @@ def write_seqrec(data: SeqRecData, out_dir: str | Path, options: SeqRecOptions =
         "attributes": num_attributes,
         "fixed_eval_negatives": data.eval_negatives is not None,
         "schema": schema.to_config(),
-        **_coverage(data, kept, lengths, starts, flat),
+        **_coverage(data, kept, lengths, train_len, starts, flat),
     }
     (tmp / "conversion.json").write_text(json.dumps(summary, indent=2))
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -457,13 +473,15 @@ def write_seqrec(data: SeqRecData, out_dir: str | Path, options: SeqRecOptions =
     return summary
 
 
-def _coverage(data: SeqRecData, kept: np.ndarray, lengths: np.ndarray, starts: np.ndarray, flat: np.ndarray) -> dict:
+def _coverage(
+    data: SeqRecData, kept: np.ndarray, lengths: np.ndarray, train_len: np.ndarray, starts: np.ndarray, flat: np.ndarray
+) -> dict:
     """What the split leaves out or cannot learn, counted (the converter's log and ``conversion.json``):
     users with fewer than 3 events (dropped), item ids that never occur (gaps in the id range; their
     rows are never trained), items only ever seen as a validation or test target (cold: trained only
     as negatives), and items the attribute file does not list."""
     train = np.zeros(data.num_items + 1, dtype=bool)
-    train_items = _gather_ranges(flat, starts[kept], starts[kept] + lengths[kept] - 2)[1]
+    train_items = _gather_ranges(flat, starts[kept], starts[kept] + train_len[kept])[1]
     train[train_items] = True
     seen = np.zeros(data.num_items + 1, dtype=bool)
     seen[flat] = True
