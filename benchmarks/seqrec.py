@@ -81,7 +81,13 @@ def run(
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     subprocess.run(cmd, cwd=ROOT, check=True, env=os.environ | {"PYTHONPATH": path}, stdout=subprocess.DEVNULL)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    final = [r for r in rows if r["kind"] == split][-1]
+    evaluations = [r for r in rows if r["kind"] == split]
+    if not evaluations:
+        raise SystemExit(
+            f"{run_dir}: the run logged no {split!r} metrics (with --split val, pass trainer.eval_every; "
+            "data.seqrec.refit=true writes no validation split)"
+        )
+    final = evaluations[-1]
     return {
         "set": name,
         "experiment": experiment,
