@@ -275,24 +275,39 @@ def collect(name: str, run_dir: Path, warmup: int) -> dict:
     return result
 
 
+def loss_curves(files: list[str]) -> dict[str, dict[str, dict]]:
+    """``{block: {label: {step: loss}}}`` of every run in ``files`` (a variant's runs,
+    ``gluon-kunlun``, beside the block's): result files of this script, A/B files whose ``runs`` map
+    a label to one (e2e-h200-pffn-ab.json), or files transcribed from a run's log whose ``runs`` map
+    a run's name to its ``windows`` (e2e-h200-graphs-2.json). A curve is labelled by its run's name,
+    or by its file's stem (or A/B label) where several files hold a run of that name."""
+    found = []  # (block, label, run name, losses)
+    for file in files:
+        data = json.loads(Path(file).read_text())
+        labelled = data["runs"].items() if "runs" in data else [(None, data)]
+        for label, result in labelled:
+            if "windows" in result:  # transcribed: the run's name, its losses in its windows
+                windows = result["windows"]
+                result = {"results": [{"name": label, "losses": {k: w["loss"] for k, w in windows.items()}}]}
+                label = None
+            for run in result["results"]:
+                found.append((run["name"].split("-")[-1], label or Path(file).stem, run["name"], run["losses"]))
+    curves: dict[str, dict[str, dict]] = {}  # block -> label -> {step: loss}
+    for block, label, name, losses in found:
+        repeated = sum(b == block and n == name for b, _, n, _ in found) > 1
+        curves.setdefault(block, {})[(label if name == block else f"{label}: {name}") if repeated else name] = losses
+    return curves
+
+
 def plot_losses(files: list[str], out: str) -> None:
-    """The training loss per logged window of every run in ``files``, one panel per block (a
-    variant's runs, ``blocks-kunlun``, beside the block's): result files of this script, or A/B files
-    whose ``runs`` map a label to one (e2e-h200-pffn-ab.json)."""
+    """The training loss per logged window of every run in ``files`` (:func:`loss_curves`), one
+    panel per block."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    curves: dict[str, dict[str, dict]] = {}  # block -> label -> {step: loss}
-    for file in files:
-        data = json.loads(Path(file).read_text())
-        labelled = data["runs"].items() if "runs" in data else [(Path(file).stem, data)]
-        for label, result in labelled:
-            for run in result["results"]:
-                block = run["name"].split("-")[-1]
-                name = label if run["name"] == block else f"{label}: {run['name']}"
-                curves.setdefault(block, {})[name] = run["losses"]
+    curves = loss_curves(files)
     fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4), squeeze=False)
     for ax, (name, runs) in zip(axes[0], sorted(curves.items())):
         for label, losses in runs.items():

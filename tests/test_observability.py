@@ -446,13 +446,22 @@ def test_e2e_benchmark_run_names_add_their_variant_and_bad_names_are_refused():
     assert done.returncode == 2 and "--runs rope-kunlun: expected" in done.stderr, done.stderr
 
 
-def test_e2e_benchmark_plots_the_loss_curves_of_result_and_ab_files(tmp_path):
-    from benchmarks.e2e import plot_losses
+def test_e2e_benchmark_plots_the_loss_curves_of_result_ab_and_transcribed_files(tmp_path):
+    from benchmarks.e2e import loss_curves, plot_losses
 
     run = lambda name, shift: {"name": name, "losses": {"10": 1.2 + shift, "20": 1.1 + shift}}  # noqa: E731
     (tmp_path / "one.json").write_text(json.dumps({"results": [run("interformer", 0.0), run("kunlun", 0.1)]}))
     ab = {"runs": {"base": {"results": [run("kunlun", 0.0)]}, "new": {"results": [run("kunlun", 0.01)]}}}
     (tmp_path / "ab.json").write_text(json.dumps(ab))
+    windows = lambda shift: {"10": {"loss": 1.3 + shift}, "20": {"loss": 1.2 + shift}}  # noqa: E731
+    transcribed = {"runs": {"kunlun": {"windows": windows(0.0)}, "gluon-kunlun": {"windows": windows(0.02)}}}
+    (tmp_path / "log.json").write_text(json.dumps(transcribed))
+    files = [str(tmp_path / name) for name in ("one.json", "ab.json", "log.json")]
+    curves = loss_curves(files)
+    assert curves["interformer"] == {"interformer": {"10": 1.2, "20": 1.1}}
+    # the run named kunlun is in every file: labelled by file or A/B label; the variant by its name
+    assert set(curves["kunlun"]) == {"one", "base", "new", "log", "gluon-kunlun"}
+    assert curves["kunlun"]["gluon-kunlun"] == {"10": 1.32, "20": 1.22}
     out = tmp_path / "losses.png"
-    plot_losses([str(tmp_path / "one.json"), str(tmp_path / "ab.json")], str(out))
+    plot_losses(files, str(out))
     assert out.read_bytes()[:4] == b"\x89PNG"
