@@ -302,6 +302,16 @@ def test_item_attributes_need_the_bag_to_hold_what_an_event_carries(generative_d
         _model(schema_from_files(split_files(out, "train")), item_attributes=True)
 
 
+def test_item_attributes_on_a_set_without_attributes_name_the_fix(tmp_path):
+    _write_s3rec(tmp_path)
+    (tmp_path / "Tiny_item2attributes.json").unlink()  # a folder with only <name>.txt
+    write_seqrec(read_s3rec(tmp_path, "Tiny"), tmp_path / "out", OPTIONS)
+    schema = schema_from_files(split_files(tmp_path / "out", "train"))
+    with pytest.raises(ValueError, match="no 'item_attr' feature .* set model.item_attributes=false"):
+        _model(schema, item_attributes=True)
+    _model(schema, item_attributes=False)  # and without them it builds
+
+
 @pytest.mark.parametrize("logq", [True, False])
 def test_masked_item_loss_equals_a_loop_over_masked_positions(generative_data, logq):
     """model.objective=masked_item: each masked position scores its own item against every event's

@@ -536,10 +536,16 @@ def _attribute_slots(
 ) -> dict[str, list[str]]:
     """The attribute features of the event and negative groups for ``item_attributes``: every feature
     after the item, each in the table of the candidate's attribute bag ``candidate_features[1]``."""
-    if len(candidate_features) < 2 or candidate_features[1] not in tables:
+    if len(candidate_features) < 2:
         raise ValueError(
             f"model.item_attributes=true needs the candidate's attribute bag as "
             f"model.candidate_features[1]; got {list(candidate_features)}"
+        )
+    if candidate_features[1] not in tables:
+        raise ValueError(
+            f"model.item_attributes=true scores items with their attributes, but the data has no "
+            f"{candidate_features[1]!r} feature (a seqrec folder without <name>_item2attributes.json has "
+            "none): set model.item_attributes=false (and model.attribute_loss=0)"
         )
     bag = candidate_features[1]
     slots = {}
