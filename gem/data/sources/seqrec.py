@@ -12,7 +12,9 @@ Protocol (as in the S3-Rec paper): per user, the last item is the test target, t
 last the validation target, the rest train. Training rows: every prefix ``s[:t]`` of the
 training part predicts ``s[t]`` (t >= 1), one positive row plus ``num_negatives`` rows with
 items the user never touched. Evaluation rows: the true item and 99 negatives per user, all
-with the user's id as ``request_id``, so gem's RankingEvaluator ranks them together.
+with the user's id as ``request_id``, so gem's RankingEvaluator ranks them together. With
+``refit`` the training part also holds the validation target (no validation split): the model to
+test once the recipe is chosen.
 
 The schema (one place: :func:`seqrec_schema`)::
 
