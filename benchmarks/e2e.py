@@ -39,6 +39,7 @@ time limit that cuts a run keeps the ones before it, and prints a table.
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import os
@@ -292,9 +293,10 @@ def loss_curves(files: list[str]) -> dict[str, dict[str, dict]]:
                 label = None
             for run in result["results"]:
                 found.append((run["name"].split("-")[-1], label or Path(file).stem, run["name"], run["losses"]))
+    runs_named = collections.Counter((block, name) for block, _, name, _ in found)
     curves: dict[str, dict[str, dict]] = {}  # block -> label -> {step: loss}
     for block, label, name, losses in found:
-        repeated = sum(b == block and n == name for b, _, n, _ in found) > 1
+        repeated = runs_named[block, name] > 1
         curves.setdefault(block, {})[(label if name == block else f"{label}: {name}") if repeated else name] = losses
     return curves
 

@@ -136,20 +136,14 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = parser.parse_args()
     env = environment()
+
+    def one(name: str, seed: int) -> dict:
+        run_dir = Path(args.out_dir) / f"{name}-{seed}"
+        return run(args.experiment, name, seed, args.split, args.overrides, run_dir, args.pretrain)
+
+    names, seeds = zip(*[(name, seed) for name in args.sets for seed in args.seeds])
     with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
-        results = list(
-            pool.map(
-                lambda name_seed: run(
-                    args.experiment,
-                    *name_seed,
-                    args.split,
-                    args.overrides,
-                    Path(args.out_dir) / "-".join(map(str, name_seed)),
-                    args.pretrain,
-                ),
-                [(name, seed) for name in args.sets for seed in args.seeds],
-            )
-        )
+        results = list(pool.map(one, names, seeds))
     summary = summarize(results)
     print(
         f"\n{'set':<22} {'HR@10':>15} {'NDCG@10':>15} {'HR@1':>15} {'MRR':>15} {'s/run':>6}  published HR@10 / NDCG@10"
