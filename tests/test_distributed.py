@@ -257,13 +257,15 @@ def test_trainer_with_an_impossible_mesh_fails_on_every_rank_without_hanging(tin
 def test_trainer_under_torchrun_with_a_per_table_plan_and_the_sparse_dist_pipeline(tiny_dataset, tmp_path):
     """The trainer end to end on two ranks: an explicit per-table plan (printed), FSDP2, and TorchRec's
     TrainPipelineSparseDist (forced on CPU) giving the same losses as the plain loop, across an epoch
-    boundary (15 steps per epoch) and a mid-training evaluation (the pipeline detaches for it)."""
+    boundary (15 steps per epoch) and a mid-training evaluation (the pipeline detaches for it). The
+    plain loop's run also keeps its best validation's weights (trainer.best_metric: a collective DCP
+    save of the sharded tables, loaded back before the test) and tests those."""
     plan = [
         "+sparse.plan.t_user_id=row_wise",
         "+sparse.plan.t_ad_id=table_wise:1",
         "+sparse.plan.t_hist_item=column_wise",
     ]
-    losses = {}
+    losses, tests = {}, {}
     for pipeline in (True, False):
         run_dir = tmp_path / f"pipeline_{pipeline}"
         proc = torchrun(
@@ -278,8 +280,9 @@ def test_trainer_under_torchrun_with_a_per_table_plan_and_the_sparse_dist_pipeli
                 *plan,
                 f"sparse.pipeline={pipeline}",
                 "trainer.log_every=2",
-                "trainer.eval_every=10",
+                "trainer.eval_every=5",
                 "trainer.eval_max_batches=1",
+                *([] if pipeline else ["trainer.best_metric=click/auc", "trainer.best_mode=min"]),
             ],
             nproc=2,
         )
@@ -289,11 +292,14 @@ def test_trainer_under_torchrun_with_a_per_table_plan_and_the_sparse_dist_pipeli
             f"training pipeline (input all-to-all of batch i+1 overlaps dense compute of batch i): "
             f"{'active' if pipeline else 'off'}" in log
         )
-        losses[pipeline] = [
-            json.loads(line)["loss"]
-            for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if json.loads(line)["kind"] == "train"
-        ]
+        metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        losses[pipeline] = [r["loss"] for r in metrics if r["kind"] == "train"]
+        tests[pipeline] = metrics[-1]
+    val = {r["step"]: r["click/auc"] for r in metrics if r["kind"] == "val"}
+    best = min(val, key=val.get)
+    assert tests[False]["best_step"] == best < 20 and tests[False]["best_val/click/auc"] == val[best]
+    assert json.loads((run_dir / "best" / "best.json").read_text())["step"] == best
+    assert tests[False]["click/auc"] != tests[True]["click/auc"]  # the best weights, not the last step's
     assert "sparse sharding plan (explicit)" in log and "FSDP over 2 ranks" in log
     rows = {line.split()[0]: line.split() for line in log.splitlines() if line.startswith("t_")}
     assert rows["t_user_id"][3] == "row_wise" and rows["t_ad_id"][3:5] == ["table_wise", "1"], log

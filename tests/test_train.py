@@ -116,6 +116,37 @@ def test_unknown_task_weight_and_empty_dataset_fail_clearly(cache_dir, tmp_path)
         train(_cfg(cache_dir, tmp_path / "run", "data=parquet", f"data.dir={tmp_path / 'empty'}", "data.schema={}"))
 
 
+def test_best_metric_tests_the_weights_of_the_best_validation(cache_dir, tmp_path):
+    """trainer.best_metric: the test metrics are those of the best validation's weights (here the
+    lowest click AUC, so not the last step's), the same as a run stopped at that step; a resumed run
+    keeps the best found before its restart; a run that never validates before its end is refused."""
+    select = ("trainer.eval_every=2", "trainer.best_metric=click/auc", "trainer.best_mode=min")
+    result = train(_cfg(cache_dir, tmp_path / "best", *select))
+    val = {r["step"]: r["click/auc"] for r in _losses(tmp_path / "best")[1] if r["kind"] == "val"}
+    step = min(val, key=val.get)
+    assert len(val) == 10 and result["best_step"] == step < 20 and result["best_val/click/auc"] == val[step]
+    stopped = train(_cfg(cache_dir, tmp_path / "stopped", f"trainer.max_steps={step}"))
+    assert (result["click/auc"], result["click/ne"]) == (stopped["click/auc"], stopped["click/ne"])
+
+    run, checkpoints = tmp_path / "resumed", ("checkpoint.enabled=true", "checkpoint.every_steps=2")
+    train(_cfg(cache_dir, run, *select, *checkpoints, "trainer.max_steps=6"))
+    before = json.loads((run / "best" / "best.json").read_text())
+    resumed = train(_cfg(cache_dir, run, *select, *checkpoints, "trainer.max_steps=12"))
+    val = {r["step"]: r["click/auc"] for r in _losses(run)[1] if r["kind"] == "val"}
+    assert sorted(val) == [2, 4, 6, 8, 10, 12] and before["step"] <= 6
+    assert resumed["best_step"] == before["step"] == min(val, key=val.get)  # a step of the first run, kept
+    assert json.loads((run / "best" / "best.json").read_text()) == before
+    assert not (run / ".tmp-best").exists()
+
+    fresh = ("trainer.max_steps=3", "trainer.eval_every=3", "checkpoint.enabled=false")  # its one validation: step 3's
+    train(_cfg(cache_dir, run, *select[1:], *fresh))
+    assert json.loads((run / "best" / "best.json").read_text())["step"] == 3  # the old best (lower AUC) was dropped
+    with pytest.raises(ConfigError, match="trainer.best_metric='click/auc' .* set trainer.eval_every"):
+        validate(_cfg(cache_dir, tmp_path, "trainer.best_metric=click/auc"))
+    with pytest.raises(ConfigError, match="trainer.best_metric='click/hr@10': validation does not log it"):
+        train(_cfg(cache_dir, tmp_path / "unknown", "trainer.eval_every=10", "trainer.best_metric=click/hr@10"))
+
+
 def test_row_buckets_train_the_same_losses_and_bad_values_fail(cache_dir, tmp_path):
     """parallelism.row_bucket (empty examples padding the dense arch's inputs to few shapes, for
     CUDA graphs) leaves every step's loss as it was."""

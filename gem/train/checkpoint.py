@@ -214,7 +214,7 @@ class Checkpointer:
             "progress": asdict(progress),
             "fingerprint": self._fingerprint(state),
         }
-        flat = _flatten(state)[0]
+        flat = flatten_state(state)[0]
         rng, loader_state = _rng_state(), json.dumps(self.loader.state_dict()) if self.loader is not None else None
         needed = _state_bytes(flat) + len(rng) + len(loader_state or "") + len(self.config_yaml) + (1 << 16)
         try:
@@ -427,17 +427,10 @@ class Checkpointer:
 
         saved_world_size = self._on_rank0(lambda: json.loads((path / MANIFEST).read_text())["world_size"])
         error = None
-        flat, slots = _flatten(state)
+        flat, slots = flatten_state(state)
         self._drop_stateless(path, flat, slots)
         try:
-            # Our flat keys, loaded strictly: an entry this rank needs and the checkpoint lacks is an error.
-            dcp.load(
-                flat,
-                checkpoint_id=str(path),
-                planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
-            )
-            for key, (container, name) in slots.items():  # tensors load in place; other values are replaced
-                container[name] = flat[key]
+            load_flat(flat, slots, path)
         except Exception as e:  # DCP raises CheckpointException with per-rank details
             error = f"checkpoint {path}: DCP could not read it on rank {self.rank} ({type(e).__name__}: {e})"
         errors = [error]
@@ -510,7 +503,7 @@ class Checkpointer:
 # ---------------------------------------------------------------------------------------- helpers
 
 
-def _flatten(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[dict, str]]]:
+def flatten_state(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[dict, str]]]:
     """``{"a": {"b": x}}`` -> ``{"a.b": x}`` and, per flat key, the dict and key that hold the value.
 
     We flatten ourselves (DCP's own flattening is turned off on load) because DCP's load planner
@@ -528,6 +521,18 @@ def _flatten(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[dic
 
     visit(state, "")
     return flat, slots
+
+
+def load_flat(flat: dict[str, Any], slots: dict[str, tuple[dict, str]], path: Path) -> None:
+    """DCP's load of :func:`flatten_state`'s keys from ``path``, strictly (an entry this rank needs
+    and the checkpoint lacks is an error); tensors load in place, other values go back into ``slots``."""
+    dcp.load(
+        flat,
+        checkpoint_id=str(path),
+        planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+    )
+    for key, (container, name) in slots.items():
+        container[name] = flat[key]
 
 
 def _snapshot(flat: dict[str, Any]) -> dict[str, Any]:

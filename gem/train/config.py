@@ -153,6 +153,10 @@ class TrainerConfig:
     deterministic: bool = False
     log_every: int = 50
     eval_every: int = 0  # 0 = only at the end
+    # a validation metric (e.g. next_item/ndcg@10, click/auc): test the weights of its best validation,
+    # kept in <run_dir>/best (gem/train/best.py), not the last step's; None: the last step's
+    best_metric: Optional[str] = None
+    best_mode: str = "max"  # max | min (e.g. for click/ne)
     eval_max_batches: int = -1
     test: bool = True  # the final evaluation on the test split (a pretraining stage skips it)
     run_dir: str = "runs/${name}"  # the same explicit path on every torchrun rank
@@ -356,6 +360,12 @@ def validate(cfg: DictConfig | dict) -> Config:
     _positive("trainer.epochs", t.epochs)
     _positive("trainer.log_every", t.log_every)
     _positive("trainer.eval_every", t.eval_every, allow_zero=True)
+    _one_of("trainer.best_mode", t.best_mode, ("max", "min"))
+    if t.best_metric and not t.eval_every:
+        raise ConfigError(
+            f"trainer.best_metric={t.best_metric!r} picks the weights of the best validation, and this run "
+            "validates only after its last step; set trainer.eval_every=<steps>, e.g. the steps of an epoch"
+        )
     _positive("trainer.profile.start", t.profile.start, allow_zero=True)
     _positive("trainer.profile.steps", t.profile.steps)
     if t.peak_tflops is not None:

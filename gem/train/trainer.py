@@ -29,6 +29,7 @@ from gem.data.sources import DataSource, build_source
 from gem.data.sources.stream import StreamLoader
 from gem.models.gem import GEMModel
 from gem.sparse.arch import SparseArch
+from gem.train.best import BestWeights
 from gem.train.checkpoint import Checkpointer, CheckpointError, Progress
 from gem.train.config import Config, ConfigError, check_schema_refs, plain_config, validate
 from gem.train.delta import build_exporter
@@ -531,6 +532,9 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
     )
     if deltas is not None:
         deltas.start(ckpt, progress)  # the chain's base: a checkpoint of this step
+    best = None
+    if t.best_metric:
+        best = BestWeights(t.best_metric, t.best_mode, run_dir / "best", model, progress.step, env.rank)
     task_weights = torch.tensor([t.task_weights.get(k, 1.0) for k in schema.tasks], device=env.device)
     metrics = open_metrics(run_dir, t.loggers, env.is_main, progress.step)
     num_dense = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("sparse_arch."))
@@ -651,6 +655,8 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
                 )
                 logger.info("val step %d %s", step, format_metrics(values))
                 metrics.write("val", step, values)
+                if best is not None:
+                    best.update(step, values)
                 window.start += time.perf_counter() - eval_start  # throughput counts training time only
         if step >= total_steps:
             break
@@ -673,9 +679,12 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
         deltas.close()
     if stream is None:
         result = {}
+        if best is not None and best.step is not None:
+            best.load()
+            result = {"best_step": float(best.step), f"best_val/{best.metric}": best.value}
         if t.test:
             test = loader("test", d.eval_batch_size, False)
-            result = evaluate(model, test, env, schema.tasks, t.eval_max_batches, autocast_dtype)
+            result |= evaluate(model, test, env, schema.tasks, t.eval_max_batches, autocast_dtype)
     else:  # the progressive metrics, averaged over the partitions
         result = stream_summary(run_dir, scores) if env.is_main else {}
     result["train_seconds"] = time.perf_counter() - start
@@ -707,7 +716,7 @@ def pretrain_stage(cfg: DictConfig | dict, config: Config) -> DictConfig:
     }
     stage = OmegaConf.merge(
         raw,
-        {"trainer": {"eval_every": 0, "test": False}},  # the overrides may ask for evaluations
+        {"trainer": {"eval_every": 0, "test": False, "best_metric": None}},  # the overrides may ask for evaluations
         OmegaConf.from_dotlist(list(config.trainer.pretrain)),
         {"trainer": {"run_dir": str(stage_dir)}, "checkpoint": checkpoint},
     )
