@@ -1,12 +1,13 @@
 """Sequential recommendation on S3-Rec-format sets: a recipe over several seeds, mean and spread.
 
     python benchmarks/seqrec.py [--sets LastFM Toys_and_Games Sports_and_Outdoors] [--seeds 0 1 2]
-                                [--experiment seqrec_gen] [--split test]
+                                [--experiment seqrec_gen [--generic]] [--split test]
                                 [--pretrain model.objective=masked_item ...] [--parallel N] [-- hydra overrides]
 
 Each (set, seed) is ``python -m gem.train experiment=<experiment> data.name=<set> trainer.seed=<seed>
 data.seqrec.seed=<seed>`` in its own process, with the set's own experiment where there is one
-(``<experiment>_<set, lower case>``, as ``seqrec_gen_lastfm``). The evaluation negatives stay fixed:
+(``<experiment>_<set, lower case>``, as ``seqrec_gen_lastfm``; ``--generic``: ``<experiment>`` for every
+set, as a set the recipe was not tuned on gets it). The evaluation negatives stay fixed:
 the paper's file for LastFM, numpy seed 12345 otherwise. The metrics are those of the final
 evaluation of ``--split``: ``test`` for the figures to report, ``val`` (with ``trainer.eval_every``
 at the end) to choose a recipe. With ``--pretrain OVERRIDES``, each run starts from a pretraining
@@ -60,11 +61,12 @@ def run(
     overrides: list[str],
     run_dir: Path,
     pretrain: list[str] | None = None,
+    generic: bool = False,
 ) -> dict:
     tick = time.perf_counter()
     if pretrain:  # the trainer's pretraining stage, in <run_dir>/pretrain
         overrides = [*overrides, "trainer.pretrain=[" + ",".join(f"'{o}'" for o in pretrain) + "]"]
-    experiment = experiment_for(experiment, name)
+    experiment = experiment if generic else experiment_for(experiment, name)
     cmd = [
         sys.executable,
         "-m",
@@ -98,6 +100,7 @@ def run(
         **{m: final[f"next_item/{m}"] for m in METRICS},
         # the evaluation set's sampling error (over its users), which more seeds do not shrink
         **{f"{m}_se": final[f"next_item/{m}_se"] for m in ("hr@10", "ndcg@10")},
+        **({"best_step": final["best_step"]} if "best_step" in final else {}),  # trainer.best_metric's pick
     }
 
 
@@ -123,6 +126,7 @@ def main() -> None:
     parser.add_argument("--sets", nargs="+", default=["LastFM", "Toys_and_Games", "Sports_and_Outdoors"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--experiment", default="seqrec_gen")
+    parser.add_argument("--generic", action="store_true", help="--experiment for every set, not a set's own variant")
     parser.add_argument("--split", default="test", choices=["test", "val"])
     parser.add_argument("--out-dir", default=str(ROOT / "runs" / "seqrec"))
     parser.add_argument("--tag", default=None, help="file name suffix (default: the hardware, slugged)")
@@ -139,7 +143,7 @@ def main() -> None:
 
     def one(name: str, seed: int) -> dict:
         run_dir = Path(args.out_dir) / f"{name}-{seed}"
-        return run(args.experiment, name, seed, args.split, args.overrides, run_dir, args.pretrain)
+        return run(args.experiment, name, seed, args.split, args.overrides, run_dir, args.pretrain, args.generic)
 
     names, seeds = zip(*[(name, seed) for name in args.sets for seed in args.seeds])
     with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
