@@ -9,6 +9,7 @@ from torch import nn
 
 from gem.data.format.dataset import split_files
 from gem.data.pipeline.loader import build_loader
+from gem.train.checkpoint import list_checkpoints
 from gem.train.config import ConfigError, validate
 from gem.train.losses import multitask_bce
 from gem.train.optim import build_optimizers
@@ -145,6 +146,29 @@ def test_best_metric_tests_the_weights_of_the_best_validation(cache_dir, tmp_pat
         validate(_cfg(cache_dir, tmp_path, "trainer.best_metric=click/auc"))
     with pytest.raises(ConfigError, match="trainer.best_metric='click/hr@10': validation does not log it"):
         train(_cfg(cache_dir, tmp_path / "unknown", "trainer.eval_every=10", "trainer.best_metric=click/hr@10"))
+
+
+def test_best_patience_stops_a_run_and_its_restart(cache_dir, tmp_path):
+    """trainer.best_patience=2: the validations of steps 4 and 6 bring no lower click AUC than step
+    2's, so the run stops at step 6, checkpointed there (not a multiple of every_steps), and tests
+    step 2's weights; a restart then trains no step; without best_metric it is refused."""
+    run, steps = tmp_path / "patient", []
+    stop = (
+        "trainer.eval_every=2",
+        "trainer.best_metric=click/auc",
+        "trainer.best_mode=min",
+        "trainer.best_patience=2",
+        "checkpoint.enabled=true",
+        "checkpoint.every_steps=5",
+    )
+    stopped = train(_cfg(cache_dir, run, *stop))
+    assert (stopped["steps"], stopped["best_step"]) == (6, 2)
+    assert stopped["click/auc"] == train(_cfg(cache_dir, tmp_path / "two", "trainer.max_steps=2"))["click/auc"]
+    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step_000000005", "step_000000006"]
+    restarted = train(_cfg(cache_dir, run, *stop), hooks=[lambda step, rank, batch: steps.append(step)])
+    assert steps == [] and restarted["steps"] == 6 and restarted["click/auc"] == stopped["click/auc"]
+    with pytest.raises(ConfigError, match="trainer.best_patience=2 counts validations .* set trainer.best_metric"):
+        validate(_cfg(cache_dir, tmp_path, "trainer.best_patience=2"))
 
 
 def test_row_buckets_train_the_same_losses_and_bad_values_fail(cache_dir, tmp_path):

@@ -5,7 +5,9 @@ Each validation (``trainer.eval_every``) that improves ``best_metric`` (``best_m
 with ``best.json`` (the step, the metric and its value). The write is atomic: a ``.tmp-best`` folder
 renamed into place by rank 0 once every rank's data is on disk. Before the final test evaluation the
 trainer loads them back. A run resumed from a checkpoint keeps the best found before the restart; a
-run that starts at step 0 removes an earlier run's. The optimizer state is not kept: these weights are
+run that starts at step 0 removes an earlier run's. With ``best_patience`` the run stops once that
+many validations in a row have not bettered it, checkpointed at that step (``checkpoint.enabled``),
+so that a restart goes straight to the test. The optimizer state is not kept: these weights are
 for testing and serving; training resumes from ``checkpoint.dir``.
 """
 
@@ -91,6 +93,11 @@ class BestWeights:
             "trainer.best_metric: %s = %.4f at step %d, weights saved to %s", self.metric, value, step, self.dir
         )
         return True
+
+    def patience_spent(self, step: int, eval_every: int, patience: int) -> bool:
+        """Whether the validations after the best one, up to ``step`` (one every ``eval_every`` steps,
+        so counted from the steps alone, the same after a restart), number ``patience`` or more."""
+        return patience > 0 and self.step is not None and step // eval_every - self.step // eval_every >= patience
 
     def load(self) -> None:
         """Load the best weights into the model (a no-op before any validation saved them)."""

@@ -157,6 +157,7 @@ class TrainerConfig:
     # kept in <run_dir>/best (gem/train/best.py), not the last step's; None: the last step's
     best_metric: Optional[str] = None
     best_mode: str = "max"  # max | min (e.g. for click/ne)
+    best_patience: int = 0  # > 0: stop once this many validations in a row have not bettered best_metric
     eval_max_batches: int = -1
     test: bool = True  # the final evaluation on the test split (a pretraining stage skips it)
     run_dir: str = "runs/${name}"  # the same explicit path on every torchrun rank
@@ -361,6 +362,12 @@ def validate(cfg: DictConfig | dict) -> Config:
     _positive("trainer.log_every", t.log_every)
     _positive("trainer.eval_every", t.eval_every, allow_zero=True)
     _one_of("trainer.best_mode", t.best_mode, ("max", "min"))
+    _positive("trainer.best_patience", t.best_patience, allow_zero=True)
+    if t.best_patience and not t.best_metric:
+        raise ConfigError(
+            f"trainer.best_patience={t.best_patience} counts validations without a better trainer.best_metric; "
+            "set trainer.best_metric too (e.g. next_item/ndcg@10, click/auc)"
+        )
     if t.best_metric and not t.eval_every:
         raise ConfigError(
             f"trainer.best_metric={t.best_metric!r} picks the weights of the best validation, and this run "

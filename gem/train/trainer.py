@@ -535,6 +535,8 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
     best = None
     if t.best_metric:
         best = BestWeights(t.best_metric, t.best_mode, run_dir / "best", model, progress.step, env.rank)
+        if best.patience_spent(progress.step, t.eval_every, t.best_patience):
+            total_steps = progress.step  # the run had stopped early (trainer.best_patience): straight to the test
     task_weights = torch.tensor([t.task_weights.get(k, 1.0) for k in schema.tasks], device=env.device)
     metrics = open_metrics(run_dir, t.loggers, env.is_main, progress.step)
     num_dense = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("sparse_arch."))
@@ -625,7 +627,8 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
             if ckpt is not None:
                 seen = progress.examples + (step - progress.step) * d.batch_size * env.world_size
                 in_epoch = sum(train_loader.consumed) * d.batch_size * env.world_size
-                ckpt.maybe_save(Progress(step, epoch, in_epoch, seen), total_steps)
+                position = Progress(step, epoch, in_epoch, seen)
+                ckpt.maybe_save(position, total_steps)
             bar.update()
             window.add(
                 (per_task * task_weights).sum(),
@@ -657,6 +660,16 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
                 metrics.write("val", step, values)
                 if best is not None:
                     best.update(step, values)
+                    if best.patience_spent(step, t.eval_every, t.best_patience):
+                        logger.info(
+                            "trainer.best_patience: %d validations without a better %s than step %d's, stopping",
+                            t.best_patience,
+                            best.metric,
+                            best.step,
+                        )
+                        total_steps = step  # the loops end here
+                        if ckpt is not None:  # a restart from it goes straight to the test
+                            ckpt.save(position)
                 window.start += time.perf_counter() - eval_start  # throughput counts training time only
         if step >= total_steps:
             break
