@@ -145,6 +145,13 @@ def padded_self_attention(qkv, cos, sin, offsets, max_len, *, causal=False, wind
     return padded_attention(q, k, v, offsets, offsets, max_len, max_len, causal=causal, window=window, backend=backend)
 
 
+def padded_packed_kv_attention(q, kv, offsets, max_len, *, scale=None, backend=None):
+    """``kernels.jagged_attention.packed_kv_attention`` (pooling queries over packed K/V) as a
+    padded model computes it: :func:`padded_attention` on K and V."""
+    k, v = kv.unbind(1)
+    return padded_attention(q, k, v, None, offsets, None, max_len, scale=scale, backend=backend)
+
+
 class PaddedGEMDenseArch(GEMDenseArch):
     """GEMDenseArch on padded histories (see the module docstring); FLOPs counted on true lengths."""
 
@@ -155,6 +162,7 @@ class PaddedGEMDenseArch(GEMDenseArch):
         sequence.jagged_attention = padded_attention  # the blocks' attention calls, in this process
         sequence.rotary_self_attention = padded_self_attention  # self-attention's rotary embedding: PyTorch, compiled
         sequence.attention_pooling = padded_pooling
+        sequence.packed_kv_attention = padded_packed_kv_attention
 
     def forward(self, sparse: SparseOutput, dense: torch.Tensor, domain: torch.Tensor) -> torch.Tensor:
         ((name, s),) = sparse.sequences.items()

@@ -446,6 +446,20 @@ def test_e2e_benchmark_run_names_add_their_variant_and_bad_names_are_refused():
     assert done.returncode == 2 and "--runs rope-kunlun: expected" in done.stderr, done.stderr
 
 
+@pytest.mark.parametrize("block", ["interformer", "kunlun"])
+def test_e2e_padded_baseline_trains_both_blocks(cache_dir, tmp_path, monkeypatch, block):
+    """benchmarks/e2e.py's padded baseline (every history padded, PyTorch attention) trains gem_tiny's
+    blocks on the CPU: each attention call of the blocks, Kunlun's seed pooling over its packed K/V
+    projection included, has its padded stand-in."""
+    from gem.models import sequence
+
+    for name in ("jagged_attention", "rotary_self_attention", "attention_pooling", "packed_kv_attention"):
+        monkeypatch.setattr(sequence, name, getattr(sequence, name))  # the baseline replaces them: restored after
+    padded = ("model=gem_tiny", f"model.block={block}", "model._target_=benchmarks.e2e.PaddedGEMDenseArch")
+    result = train(_tiny(cache_dir, tmp_path, *padded, "trainer.max_steps=2", "trainer.test=false"))
+    assert result["steps"] == 2 and sequence.packed_kv_attention.__module__ == "benchmarks.e2e"
+
+
 def test_e2e_benchmark_plots_the_loss_curves_of_result_ab_and_transcribed_files(tmp_path):
     from benchmarks.e2e import loss_curves, plot_losses
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from kernels.attention_pooling import attention_pooling
 from kernels.jagged import jagged_positions
-from kernels.jagged_attention import jagged_attention, rotary_self_attention
+from kernels.jagged_attention import jagged_attention, packed_kv_attention, rotary_self_attention
 
 
 def linear_flops(rows: int, in_dim: int, out_dim: int) -> int:
@@ -264,7 +264,8 @@ class PoolingByAttention(nn.Module):
     parameters; an empty sequence pools to zeros:
 
     * rows projected: K and V of every row (one ``[T, dim] x [dim, 2 dim]`` GEMM), then the
-      attention kernel with a broadcast Q;
+      attention kernel with a broadcast Q (``kernels.jagged_attention.packed_kv_attention``, which
+      writes the gradient of the packed K/V whole);
     * rows pooled as they are (kernels.attention_pooling): the scores are ``x . (W_k^T q) / sqrt(D)``
       (``b_k`` shifts every score of a query alike, which the softmax ignores), and ``W_v``, ``b_v``
       apply to the pooled rows (the weights sum to one): ``4 T dim N H`` FLOPs instead of
@@ -288,10 +289,8 @@ class PoolingByAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int) -> torch.Tensor:
         if not self.pool_rows:
-            k, v = self.kv(x).view(-1, 2, self.num_heads, self.head_dim).unbind(1)
-            q, k, v = attention_inputs(self.queries, k, v)
-            o = jagged_attention(q, k, v, None, offsets, None, max_len, backend=self.backend)
-            return o.flatten(2)  # [B, N, H*D]
+            q, kv = attention_inputs(self.queries, self.kv(x).view(-1, 2, self.num_heads, self.head_dim))
+            return packed_kv_attention(q, kv, offsets, max_len, backend=self.backend).flatten(2)  # [B, N, H*D]
         num_queries, dim = self.queries.shape[0], x.shape[1]
         w_k, w_v = self.kv.weight.view(2, self.num_heads, self.head_dim, dim).unbind(0)  # [H, D, dim] each
         b_v = self.kv.bias.view(2, self.num_heads, self.head_dim)[1]

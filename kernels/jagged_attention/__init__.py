@@ -30,6 +30,7 @@ __all__ = [
     "jagged_attention",
     "jagged_attention_reference",
     "num_visible_pairs",
+    "packed_kv_attention",
     "rotary_self_attention",
 ]
 
@@ -286,6 +287,49 @@ def rotary_self_attention(
         bool(causal),
         -1 if window is None else int(window),
     )
+
+
+def packed_kv_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    offsets: torch.Tensor,
+    max_len: int,
+    *,
+    scale: float | None = None,
+    backend: str | None = None,
+    check: bool | None = None,
+) -> torch.Tensor:
+    """Softmax attention of the same queries over each example's rows of a packed K/V projection:
+    ``jagged_attention(q, kv[:, 0], kv[:, 1], None, offsets, None, max_len)`` (pooling by
+    attention), with one gradient buffer.
+
+    Args:
+        q: ``[N, H, D]``, the queries every example shares.
+        kv: ``[T, 2, H, D]``, each row's K and V (one linear layer's output, viewed).
+        offsets, max_len: the rows' ``[B+1]`` offsets and a host-side bound on the lengths.
+        scale, backend, check: as :func:`jagged_attention`'s.
+
+    Returns ``[B, N, H, D]``, differentiable in ``q`` and ``kv``; an example without rows gets
+    zeros. On the Triton backend the dK/dV kernel writes the gradient of ``kv`` whole, where the
+    two tensors of :func:`jagged_attention` would be stacked into it.
+    """
+    if q.dim() != 3 or kv.dim() != 4 or kv.shape[1] != 2 or kv.shape[2:] != q.shape[1:]:
+        raise ValueError(
+            f"q must be [N, H, D] and kv [T, 2, H, D] with the same H and D, got {tuple(q.shape)} and {tuple(kv.shape)}"
+        )
+    if offsets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"offsets must be int32 or int64, got {offsets.dtype}")
+    _check_bound("max_len", max_len)
+    check_offsets("offsets", offsets, "kv", kv.shape[0], "max_len", max_len, _resolve_check(check))
+    if backend is None:
+        backend = "triton" if kv.is_cuda else "reference"
+    if backend != "triton":
+        k, v = kv.unbind(1)
+        return jagged_attention(q, k, v, None, offsets, None, max_len, scale=scale, backend=backend, check=False)
+    q, kv = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, kv))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    out = op.packed_kv_attention_triton(q, kv, offsets, int(max_len), scale)
+    return out.view(offsets.numel() - 1, *q.shape)
 
 
 def _check_bound(name: str, value) -> None:

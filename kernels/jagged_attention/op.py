@@ -234,38 +234,50 @@ def launch_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dq, dk, dv`` shaped like ``q, k, v``; arguments as :func:`launch_forward`, ``grad_out``
     shaped like ``out``. With ``q_broadcast``, dQ is computed per example in float32 and summed
-    over the batch. Self-attention only (Q, K and V share rows, no broadcast Q; the Triton
-    kernels): ``packed_grad`` ``[T, 3, H, D]`` receives dQ, dK and dV in its three slices (they
-    are returned as its views), and ``rope`` ``(cos, sin)`` says Q and K are the rotated operands,
-    whose gradients are turned back through the rotation as they are stored (head dim a power of 2)."""
+    over the batch. The Triton kernels can write the gradient of a packed projection whole:
+    ``packed_grad`` ``[T, 3, H, D]`` receives dQ, dK and dV in its three slices for self-attention
+    (Q, K and V on the same rows), ``[T, 2, H, D]`` dK and dV with a broadcast Q; the parts are
+    returned as its views. ``rope`` ``(cos, sin)`` (self-attention) says Q and K are the rotated
+    operands, whose gradients are turned back through the rotation as they are stored (head dim a
+    power of 2)."""
     config = config or current_settings()
     num_batches = kv_offsets.numel() - 1
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_rows = out.shape[0]
     packed = packed_act(q, activation, config, arch)
     meta = launch_meta(q, activation, causal, window, block_size, q_broadcast, packed)
-    if (packed_grad is not None or rope is not None) and q_broadcast:
-        raise ValueError("packed_grad and rope are for self-attention: jagged Q, K and V on the same rows")
+    parts = 2 if q_broadcast else 3  # of a packed gradient
+    if packed_grad is not None and packed_grad.shape[1] != parts:
+        raise ValueError(
+            f"packed_grad must be [T, {parts}, H, D] ({'dK, dV' if q_broadcast else 'dQ, dK, dV'}), "
+            f"got {tuple(packed_grad.shape)}"
+        )
+    if rope is not None and q_broadcast:
+        raise ValueError("rope is for self-attention: jagged Q, K and V on the same rows")
     if rope is not None and not meta["EVEN_D"]:
         raise ValueError(f"rope: the kernels turn dQ and dK back for a power-of-two head dim, not {head_dim}")
     # Every row of an example is written by the kernels (an empty example has no rows).
     offsets = [0, 0, 0]  # of dQ, dK and dV from their tensors' data, in elements
     if packed_grad is not None:
-        # One buffer and offsets into it, not three views: torch.compile clones a mutated view with
-        # an offset out of bounds (torch 2.11, pytorch#192226). [T, 3H, D]: heads are D apart.
-        dq_rows = dk = dv = packed_grad.flatten(1, 2)
-        offsets = [part * num_heads * head_dim for part in range(3)]
+        # One buffer and offsets into it, not views: torch.compile clones a mutated view with an
+        # offset out of bounds (torch 2.11, pytorch#192226). [T, parts * H, D]: heads are D apart.
+        dk = dv = packed_grad.flatten(1, 2)
+        width = num_heads * head_dim
+        offsets = [0, width, 2 * width] if parts == 3 else [0, 0, width]  # a broadcast dQ has its own buffer
     else:
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
-        if q_broadcast:
-            dq_rows = q.new_empty(num_rows, num_heads, head_dim, dtype=torch.float32)
-        else:
-            dq_rows = torch.empty_like(q)
+    if q_broadcast:
+        dq_rows = q.new_empty(num_rows, num_heads, head_dim, dtype=torch.float32)
+    elif packed_grad is not None:
+        dq_rows = dk
+    else:
+        dq_rows = torch.empty_like(q)
     if num_rows == 0 or num_heads == 0 or num_batches == 0 or max_q_len == 0 or max_kv_len == 0:
-        if packed_grad is not None:
-            return packed_grad.zero_().unbind(1)
-        return torch.zeros_like(q), dk.zero_(), dv.zero_()
+        if packed_grad is None:
+            return torch.zeros_like(q), dk.zero_(), dv.zero_()
+        packed_grad.zero_()
+        return packed_grad.unbind(1) if parts == 3 else (torch.zeros_like(q), *packed_grad.unbind(1))
     grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
 
     if activation == "softmax":
@@ -386,11 +398,11 @@ def launch_backward(
             rope,
             offsets[0],
         )
-    if packed_grad is not None:
-        return packed_grad.unbind(1)
     if q_broadcast:
         dq = dq_rows.view(num_batches, q.shape[0], num_heads, head_dim).sum(0).to(q.dtype)
-        return dq, dk, dv
+        return (dq, dk, dv) if packed_grad is None else (dq, *packed_grad.unbind(1))
+    if packed_grad is not None:
+        return packed_grad.unbind(1)
     return dq_rows, dk, dv
 
 
@@ -654,6 +666,108 @@ def _rope_bwd_flop_formula(
     grad_out, q, k, qkv, out, lse, cos, sin, offsets, batch_order, sizes, *args, **kwargs
 ) -> int:
     return 5 * _forward_flops(q, offsets, offsets, sizes) // 2
+
+
+# ---------------------------------------------------------------------------------------
+# broadcast queries over a packed K/V projection: the gradient of kv written whole
+# ---------------------------------------------------------------------------------------
+
+
+def _kv_forward(q, kv, q_offsets, kv_offsets, sizes, activation, scales, wrap):
+    """(out, lse, batch_order), K and V read from ``kv [T, 2, H, D]`` in place."""
+    return _forward(q, kv[:, 0], kv[:, 1], q_offsets, kv_offsets, sizes, activation, scales, wrap)
+
+
+@define_op("gem_kernels::packed_kv_attention_fwd")
+def _kv_fwd_op(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    sizes: list[int],
+    activation: str,
+    scales: list[float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _kv_forward(q, kv, q_offsets, kv_offsets, sizes, activation, scales, OP_WRAP)
+
+
+def _kv_backward_kernels(grad_out, q, kv, out, lse, q_offsets, kv_offsets, order, sizes, activation, scales, wrap):
+    """``(dq, d kv)``: the dK/dV kernel writes both halves of ``d kv``."""
+    dkv = kv.new_empty(kv.shape)
+    dq, _, _ = launch_backward(
+        grad_out,
+        q,
+        kv[:, 0],
+        kv[:, 1],
+        out,
+        lse,
+        q_offsets,
+        kv_offsets,
+        order,
+        *_unpack(sizes, activation, scales),
+        wrap=wrap,
+        packed_grad=dkv,
+    )
+    return dq, dkv
+
+
+@define_op("gem_kernels::packed_kv_attention_bwd")
+def _kv_bwd_op(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    batch_order: torch.Tensor,
+    sizes: list[int],
+    activation: str,
+    scales: list[float],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _kv_backward_kernels(
+        grad_out, q, kv, out, lse, q_offsets, kv_offsets, batch_order, sizes, activation, scales, OP_WRAP
+    )
+
+
+fake_without_launch(_kv_fwd_op, _kv_forward)
+fake_without_launch(_kv_bwd_op, _kv_backward_kernels)
+
+
+def _kv_setup_context(ctx, inputs, output) -> None:
+    q, kv, q_offsets, kv_offsets, *params = inputs
+    out, lse, order = output
+    ctx.save_for_backward(q, kv, out, lse, q_offsets, kv_offsets, order)
+    ctx.params = params  # sizes, activation, scales
+
+
+def _kv_backward(ctx, grad_out, *unused):  # lse and order take no gradient
+    dq, dkv = torch.ops.gem_kernels.packed_kv_attention_bwd(grad_out, *ctx.saved_tensors, *ctx.params)
+    return dq, dkv, None, None, *([None] * len(ctx.params))
+
+
+torch.library.register_autograd("gem_kernels::packed_kv_attention_fwd", _kv_backward, setup_context=_kv_setup_context)
+
+
+@register_flop_formula(torch.ops.gem_kernels.packed_kv_attention_fwd, get_raw=True)
+def _kv_fwd_flop_formula(q, kv, q_offsets, kv_offsets, sizes, *args, out_val=None, **kwargs) -> int:
+    return _forward_flops(q, kv_offsets, q_offsets, sizes)
+
+
+@register_flop_formula(torch.ops.gem_kernels.packed_kv_attention_bwd, get_raw=True)
+def _kv_bwd_flop_formula(grad_out, q, kv, out, lse, q_offsets, kv_offsets, batch_order, sizes, *args, **kwargs) -> int:
+    return 5 * _forward_flops(q, kv_offsets, q_offsets, sizes) // 2
+
+
+def packed_kv_attention_triton(q, kv, kv_offsets, max_kv_len, scale) -> torch.Tensor:
+    """Calls the registered op: softmax attention of the broadcast ``q [N, H, D]`` over each
+    example's rows of ``kv``; ``[B * N, H, D]``, differentiable in ``q`` and ``kv``."""
+    num_batches = kv_offsets.numel() - 1
+    q_offsets = torch.arange(num_batches + 1, device=q.device, dtype=torch.int32) * q.shape[0]
+    out, _, _ = torch.ops.gem_kernels.packed_kv_attention_fwd(
+        q, kv, q_offsets, kv_offsets, [q.shape[0], max_kv_len, 0, -1, 0, 1], "softmax", [scale, 1.0]
+    )
+    return out
 
 
 def rotary_self_attention_triton(qkv, cos, sin, offsets, max_len, scale, causal, window) -> torch.Tensor:

@@ -178,6 +178,20 @@ def main() -> None:
                     packed_grad=packed_grad,
                     rope=rope,
                 )
+            if layout == "broadcast_q" and activation == "softmax":  # packed_kv_attention's backward
+                packed_grad = torch.empty(k.shape[0], 2, *k.shape[1:], dtype=k.dtype)
+                launch_backward(
+                    torch.randn_like(out),
+                    q,
+                    k,
+                    v,
+                    out,
+                    lse,
+                    *common,
+                    wrap=checked,
+                    config=config,
+                    packed_grad=packed_grad,
+                )
     qkv = torch.randn(6, 3, 2, 64, dtype=torch.bfloat16)
     cos, sin = torch.randn(2, 6, 32).unbind(0)
     rotary_forward(qkv, cos, sin, wrap=checked)
