@@ -162,35 +162,24 @@ def main() -> None:
             )
             out, lse = launch_forward(q, k, v, *common, wrap=checked, config=config)
             launch_backward(torch.randn_like(out), q, k, v, out, lse, *common, wrap=checked, config=config)
-            if layout == "jagged" and activation == "softmax":  # rotary self-attention's backward
-                rope = torch.randn(2, q.shape[0], 32).unbind(0)
-                packed_grad = torch.empty(q.shape[0], 3, *q.shape[1:], dtype=q.dtype)
+            if activation == "softmax" and layout != "dense_kv":  # the packed-gradient backwards:
+                # rotary self-attention's (d qkv; Q, K and V on the same rows, Q and K rotated) and
+                # packed_kv_attention's (d kv, with broadcast queries)
+                self_attention = layout == "jagged"
+                rows, k_in, v_in = (q, q, q) if self_attention else (k, k, v)
+                packed_grad = torch.empty(rows.shape[0], 3 if self_attention else 2, *rows.shape[1:], dtype=q.dtype)
                 launch_backward(
                     torch.randn_like(out),
                     q,
-                    q,
-                    q,
+                    k_in,
+                    v_in,
                     out,
                     lse,
                     *common,
                     wrap=checked,
                     config=config,
                     packed_grad=packed_grad,
-                    rope=rope,
-                )
-            if layout == "broadcast_q" and activation == "softmax":  # packed_kv_attention's backward
-                packed_grad = torch.empty(k.shape[0], 2, *k.shape[1:], dtype=k.dtype)
-                launch_backward(
-                    torch.randn_like(out),
-                    q,
-                    k,
-                    v,
-                    out,
-                    lse,
-                    *common,
-                    wrap=checked,
-                    config=config,
-                    packed_grad=packed_grad,
+                    rope=torch.randn(2, q.shape[0], 32).unbind(0) if self_attention else None,
                 )
     qkv = torch.randn(6, 3, 2, 64, dtype=torch.bfloat16)
     cos, sin = torch.randn(2, 6, 32).unbind(0)
