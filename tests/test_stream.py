@@ -269,6 +269,8 @@ def test_stray_folders_are_named(own_stream, name, match):
 def test_a_stream_has_no_validation_split(cache_dir, tmp_path):
     with pytest.raises(ConfigError, match="trainer.eval_every: a stream has no validation split"):
         train(compose(_overrides(cache_dir, tmp_path / "run", "trainer.eval_every=5")))
+    with pytest.raises(ConfigError, match="trainer.best_metric='click/auc': a stream has no validation split"):
+        train(compose(_overrides(cache_dir, tmp_path / "run", "trainer.best_metric=click/auc")))
 
 
 def test_a_resume_at_a_partition_boundary_keeps_one_score_per_partition(tmp_path):

@@ -368,6 +368,11 @@ def validate(cfg: DictConfig | dict) -> Config:
             f"trainer.best_patience={t.best_patience} counts validations without a better trainer.best_metric; "
             "set trainer.best_metric too (e.g. next_item/ndcg@10, click/auc)"
         )
+    if t.best_metric and config.data.kind == "stream":
+        raise ConfigError(
+            f"trainer.best_metric={t.best_metric!r}: a stream has no validation split to pick weights by (each "
+            "partition is scored before training on it); unset trainer.best_metric"
+        )
     if t.best_metric and not t.eval_every:
         raise ConfigError(
             f"trainer.best_metric={t.best_metric!r} picks the weights of the best validation, and this run "
