@@ -169,6 +169,9 @@ def test_best_patience_stops_a_run_and_its_restart(cache_dir, tmp_path):
     assert steps == [] and restarted["steps"] == 6 and restarted["click/auc"] == stopped["click/auc"]
     with pytest.raises(ConfigError, match="trainer.best_patience=2 counts validations .* set trainer.best_metric"):
         validate(_cfg(cache_dir, tmp_path, "trainer.best_patience=2"))
+    # a pretraining stage neither validates nor selects: the run's own settings are not the stage's
+    staged = train(_cfg(cache_dir, tmp_path / "staged", *stop[:4], "trainer.pretrain=['trainer.max_steps=2']"))
+    assert "best_step" in staged and not (tmp_path / "staged" / "pretrain" / "best").exists()
 
 
 def test_row_buckets_train_the_same_losses_and_bad_values_fail(cache_dir, tmp_path):

@@ -729,7 +729,8 @@ def pretrain_stage(cfg: DictConfig | dict, config: Config) -> DictConfig:
     }
     stage = OmegaConf.merge(
         raw,
-        {"trainer": {"eval_every": 0, "test": False, "best_metric": None}},  # the overrides may ask for evaluations
+        # the overrides may ask for evaluations (and a best_metric of the stage's own)
+        {"trainer": {"eval_every": 0, "test": False, "best_metric": None, "best_patience": 0}},
         OmegaConf.from_dotlist(list(config.trainer.pretrain)),
         {"trainer": {"run_dir": str(stage_dir)}, "checkpoint": checkpoint},
     )
