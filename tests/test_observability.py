@@ -386,6 +386,8 @@ def test_an_empty_validation_split_is_skipped_with_a_warning_and_an_empty_test_s
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert not [r for r in rows if r["kind"] == "val"]
     assert "validation split" in (tmp_path / "run" / "train.log").read_text()
+    with pytest.raises(ValueError, match="trainer.best_metric='click/auc' picks weights by validation, and the"):
+        train(_tiny(cache_dir, tmp_path / "best", *overrides, "trainer.best_metric=click/auc"))
 
     data = gem.build_data(_tiny(cache_dir, tmp_path / "api", *overrides))
     with pytest.raises(ValueError, match="has no examples: AUC and NE would be NaN"):

@@ -336,10 +336,15 @@ def _split_rows(make_loader, split: str) -> tuple[int, str]:
 
 def check_eval_splits(config: Config, make_loader, data_dir: Path) -> None:
     """Before training: a missing or empty validation split turns ``trainer.eval_every`` off with a
-    warning (its AUC / NE would be NaN); a missing or empty test split fails now rather than after
-    training, unless ``trainer.test`` is off."""
+    warning (its AUC / NE would be NaN), or fails with ``trainer.best_metric``; a missing or empty
+    test split fails now rather than after training, unless ``trainer.test`` is off."""
     if config.trainer.eval_every:
         rows, why = _split_rows(make_loader, "val")
+        if rows == 0 and config.trainer.best_metric:
+            raise DataError(
+                f"trainer.best_metric={config.trainer.best_metric!r} picks weights by validation, and the "
+                f"validation split {data_dir / 'val'} {why}: add examples there or unset trainer.best_metric"
+            )
         if rows == 0:
             logger.warning(
                 "trainer.eval_every=%d but the validation split %s %s: training without validation; add "
