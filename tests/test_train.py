@@ -148,6 +148,16 @@ def test_best_metric_tests_the_weights_of_the_best_validation(cache_dir, tmp_pat
         train(_cfg(cache_dir, tmp_path / "unknown", "trainer.eval_every=10", "trainer.best_metric=click/hr@10"))
 
 
+def test_eval_every_minus_one_validates_after_every_epoch(cache_dir, tmp_path):
+    """trainer.eval_every=-1: a validation at the end of each epoch (31 steps of 64 of the 2,000
+    training rows); below -1 it is refused."""
+    result = train(_cfg(cache_dir, tmp_path, "trainer.max_steps=-1", "trainer.epochs=2", "trainer.eval_every=-1"))
+    val = [r["step"] for r in _losses(tmp_path)[1] if r["kind"] == "val"]
+    assert val == [31, 62] and result["steps"] == 62
+    with pytest.raises(ConfigError, match=r"trainer.eval_every=-2 must be >= 0 \(steps\), or -1"):
+        validate(_cfg(cache_dir, tmp_path, "trainer.eval_every=-2"))
+
+
 def test_best_patience_stops_a_run_and_its_restart(cache_dir, tmp_path):
     """trainer.best_patience=2: the validations of steps 4 and 6 bring no lower click AUC than step
     2's, so the run stops at step 6, checkpointed there (not a multiple of every_steps), and tests

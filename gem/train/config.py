@@ -152,7 +152,7 @@ class TrainerConfig:
     seed: int = 0
     deterministic: bool = False
     log_every: int = 50
-    eval_every: int = 0  # 0 = only at the end
+    eval_every: int = 0  # steps between validations; 0: only at the end; -1: after every epoch
     # a validation metric (e.g. next_item/ndcg@10, click/auc): test the weights of its best validation,
     # kept in <run_dir>/best (gem/train/best.py), not the last step's; None: the last step's
     best_metric: Optional[str] = None
@@ -360,7 +360,8 @@ def validate(cfg: DictConfig | dict) -> Config:
     _one_of("trainer.device", t.device, ("auto", "cpu", "cuda"))
     _positive("trainer.epochs", t.epochs)
     _positive("trainer.log_every", t.log_every)
-    _positive("trainer.eval_every", t.eval_every, allow_zero=True)
+    if t.eval_every < -1:
+        raise ConfigError(f"trainer.eval_every={t.eval_every} must be >= 0 (steps), or -1 (after every epoch)")
     _one_of("trainer.best_mode", t.best_mode, ("max", "min"))
     _positive("trainer.best_patience", t.best_patience, allow_zero=True)
     if t.best_patience and not t.best_metric:
@@ -376,7 +377,7 @@ def validate(cfg: DictConfig | dict) -> Config:
     if t.best_metric and not t.eval_every:
         raise ConfigError(
             f"trainer.best_metric={t.best_metric!r} picks the weights of the best validation, and this run "
-            "validates only after its last step; set trainer.eval_every=<steps>, e.g. the steps of an epoch"
+            "validates only after its last step; set trainer.eval_every=<steps>, or -1 (after every epoch)"
         )
     _positive("trainer.profile.start", t.profile.start, allow_zero=True)
     _positive("trainer.profile.steps", t.profile.steps)

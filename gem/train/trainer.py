@@ -504,6 +504,8 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
     total_steps = t.max_steps if t.max_steps > 0 else (stream.total_steps() if stream else t.epochs * steps_per_epoch)
     if stream is None:
         check_eval_splits(config, lambda split: loader(split, d.eval_batch_size, False), data_dir)
+        if t.eval_every == -1:  # after every epoch (this run's typed copy of the config)
+            t.eval_every = steps_per_epoch
     elif t.eval_every:
         raise ConfigError(
             "trainer.eval_every: a stream has no validation split, each partition is scored before "
