@@ -224,8 +224,9 @@ def test_two_ranks_train_each_example_once(cache_dir, tmp_path):
 
 
 @pytest.fixture
-def own_stream(cache_dir, tmp_path):
-    """A copy of the synthetic stream's first two days as a data.dir."""
+def own_stream(cache_dir, one_pass, tmp_path):
+    """A copy of the synthetic stream's first two days as a data.dir (``one_pass`` generates the
+    stream, also where a test runner's worker has run no earlier test of this module)."""
     data = tmp_path / "events"
     data.mkdir()
     for day in DAYS[:2]:
