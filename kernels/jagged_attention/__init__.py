@@ -190,10 +190,10 @@ def jagged_attention(
         num_batches, num_keys = k.shape[0], k.shape[1]
         k = k.reshape(num_batches * num_keys, *k.shape[2:])
         v = v.reshape(num_batches * num_keys, *v.shape[2:])
-        kv_offsets = torch.arange(num_batches + 1, device=q.device, dtype=torch.int32) * num_keys
+        kv_offsets = _equal_offsets(num_batches, num_keys, q.device)
     num_batches = kv_offsets.numel() - 1
     if q_broadcast:
-        q_offsets = torch.arange(num_batches + 1, device=q.device, dtype=torch.int32) * q.shape[0]
+        q_offsets = _equal_offsets(num_batches, q.shape[0], q.device)  # the same queries for every example
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out = op.jagged_attention_triton(
         q,
@@ -328,8 +328,17 @@ def packed_kv_attention(
         return jagged_attention(q, k, v, None, offsets, None, max_len, scale=scale, backend=backend, check=False)
     q, kv = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, kv))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out = op.packed_kv_attention_triton(q, kv, offsets, int(max_len), scale)
-    return out.view(offsets.numel() - 1, *q.shape)
+    num_batches = offsets.numel() - 1
+    out = op.packed_kv_attention_triton(
+        q, kv, _equal_offsets(num_batches, q.shape[0], q.device), offsets, int(max_len), scale
+    )
+    return out.view(num_batches, *q.shape)
+
+
+def _equal_offsets(num_batches: int, rows: int, device) -> torch.Tensor:
+    """``[B+1]`` int32 offsets of ``num_batches`` examples of ``rows`` rows each (dense K/V viewed as
+    jagged rows; broadcast queries, the same ``rows`` for every example)."""
+    return torch.arange(num_batches + 1, device=device, dtype=torch.int32) * rows
 
 
 def _check_bound(name: str, value) -> None:

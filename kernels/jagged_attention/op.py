@@ -759,11 +759,10 @@ def _kv_bwd_flop_formula(grad_out, q, kv, out, lse, q_offsets, kv_offsets, batch
     return 5 * _forward_flops(q, kv_offsets, q_offsets, sizes) // 2
 
 
-def packed_kv_attention_triton(q, kv, kv_offsets, max_kv_len, scale) -> torch.Tensor:
-    """Calls the registered op: softmax attention of the broadcast ``q [N, H, D]`` over each
-    example's rows of ``kv``; ``[B * N, H, D]``, differentiable in ``q`` and ``kv``."""
-    num_batches = kv_offsets.numel() - 1
-    q_offsets = torch.arange(num_batches + 1, device=q.device, dtype=torch.int32) * q.shape[0]
+def packed_kv_attention_triton(q, kv, q_offsets, kv_offsets, max_kv_len, scale) -> torch.Tensor:
+    """Calls the registered op: softmax attention of the broadcast ``q [N, H, D]`` (``q_offsets``: N
+    rows an example) over each example's rows of ``kv``; ``[B * N, H, D]``, differentiable in ``q``
+    and ``kv``."""
     out, _, _ = torch.ops.gem_kernels.packed_kv_attention_fwd(
         q, kv, q_offsets, kv_offsets, [q.shape[0], max_kv_len, 0, -1, 0, 1], "softmax", [scale, 1.0]
     )
