@@ -64,7 +64,7 @@ class BestWeights:
             "model": {"sparse": sparse_module(self.model).state_dict(), "dense": self.model.dense_arch.state_dict()}
         }
 
-    def update(self, step: int, values: dict[str, float]) -> bool:
+    def update(self, step: int, values: dict[str, float]) -> None:
         """After a validation at ``step``: save the weights if ``values[metric]`` is the best so far."""
         if self.metric not in values:
             raise ConfigError(
@@ -77,7 +77,7 @@ class BestWeights:
             dist.broadcast_object_list(flag, src=0)
             improved = flag[0]
         if not improved:
-            return False
+            return
         tmp = self._tmp
         tmp.mkdir(parents=True, exist_ok=True)
         dcp.save(flatten_state(self._state())[0], checkpoint_id=str(tmp))
@@ -92,7 +92,6 @@ class BestWeights:
         logger.info(
             "trainer.best_metric: %s = %.4f at step %d, weights saved to %s", self.metric, value, step, self.dir
         )
-        return True
 
     def patience_spent(self, step: int, eval_every: int, patience: int) -> bool:
         """Whether the validations after the best one, up to ``step`` (one every ``eval_every`` steps,
