@@ -138,12 +138,9 @@ def padded_pooling(x, a, offsets, max_len, backend=None):
     return torch.softmax(scores, dim=1).transpose(1, 2) @ rows
 
 
-def padded_self_attention(qkv, cos, sin, offsets, max_len, *, causal=False, window=None, backend=None, qkv_bias=None):
+def padded_self_attention(qkv, cos, sin, offsets, max_len, *, causal=False, window=None, backend=None):
     """``kernels.jagged_attention.rotary_self_attention`` as a padded model computes it: the rotary
-    embedding's PyTorch formula, then :func:`padded_attention`; ``qkv_bias`` gets the gradient its
-    projection would have given it (the added zero is Inductor's to fold away)."""
-    if qkv_bias is not None:
-        qkv = qkv + (qkv_bias - qkv_bias.detach()).view(qkv.shape[1:]).to(qkv.dtype)
+    embedding's PyTorch formula, then :func:`padded_attention`."""
     q, k, v = rotary_reference(qkv, cos, sin)
     return padded_attention(q, k, v, offsets, offsets, max_len, max_len, causal=causal, window=window, backend=backend)
 

@@ -15,7 +15,6 @@ Example, two histories of lengths 2 and 0 with two CLS tokens prepended::
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels.attention_pooling import attention_pooling
@@ -125,21 +124,9 @@ class JaggedSelfAttention(nn.Module):
         """``rope``: the stream's :func:`rotary_tables` (computed here when None)."""
         if rope is None:
             rope = rotary_tables(offsets, x.shape[0], self.head_dim)
-        h = self.norm(x)
-        if type(self.qkv) is nn.Linear:  # the bias's gradient from the attention, whose kernels sum it
-            qkv, bias = F.linear(h, self.qkv.weight, self.qkv.bias.detach()), self.qkv.bias
-        else:  # a float8 linear (parallelism.float8): its own backward
-            qkv, bias = self.qkv(h), None
-        (qkv,) = attention_inputs(qkv.view(-1, 3, self.num_heads, self.head_dim))
+        (qkv,) = attention_inputs(self.qkv(self.norm(x)).view(-1, 3, self.num_heads, self.head_dim))
         o = rotary_self_attention(  # [T, H, D]
-            qkv,
-            *rope,
-            offsets,
-            max_len,
-            causal=self.causal,
-            window=self.window,
-            backend=self.backend,
-            qkv_bias=bias,
+            qkv, *rope, offsets, max_len, causal=self.causal, window=self.window, backend=self.backend
         )
         o = self.out(o.reshape(x.shape))
         return x + (o if self.dropout is None else self.dropout(o))

@@ -228,7 +228,6 @@ def rotary_self_attention(
     scale: float | None = None,
     backend: str | None = None,
     check: bool | None = None,
-    qkv_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax self-attention over the jagged rows of a packed projection with rotary positions:
     ``jagged_attention(*rotary_qkv(qkv, cos, sin), offsets, offsets, max_len, max_len, ...)`` in
@@ -240,13 +239,8 @@ def rotary_self_attention(
             ``gem.models.sequence.rotary_tables`` computes them).
         offsets, max_len: the rows' ``[B+1]`` offsets and a host-side bound on the lengths.
         causal, window, scale, backend, check: as :func:`jagged_attention`'s.
-        qkv_bias: the projection's bias (``3 * H * D`` elements), already added into ``qkv`` by a
-            projection that took it detached (``F.linear(x, w, b.detach())``): the call gives it its
-            gradient, the column sums of the gradient of ``qkv``. On the fused path below the
-            backward kernels sum their tiles as they store them, which saves the projection's
-            backward a pass over ``d qkv``.
 
-    Returns ``[T, H, D]`` in ``qkv.dtype``, differentiable in ``qkv`` (and ``qkv_bias``). With the ``rotary_fused``
+    Returns ``[T, H, D]`` in ``qkv.dtype``, differentiable in ``qkv``. With the ``rotary_fused``
     setting, on the Triton backend with a head dim that is a power of two (16 and up), the kernels
     read V from ``qkv`` in place and write the gradient of ``qkv`` whole: the dK/dV and dQ kernels
     turn the gradients of Q and K back through the rotation as they store them, so neither a rotary
@@ -261,17 +255,11 @@ def rotary_self_attention(
         raise ValueError(f"offsets must be int32 or int64, got {offsets.dtype}")
     _check_bound("max_len", max_len)
     check_offsets("offsets", offsets, "qkv", qkv.shape[0], "max_len", max_len, _resolve_check(check))
-    if qkv_bias is not None and qkv_bias.numel() != math.prod(qkv.shape[1:]):
-        raise ValueError(
-            f"qkv_bias must have 3 * H * D = {math.prod(qkv.shape[1:])} elements, got {tuple(qkv_bias.shape)}"
-        )
     head_dim = qkv.shape[-1]
     if backend is None:
         backend = "triton" if qkv.is_cuda else "reference"
     fused = backend == "triton" and head_dim >= 16 and not head_dim & (head_dim - 1)
     if not (fused and settings.current().rotary_fused):
-        if qkv_bias is not None:
-            qkv = _BiasGradient.apply(qkv, qkv_bias)
         q, k, v = rotary_qkv(qkv, cos, sin, backend=backend)
         return jagged_attention(
             q,
@@ -298,23 +286,7 @@ def rotary_self_attention(
         1.0 / math.sqrt(head_dim) if scale is None else float(scale),
         bool(causal),
         -1 if window is None else int(window),
-        qkv_bias,
     )
-
-
-class _BiasGradient(torch.autograd.Function):
-    """``qkv`` unchanged, and the column sums of its gradient as the gradient of ``bias``: the
-    unfused path's way of giving :func:`rotary_self_attention`'s ``qkv_bias`` its gradient."""
-
-    @staticmethod
-    def forward(ctx, qkv, bias):
-        ctx.bias = (bias.shape, bias.dtype)
-        return qkv.view_as(qkv)
-
-    @staticmethod
-    def backward(ctx, grad):
-        shape, dtype = ctx.bias
-        return grad, grad.sum(0, dtype=torch.float32).view(shape).to(dtype)
 
 
 def packed_kv_attention(

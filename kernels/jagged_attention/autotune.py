@@ -141,16 +141,6 @@ def kernel_and_config(kernel, kind: str, block_d: int, elem_bytes: int, config: 
     return kernel, _default_config(kind, block_d, elem_bytes)
 
 
-def smallest_block(kind: str, block_d: int, elem_bytes: int, config: KernelSettings) -> int:
-    """The smallest block on a ``kind`` kernel's program axis (BLOCK_N for "dkdv", BLOCK_M for the
-    dQ kernels) of any config it may launch: so its largest grid."""
-    axis = 1 if kind == "dkdv" else 0
-    default = _default_config(kind, block_d, elem_bytes)["BLOCK_N" if axis else "BLOCK_M"]
-    if not config.autotune or INTERPRET:
-        return default
-    return min([default] + [candidate[axis] for candidate in tune_space(kind, config.tune_space)])
-
-
 def tuned_configs() -> dict:
     """``{kind: {autotune key: chosen config}}`` for every shape bucket tuned in this process."""
     chosen = {}

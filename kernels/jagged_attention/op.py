@@ -231,7 +231,6 @@ def launch_backward(
     arch: tuple[int, int] | None = None,
     packed_grad: torch.Tensor | None = None,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-    bias_grad: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dq, dk, dv`` shaped like ``q, k, v``; arguments as :func:`launch_forward`, ``grad_out``
     shaped like ``out``. With ``q_broadcast``, dQ is computed per example in float32 and summed
@@ -240,10 +239,7 @@ def launch_backward(
     (Q, K and V on the same rows), ``[T, 2, H, D]`` dK and dV with a broadcast Q; the parts are
     returned as its views. ``rope`` ``(cos, sin)`` (self-attention) says Q and K are the rotated
     operands, whose gradients are turned back through the rotation as they are stored (head dim a
-    power of 2). ``bias_grad`` (self-attention with ``packed_grad``): float32 ``[3, H, D]`` that
-    receives the column sums of dQ, dK and dV as stored, the gradient of a bias added to the
-    projection; the kernels sum their tiles as they store them (``triton_bwd.dkdv``'s ``sums``),
-    so no pass over the gradient is needed for it."""
+    power of 2)."""
     config = config or current_settings()
     num_batches = kv_offsets.numel() - 1
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -258,8 +254,6 @@ def launch_backward(
         )
     if rope is not None and q_broadcast:
         raise ValueError("rope is for self-attention: jagged Q, K and V on the same rows")
-    if bias_grad is not None and (packed_grad is None or q_broadcast):
-        raise ValueError("bias_grad is for self-attention with packed_grad: the sums of dQ, dK and dV")
     if rope is not None and not meta["EVEN_D"]:
         raise ValueError(f"rope: the kernels turn dQ and dK back for a power-of-two head dim, not {head_dim}")
     # Every row of an example is written by the kernels (an empty example has no rows).
@@ -280,8 +274,6 @@ def launch_backward(
     else:
         dq_rows = torch.empty_like(q)
     if num_rows == 0 or num_heads == 0 or num_batches == 0 or max_q_len == 0 or max_kv_len == 0:
-        if bias_grad is not None:
-            bias_grad.zero_()
         if packed_grad is None:
             return torch.zeros_like(q), dk.zero_(), dv.zero_()
         packed_grad.zero_()
@@ -307,13 +299,6 @@ def launch_backward(
     store_ds = ds is not None
     if ds is None:
         ds = q
-    dq_sums = kv_sums = None
-    if bias_grad is not None:  # a row of column sums per program, zeros where none runs
-        dq_kind = "dq_ds" if store_ds else "dq"
-        rows = triton_bwd.sum_rows("dkdv", num_batches, max_kv_len, meta["BLOCK_D"], q.element_size(), config)
-        kv_sums = q.new_zeros(num_heads, rows, 2, head_dim, dtype=torch.float32)
-        rows = triton_bwd.sum_rows(dq_kind, num_batches, max_q_len, meta["BLOCK_D"], q.element_size(), config)
-        dq_sums = q.new_zeros(num_heads, rows, head_dim, dtype=torch.float32)
     if (
         packed_grad is None
         and rope is None
@@ -369,7 +354,6 @@ def launch_backward(
             wrap,
             rope,
             offsets[1:],
-            kv_sums,
         )
     if store_ds:
         _took("dq_from_ds")
@@ -388,7 +372,6 @@ def launch_backward(
             wrap,
             rope,
             offsets[0],
-            dq_sums,
         )
     else:
         _took("dq")
@@ -414,11 +397,7 @@ def launch_backward(
             wrap,
             rope,
             offsets[0],
-            dq_sums,
         )
-    if bias_grad is not None:
-        bias_grad[0] = dq_sums.sum(1)
-        bias_grad[1:] = kv_sums.sum(1).transpose(0, 1)
     if q_broadcast:
         dq = dq_rows.view(num_batches, q.shape[0], num_heads, head_dim).sum(0).to(q.dtype)
         return (dq, dk, dv) if packed_grad is None else (dq, *packed_grad.unbind(1))
@@ -610,20 +589,13 @@ def _rope_fwd_op(
     sizes: list[int],
     activation: str,
     scales: list[float],
-    bias: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    # bias: added into qkv by the caller's projection; only its gradient is computed here (backward)
     return _rope_forward(qkv, cos, sin, offsets, sizes, activation, scales, OP_WRAP)
 
 
-def _rope_backward_kernels(
-    grad_out, q, k, qkv, out, lse, cos, sin, offsets, order, sizes, activation, scales, bias_grad, wrap
-):
-    """``(d qkv, d bias)``: the kernels write dQ, dK and dV into ``d qkv``, dQ and dK turned back
-    through the rotation, and with ``bias_grad`` sum its columns (float32 ``[3, H, D]``; else an
-    empty tensor)."""
+def _rope_backward_kernels(grad_out, q, k, qkv, out, lse, cos, sin, offsets, order, sizes, activation, scales, wrap):
+    """``d qkv``: the kernels write dQ, dK and dV into it, dQ and dK turned back through the rotation."""
     dqkv = qkv.new_empty(qkv.shape)
-    dbias = qkv.new_empty(qkv.shape[1:] if bias_grad else (0,), dtype=torch.float32)
     launch_backward(
         grad_out,
         q,
@@ -638,9 +610,8 @@ def _rope_backward_kernels(
         wrap=wrap,
         packed_grad=dqkv,
         rope=(cos, sin),
-        bias_grad=dbias if bias_grad else None,
     )
-    return dqkv, dbias
+    return dqkv
 
 
 @define_op("gem_kernels::rotary_self_attention_bwd")
@@ -658,10 +629,9 @@ def _rope_bwd_op(
     sizes: list[int],
     activation: str,
     scales: list[float],
-    bias_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     return _rope_backward_kernels(
-        grad_out, q, k, qkv, out, lse, cos, sin, offsets, batch_order, sizes, activation, scales, bias_grad, OP_WRAP
+        grad_out, q, k, qkv, out, lse, cos, sin, offsets, batch_order, sizes, activation, scales, OP_WRAP
     )
 
 
@@ -670,21 +640,15 @@ fake_without_launch(_rope_bwd_op, _rope_backward_kernels)
 
 
 def _rope_setup_context(ctx, inputs, output) -> None:
-    qkv, cos, sin, offsets, *params, bias = inputs
+    qkv, cos, sin, offsets, *params = inputs
     out, lse, order, q, k = output
     ctx.save_for_backward(q, k, qkv, out, lse, cos, sin, offsets, order)
     ctx.params = params  # sizes, activation, scales
-    ctx.bias = None if bias is None else (bias.shape, bias.dtype)
 
 
 def _rope_backward(ctx, grad_out, *unused):  # lse, order, q and k take no gradient
-    dqkv, dbias = torch.ops.gem_kernels.rotary_self_attention_bwd(
-        grad_out, *ctx.saved_tensors, *ctx.params, ctx.bias is not None
-    )
-    if ctx.bias is not None:
-        shape, dtype = ctx.bias
-        dbias = dbias.view(shape).to(dtype)
-    return dqkv, None, None, None, *([None] * len(ctx.params)), dbias if ctx.bias is not None else None
+    dqkv = torch.ops.gem_kernels.rotary_self_attention_bwd(grad_out, *ctx.saved_tensors, *ctx.params)
+    return dqkv, None, None, None, *([None] * len(ctx.params))
 
 
 torch.library.register_autograd(
@@ -805,11 +769,10 @@ def packed_kv_attention_triton(q, kv, q_offsets, kv_offsets, max_kv_len, scale) 
     return out
 
 
-def rotary_self_attention_triton(qkv, cos, sin, offsets, max_len, scale, causal, window, bias=None) -> torch.Tensor:
-    """Calls the registered rotary self-attention op (softmax, differentiable in ``qkv``, and in
-    ``bias``, the ``[3 * H * D]`` bias already added into ``qkv``, whose gradient the kernels sum)."""
+def rotary_self_attention_triton(qkv, cos, sin, offsets, max_len, scale, causal, window) -> torch.Tensor:
+    """Calls the registered rotary self-attention op (softmax, differentiable in ``qkv``)."""
     out, _, _, _, _ = torch.ops.gem_kernels.rotary_self_attention_fwd(
-        qkv, cos, sin, offsets, [max_len, max_len, int(causal), window, 0, 0], "softmax", [scale, 1.0], bias
+        qkv, cos, sin, offsets, [max_len, max_len, int(causal), window, 0, 0], "softmax", [scale, 1.0]
     )
     return out
 

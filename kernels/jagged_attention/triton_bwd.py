@@ -157,7 +157,6 @@ def _bwd_dkdv_kernel(
     DS,
     COS,
     SIN,
-    SUMS,
     q_offsets,
     kv_offsets,
     batch_order,
@@ -177,9 +176,6 @@ def _bwd_dkdv_kernel(
     stride_dsh,
     stride_dst,
     stride_cs,
-    stride_sums_h,
-    stride_sums_r,
-    stride_sums_p,
     dk_offset,
     dv_offset,
     num_heads,
@@ -204,15 +200,12 @@ def _bwd_dkdv_kernel(
     STORE_DS: tl.constexpr,
     ROPE: tl.constexpr,
     DV_IN_DK: tl.constexpr,
-    SUM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """dK and dV of one (example, head, key block), written at DK + dk_offset and DV + dv_offset
     (elements; DK + dv_offset with DV_IN_DK; see :func:`dkdv`). With ROPE, K and Q are the rotated
-    operands and dK is turned back through the rotation as it is stored (``triton_common.store_grad``).
-    With SUM, the column sums of the stored dK and dV go to row ``rank * blocks + block`` of the
-    head's ``SUMS [rows, 2, D]`` (float32; see :func:`dkdv`)."""
+    operands and dK is turned back through the rotation as it is stored (``triton_common.store_grad``)."""
     qk_scale = tl.cast(qk_scale, tl.float32)  # fp64 under Inductor, as in _fwd_kernel
     dk_scale = tl.cast(dk_scale, tl.float32)
     dv_scale = tl.cast(dv_scale, tl.float32)
@@ -394,40 +387,11 @@ def _bwd_dkdv_kernel(
         DV += dv_offset + kv_start * stride_dvt + h * stride_dvh
     DK += dk_offset + kv_start * stride_dkt + h * stride_dkh
     table_rows = kv_start + cols
-    SUMS += h * stride_sums_h + (rank * tl.cdiv(max_kv_len, BLOCK_N) + n_block).to(tl.int64) * stride_sums_r
     store_grad(
-        DK,
-        cols,
-        stride_dkt,
-        offs_d,
-        col_mask,
-        dmask,
-        dk * dk_scale,
-        COS,
-        SIN,
-        table_rows,
-        stride_cs,
-        SUMS,
-        ROPE,
-        BLOCK_D,
-        SUM,
+        DK, cols, stride_dkt, offs_d, col_mask, dmask, dk * dk_scale, COS, SIN, table_rows, stride_cs, ROPE, BLOCK_D
     )
     store_grad(
-        DV,
-        cols,
-        stride_dvt,
-        offs_d,
-        col_mask,
-        dmask,
-        dv * dv_scale,
-        COS,
-        SIN,
-        table_rows,
-        stride_cs,
-        SUMS + stride_sums_p,
-        False,
-        BLOCK_D,
-        SUM,
+        DV, cols, stride_dvt, offs_d, col_mask, dmask, dv * dv_scale, COS, SIN, table_rows, stride_cs, False, BLOCK_D
     )
 
 
@@ -497,7 +461,6 @@ def _bwd_dq_kernel(
     DQ,
     COS,
     SIN,
-    SUMS,
     q_offsets,
     kv_offsets,
     batch_order,
@@ -513,8 +476,6 @@ def _bwd_dq_kernel(
     stride_dqh,
     stride_lse_h,
     stride_cs,
-    stride_sums_h,
-    stride_sums_r,
     dq_offset,
     num_heads,
     head_dim,
@@ -535,12 +496,11 @@ def _bwd_dq_kernel(
     DOT_PRECISION: tl.constexpr,
     PACKED_ACT: tl.constexpr,
     ROPE: tl.constexpr,
-    SUM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """dQ of one (example, head, query block), recomputing S and dP, written at DQ + dq_offset;
-    ROPE and SUM as _bwd_dkdv_kernel's (SUMS ``[rows, D]`` a head)."""
+    ROPE as _bwd_dkdv_kernel's."""
     qk_scale = tl.cast(qk_scale, tl.float32)  # fp64 under Inductor, as in _fwd_kernel
     dq_scale = tl.cast(dq_scale, tl.float32)
     m_block, rank, h = program_block(tl.program_id(0), max_q_len, BLOCK_M, num_heads)
@@ -702,23 +662,8 @@ def _bwd_dq_kernel(
         )
 
     DQ += dq_offset + o_start * stride_dqt + h * stride_dqh
-    SUMS += h * stride_sums_h + (rank * tl.cdiv(max_q_len, BLOCK_M) + m_block).to(tl.int64) * stride_sums_r
     store_grad(
-        DQ,
-        rows,
-        stride_dqt,
-        offs_d,
-        row_mask,
-        dmask,
-        dq * dq_scale,
-        COS,
-        SIN,
-        o_start + rows,
-        stride_cs,
-        SUMS,
-        ROPE,
-        BLOCK_D,
-        SUM,
+        DQ, rows, stride_dqt, offs_d, row_mask, dmask, dq * dq_scale, COS, SIN, o_start + rows, stride_cs, ROPE, BLOCK_D
     )
 
 
@@ -729,7 +674,6 @@ def _bwd_dq_from_ds_kernel(
     DQ,
     COS,
     SIN,
-    SUMS,
     q_offsets,
     kv_offsets,
     batch_order,
@@ -740,8 +684,6 @@ def _bwd_dq_from_ds_kernel(
     stride_dqt,
     stride_dqh,
     stride_cs,
-    stride_sums_h,
-    stride_sums_r,
     dq_offset,
     num_heads,
     head_dim,
@@ -753,7 +695,6 @@ def _bwd_dq_from_ds_kernel(
     EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     ROPE: tl.constexpr,
-    SUM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -762,7 +703,7 @@ def _bwd_dq_from_ds_kernel(
     its example's queries) instead of recomputing S and dP. Keys past the example's end are
     masked; queries are not (so the loads vectorize): the rows are padded to a multiple of
     every BLOCK_M, and a query past the end only reaches its own dQ row, which is not stored.
-    dq_offset, ROPE and SUM as _bwd_dq_kernel's."""
+    dq_offset and ROPE as _bwd_dq_kernel's."""
     dq_scale = tl.cast(dq_scale, tl.float32)  # fp64 under Inductor, as in _fwd_kernel
     m_block, rank, h = program_block(tl.program_id(0), max_q_len, BLOCK_M, num_heads)
     b = tl.load(batch_order + rank)
@@ -790,37 +731,14 @@ def _bwd_dq_from_ds_kernel(
         dq = dot(tl.trans(ds_t), k, dq, DOT_PRECISION)
 
     DQ += dq_offset + o_start * stride_dqt + h * stride_dqh
-    SUMS += h * stride_sums_h + (rank * tl.cdiv(max_q_len, BLOCK_M) + m_block).to(tl.int64) * stride_sums_r
     store_grad(
-        DQ,
-        rows,
-        stride_dqt,
-        offs_d,
-        row_mask,
-        dmask,
-        dq * dq_scale,
-        COS,
-        SIN,
-        o_start + rows,
-        stride_cs,
-        SUMS,
-        ROPE,
-        BLOCK_D,
-        SUM,
+        DQ, rows, stride_dqt, offs_d, row_mask, dmask, dq * dq_scale, COS, SIN, o_start + rows, stride_cs, ROPE, BLOCK_D
     )
 
 
 # ---------------------------------------------------------------------------------------
 # launchers (arguments as in triton_fwd.forward; ``meta``: triton_common.launch_meta's)
 # ---------------------------------------------------------------------------------------
-
-
-def _sums(sums, dummy) -> tuple[torch.Tensor, int, int, int]:
-    """``(sums, head, row and part strides)`` of a column-sum buffer, or a stand-in (unread, as
-    :func:`_tables`'s) without one."""
-    if sums is None:
-        return dummy, 0, 0, 0
-    return sums, sums.stride(0), sums.stride(1), sums.stride(2) if sums.dim() == 4 else 0
 
 
 def _tables(rope, dummy) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -831,13 +749,6 @@ def _tables(rope, dummy) -> tuple[torch.Tensor, torch.Tensor, int]:
         return dummy, dummy, 0
     cos, sin = rope
     return cos, sin, cos.stride(0)
-
-
-def sum_rows(kind: str, num_batches: int, max_len: int, block_d: int, elem_bytes: int, config) -> int:
-    """Rows a head of a column-sum buffer (:func:`dkdv`'s ``sums``) needs for a ``kind`` kernel
-    ("dkdv", "dq" or "dq_ds") over ``max_len`` rows an example: a row per program of the largest
-    grid any of its configs launches."""
-    return num_batches * triton.cdiv(max_len, autotune.smallest_block(kind, block_d, elem_bytes, config))
 
 
 def preprocess(
@@ -890,15 +801,10 @@ def dkdv(
     wrap=identity,
     rope=None,
     offsets=(0, 0),
-    sums=None,
 ) -> None:
     """Writes dK and dV (and, where ``store_ds``, dS into ``ds``: ``[H, K/V rows, padded
     queries]``; without it ``ds`` is any tensor, unused). ``rope``: ``(cos, sin)`` where Q and K
     are rotated and dK is to be turned back through the rotation (``triton_common.store_grad``).
-    ``sums``: float32 ``[H, rows, 2, D]``, zeros, with ``rows`` at least ``B * cdiv(max_kv_len,
-    BLOCK_N)`` for every BLOCK_N the kernel may launch (:func:`sum_rows`): each program writes the
-    column sums of its dK and dV tiles into its row, so that ``sums.sum(1)`` is the column sums of
-    dK and dV, a head at a time.
     ``offsets``: elements from ``dk`` and ``dv``'s data to their first row, for gradients written
     into slices of one buffer, which is then passed as both ``dk`` and ``dv`` (and written through
     ``dk`` only). Under torch.compile a kernel's written argument must be a whole buffer (2.11's
@@ -907,7 +813,6 @@ def dkdv(
     writes through another could be lost)."""
     num_batches, num_heads, head_dim = kv_offsets.numel() - 1, q.shape[1], q.shape[2]
     cos, sin, stride_cs = _tables(rope, q)
-    sums_arg, *sums_strides = _sums(sums, q)
     packed = dv is dk  # written through DK (DV_IN_DK); the DV argument is a stand-in, unread
     dv_arg = q if packed else dv
     lse_stride = lse.stride(0) if meta["ACTIVATION"] == 0 else 0
@@ -928,7 +833,6 @@ def dkdv(
         ds,
         cos,
         sin,
-        sums_arg,
         q_offsets,
         kv_offsets,
         batch_order,
@@ -948,7 +852,6 @@ def dkdv(
         ds.stride(0),
         ds.stride(1),
         stride_cs,
-        *sums_strides,
         *offsets,
         num_heads,
         head_dim,
@@ -964,7 +867,6 @@ def dkdv(
         STORE_DS=store_ds,
         ROPE=rope is not None,
         DV_IN_DK=packed,
-        SUM=sums is not None,
         **launch,
     )
 
@@ -991,14 +893,11 @@ def dq(
     wrap=identity,
     rope=None,
     offset=0,
-    sums=None,
 ) -> None:
     """Writes dQ into ``dq_rows`` (``[To, H, D]``, from element ``offset``), recomputing S and dP;
-    ``rope`` and ``offset`` as :func:`dkdv`'s, ``sums`` too but ``[H, rows, D]`` (BLOCK_M's
-    blocks of ``max_q_len``)."""
+    ``rope`` and ``offset`` as :func:`dkdv`'s."""
     num_batches, num_heads, head_dim = kv_offsets.numel() - 1, q.shape[1], q.shape[2]
     cos, sin, stride_cs = _tables(rope, q)
-    sums_arg, *sums_strides = _sums(sums, q)
     lse_stride = lse.stride(0) if meta["ACTIVATION"] == 0 else 0
     kernel, launch = autotune.kernel_and_config(_bwd_dq_kernel, "dq", meta["BLOCK_D"], q.element_size(), config)
 
@@ -1015,7 +914,6 @@ def dq(
         dq_rows,
         cos,
         sin,
-        sums_arg,
         q_offsets,
         kv_offsets,
         batch_order,
@@ -1031,7 +929,6 @@ def dq(
         dq_rows.stride(1),
         lse_stride,
         stride_cs,
-        *sums_strides[:2],
         offset,
         num_heads,
         head_dim,
@@ -1044,7 +941,6 @@ def dq(
         bucket(max_kv_len),
         **meta,
         ROPE=rope is not None,
-        SUM=sums is not None,
         **launch,
     )
 
@@ -1064,13 +960,11 @@ def dq_from_ds(
     wrap=identity,
     rope=None,
     offset=0,
-    sums=None,
 ) -> None:
     """Writes dQ = dS K into ``dq_rows`` (from element ``offset``) from the dS that the dK/dV
-    kernel stored; ``rope``, ``offset`` and ``sums`` as :func:`dq`'s."""
+    kernel stored; ``rope`` and ``offset`` as :func:`dkdv`'s."""
     num_batches, num_heads, head_dim = kv_offsets.numel() - 1, k.shape[1], k.shape[2]
     cos, sin, stride_cs = _tables(rope, k)
-    sums_arg, *sums_strides = _sums(sums, k)
     kernel, launch = autotune.kernel_and_config(
         _bwd_dq_from_ds_kernel, "dq_ds", meta["BLOCK_D"], k.element_size(), config
     )
@@ -1084,7 +978,6 @@ def dq_from_ds(
         dq_rows,
         cos,
         sin,
-        sums_arg,
         q_offsets,
         kv_offsets,
         batch_order,
@@ -1095,7 +988,6 @@ def dq_from_ds(
         dq_rows.stride(0),
         dq_rows.stride(1),
         stride_cs,
-        *sums_strides[:2],
         offset,
         num_heads,
         head_dim,
@@ -1107,6 +999,5 @@ def dq_from_ds(
         EVEN_D=meta["EVEN_D"],
         DOT_PRECISION=meta["DOT_PRECISION"],
         ROPE=rope is not None,
-        SUM=sums is not None,
         **launch,
     )

@@ -366,18 +366,14 @@ def store_grad(
     SIN,
     table_rows,
     stride_cs,
-    SUMS,
     ROPE: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    SUM: tl.constexpr,
 ):
     """Stores a gradient tile ``g [BLOCK, BLOCK_D]`` (float32) into rows ``rows`` of an example's
     ``[num_rows, D]`` operand (X at its first row). With ROPE, ``g`` is the gradient of the
     rotated operand and is turned back through the rotation first: ``R^T g`` on the channel pairs
     ``(j, j + D/2)``, with the tables' rows ``table_rows`` (float32 ``[T, D/2]``, as
-    ``kernels.rotary``); ROPE needs ``BLOCK_D == D``. With SUM, the column sums of what is stored
-    (float32, before its cast; rows outside ``row_mask`` left out) go to ``SUMS[0:D]``: a part of
-    the gradient of a bias added to the operand."""
+    ``kernels.rotary``); ROPE needs ``BLOCK_D == D``."""
     if ROPE:
         HALF: tl.constexpr = BLOCK_D // 2
         g1, g2 = tl.split(tl.permute(tl.reshape(g, [g.shape[0], 2, HALF]), [0, 2, 1]))
@@ -386,19 +382,11 @@ def store_grad(
         cos = tl.load(COS + table, mask=row_mask[:, None], other=0.0)
         sin = tl.load(SIN + table, mask=row_mask[:, None], other=0.0)
         ptrs = X + rows[:, None] * stride + half
-        x1 = g1 * cos + g2 * sin
-        x2 = g2 * cos - g1 * sin
-        tl.store(ptrs, x1.to(X.dtype.element_ty), mask=row_mask[:, None])
-        tl.store(ptrs + HALF, x2.to(X.dtype.element_ty), mask=row_mask[:, None])
-        if SUM:
-            cols = tl.arange(0, HALF)
-            tl.store(SUMS + cols, tl.sum(tl.where(row_mask[:, None], x1, 0.0), axis=0))
-            tl.store(SUMS + HALF + cols, tl.sum(tl.where(row_mask[:, None], x2, 0.0), axis=0))
+        tl.store(ptrs, (g1 * cos + g2 * sin).to(X.dtype.element_ty), mask=row_mask[:, None])
+        tl.store(ptrs + HALF, (g2 * cos - g1 * sin).to(X.dtype.element_ty), mask=row_mask[:, None])
     else:
         ptrs = X + rows[:, None] * stride + offs_d[None, :]
         tl.store(ptrs, g.to(X.dtype.element_ty), mask=row_mask[:, None] & dmask[None, :])
-        if SUM:
-            tl.store(SUMS + offs_d, tl.sum(tl.where(row_mask[:, None], g, 0.0), axis=0), mask=dmask)
 
 
 # ---------------------------------------------------------------------------------------

@@ -45,9 +45,9 @@ OUTPUTS = {
     "_batch_order_kernel": {"ORDER"},
     "_fwd_kernel": {"O", "LSE"},
     "_bwd_preprocess_kernel": {"DELTA"},
-    "_bwd_dkdv_kernel": {"DK", "DV", "DS", "SUMS"},
-    "_bwd_dq_kernel": {"DQ", "SUMS"},
-    "_bwd_dq_from_ds_kernel": {"DQ", "SUMS"},
+    "_bwd_dkdv_kernel": {"DK", "DV", "DS"},
+    "_bwd_dq_kernel": {"DQ"},
+    "_bwd_dq_from_ds_kernel": {"DQ"},
     "_rotary_kernel": {"Q", "K", "V"},  # the forward; the backward writes QKV (set below)
     "_pool_fwd_kernel": {"OUT", "LSE"},
     "_pool_bwd_kernel": {"DX", "DS"},
@@ -164,7 +164,7 @@ def main() -> None:
             launch_backward(torch.randn_like(out), q, k, v, out, lse, *common, wrap=checked, config=config)
             if activation == "softmax" and layout != "dense_kv":  # the packed-gradient backwards:
                 # rotary self-attention's (d qkv; Q, K and V on the same rows, Q and K rotated) and
-                # packed_kv_attention's (d kv, with broadcast queries); the former sums its bias's gradient
+                # packed_kv_attention's (d kv, with broadcast queries)
                 self_attention = layout == "jagged"
                 rows, k_in, v_in = (q, q, q) if self_attention else (k, k, v)
                 packed_grad = torch.empty(rows.shape[0], 3 if self_attention else 2, *rows.shape[1:], dtype=q.dtype)
@@ -180,7 +180,6 @@ def main() -> None:
                     config=config,
                     packed_grad=packed_grad,
                     rope=torch.randn(2, q.shape[0], 32).unbind(0) if self_attention else None,
-                    bias_grad=torch.empty(3, *q.shape[1:]) if self_attention else None,
                 )
     qkv = torch.randn(6, 3, 2, 64, dtype=torch.bfloat16)
     cos, sin = torch.randn(2, 6, 32).unbind(0)

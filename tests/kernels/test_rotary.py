@@ -165,35 +165,6 @@ def test_self_attention_matches_reference(mask, head_dim):
         assert (dqkv[:, part] - ref_dqkv[:, part]).norm() <= 1e-5 * ref_dqkv[:, part].norm(), part
 
 
-@pytest.mark.parametrize("mask", ROPE_MASKS)
-@pytest.mark.parametrize("backend", ["fused", "reference"])
-def test_self_attention_sums_the_bias_gradient(mask, backend):
-    """``qkv_bias``, added into qkv detached: its gradient is the column sums of d qkv, which the
-    fused path's kernels sum as they store d qkv (examples of several blocks, an empty one), and
-    the unfused path sums after; d qkv and the output as without it."""
-    masks, dq_kernel = ROPE_MASKS[mask]
-    lengths = [5, 0, 37, 1]
-    x, cos, sin = _inputs(lengths, 2, 16, torch.float32)
-    offsets = torch.tensor([0, *lengths], device=DEVICE).cumsum(0)
-    grad = torch.randn(x.shape[0], 2, 16, device=DEVICE)
-    bias = torch.randn(3 * 2 * 16, device=DEVICE, requires_grad=True)
-    qkv = (x.detach() + bias.detach().view(3, 2, 16)).requires_grad_()
-    out, dqkv, paths = _self_attention(qkv, cos, sin, offsets, grad, backend, **masks)
-    dqkv = dqkv.clone()
-    qkv.grad = None
-    with testing.override(rotary_fused=backend == "fused"):
-        out_bias = rotary_self_attention(
-            qkv, cos, sin, offsets, 37, backend="triton" if backend == "fused" else backend, qkv_bias=bias, **masks
-        )
-        out_bias.backward(grad)
-    assert paths == (["triton_fwd", "triton_dkdv", dq_kernel] if backend == "fused" else [])
-    assert torch.equal(out_bias, out) and torch.equal(qkv.grad, dqkv)
-    expected = dqkv.sum(0).flatten()
-    assert (bias.grad - expected).norm() <= 1e-6 * expected.norm()
-    with pytest.raises(ValueError, match=r"qkv_bias must have 3 \* H \* D = 96 elements"):
-        rotary_self_attention(qkv, cos, sin, offsets, 37, backend="triton", qkv_bias=bias[:10])
-
-
 def test_self_attention_recomputed_dq_and_bf16():
     """bf16 against the two calls it replaces (the same rounding of Q, K and V), with the
     stored-dS backward off: the recomputing dQ kernel turns dQ back too."""
@@ -275,15 +246,3 @@ def test_gpu_self_attention_gem_base_shapes_eager_and_compiled(mask):
         compiled.backward(grad)
     assert torch.equal(compiled.float(), out)
     assert torch.equal(qkv.grad.float(), dqkv)
-
-    bias = torch.zeros(3 * 4 * 128, device="cuda", requires_grad=True)  # its gradient, summed by the kernels
-
-    def layer_with_bias(x):
-        return rotary_self_attention(x * 1.0, cos, sin, offsets, max(lengths), qkv_bias=bias, **masks)
-
-    qkv.grad = None
-    with testing.override(rotary_fused=True):
-        torch.compile(layer_with_bias, fullgraph=True)(qkv).backward(grad)
-    assert torch.equal(qkv.grad.float(), dqkv)
-    expected = dqkv.sum(0).flatten()  # of the stored bf16 values; the kernels sum them before rounding
-    assert (bias.grad - expected).norm() <= 1e-3 * expected.norm()
