@@ -101,13 +101,17 @@ def test_flops_and_bad_input():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_gpu_seed_pooling_shapes_eager_and_compiled():
     """Kunlun's seed pooling at gem_base's shapes (32 seeds x 4 heads of 128, histories up to 512
-    rows) in bf16: equal to the two-tensor call, eager and under torch.compile."""
+    rows) in bf16: equal to the two-tensor call, eager and under torch.compile. Without autotuning,
+    so that every call launches the same tiles and the comparison is of the kernels alone: with it,
+    the compiled call failed once in the GPU tier and passed alone (most likely tiles timed apart
+    by Inductor at compile against a key an earlier test had tuned, which reorders the sums)."""
     lengths = torch.randint(0, 513, (64,), generator=torch.Generator().manual_seed(3)).tolist()
     q, kv, offsets = _inputs(lengths, 32, 4, 128, torch.bfloat16, device="cuda")
     grad = torch.randn(len(lengths), *q.shape, device="cuda", dtype=q.dtype)
-    want = _run(q, kv, offsets, grad, _two_tensors(offsets, 512, "triton"))
-    eager = _run(q, kv, offsets, grad, lambda q, kv: packed_kv_attention(q, kv, offsets, 512))
-    compiled = torch.compile(lambda q, kv: packed_kv_attention(q, kv * 1.0, offsets, 512), fullgraph=True)
-    for got in (eager, _run(q, kv, offsets, grad, compiled)):
-        for a, b in zip(got, want):
-            assert torch.equal(a, b)
+    with testing.override(autotune=False):
+        want = _run(q, kv, offsets, grad, _two_tensors(offsets, 512, "triton"))
+        eager = _run(q, kv, offsets, grad, lambda q, kv: packed_kv_attention(q, kv, offsets, 512))
+        compiled = torch.compile(lambda q, kv: packed_kv_attention(q, kv * 1.0, offsets, 512), fullgraph=True)
+        for got in (eager, _run(q, kv, offsets, grad, compiled)):
+            for a, b in zip(got, want):
+                assert torch.equal(a, b)
