@@ -91,6 +91,7 @@ def parallelize_gem(
     compile_options: dict | None = None,
     reshard_after_forward: bool = True,
     float8_min_features: int | None = None,
+    scatter_in_place: bool = False,
 ) -> nn.Module:
     """Parallelize ``model.dense_arch`` in place and return ``model``.
 
@@ -118,6 +119,9 @@ def parallelize_gem(
             backward (one all-gather per block per step instead of two; ZeRO-2-like memory).
         float8_min_features: None, or train the projections at least this wide in float8
             (:func:`float8_projections`; needs torchao, and an SM89+ GPU to be faster).
+        scatter_in_place: with ``compile``, Inductor scatters a row gather's gradient into the
+            dense gradient it is added to instead of into a gradient of zeros
+            (:class:`gem.distributed.inductor_passes.ScatterAddInPlace`).
     """
     from torch.distributed._composable import checkpoint
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -135,6 +139,10 @@ def parallelize_gem(
         float8_projections(dense, float8_min_features)
     if compile:
         allow_autograd_cache_with_functions()
+        if scatter_in_place:
+            from gem.distributed.inductor_passes import ScatterAddInPlace
+
+            compile_options = (compile_options or {}) | {"post_grad_custom_pre_pass": ScatterAddInPlace()}
     blocks = dense_blocks(dense)
     for block in blocks:
         if activation_checkpointing:

@@ -244,6 +244,7 @@ def build_model(config: Config, schema: FeatureSchema, env: DistEnv, timer: Star
         compile_options=p.inductor or None,
         reshard_after_forward=p.reshard_after_forward,
         float8_min_features=p.float8_min_features if p.float8 else None,
+        scatter_in_place=p.scatter_in_place,
     )
 
 

@@ -1,0 +1,98 @@
+"""An Inductor graph pass for gem's compiled dense archs (``parallelism.scatter_in_place``).
+
+The backward of a row gather ``h[idx]`` (the sequence summaries' CLS and recent rows,
+``kernels.jagged.jagged_first`` / ``jagged_last``) is ``index_put(zeros_like(h), [idx], grad,
+accumulate=True)``: a gradient of the whole stream, zeros but for the gathered rows, which autograd
+then adds to the stream's other gradient. Inductor keeps it as written, so every gather costs a
+pass that fills ``[T, D]`` zeros and a pass that reads them back (docs/e2e.md).
+:class:`ScatterAddInPlace` rewrites ``add(dense, index_put(zeros, [idx], values, True))`` to
+``index_put(dense, [idx], values, True)`` where the sum is ``dense``'s only use, which Inductor's
+reinplacing then turns into a scatter into ``dense`` itself. Each element gets the same sum where
+no index repeats (``dense + value`` or ``dense + 0``); a repeated index, or several scatters
+summed before the add, add their values onto ``dense`` one at a time instead of summing them
+first, which can round differently.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+aten = torch.ops.aten
+logger = logging.getLogger(__name__)
+
+
+def _zeros_like(node: torch.fx.Node, like: torch.Tensor) -> bool:
+    """Whether ``node`` makes a tensor of zeros of ``like``'s shape and dtype."""
+    if not isinstance(node, torch.fx.Node) or node.target not in (aten.full.default, aten.zeros.default):
+        return False
+    if node.target is aten.full.default and node.args[1] != 0:
+        return False
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.shape == like.shape and val.dtype == like.dtype
+
+
+def _accumulating_scatter(node) -> bool:
+    """Whether ``node`` is ``index_put(base, indices, values, accumulate=True)``, used once."""
+    if not isinstance(node, torch.fx.Node) or node.target is not aten.index_put.default or len(node.users) != 1:
+        return False
+    accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+    return bool(accumulate) and isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _scatters_into_zeros(node) -> list[torch.fx.Node]:
+    """The scatters, innermost first, where ``node`` is a chain of accumulating scatters, each used
+    only by the next, that starts from zeros of its shape and dtype (the gradients of several
+    gathers from one tensor, summed); else an empty list."""
+    chain = []
+    while _accumulating_scatter(node):
+        chain.append(node)
+        node = node.args[0]
+    if not chain or not _zeros_like(node, chain[-1].meta["val"]):
+        return []
+    return chain[::-1]
+
+
+class ScatterAddInPlace(CustomGraphPass):
+    """``add(dense, index_put(zeros, [idx], values, accumulate=True))`` -> ``index_put(dense, [idx],
+    values, accumulate=True)``, also where the scatter is a chain of them from zeros, for a
+    ``dense`` of the sum's shape and dtype that nothing else uses (a post-grad pass:
+    ``torch._inductor.config.post_grad_custom_pre_pass``)."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        rewritten = 0
+        for node in list(graph.nodes):
+            if node.target is not aten.add.Tensor or len(node.args) != 2 or node.kwargs:
+                continue
+            out = node.meta.get("val")
+            for dense, scatter in (node.args, node.args[::-1]):
+                chain = _scatters_into_zeros(scatter)
+                if not chain or not isinstance(dense, torch.fx.Node) or dense in chain or dense.op == "placeholder":
+                    continue  # (Inductor would copy a graph input to scatter into)
+                if len(dense.users) != 1:
+                    continue  # (and a tensor used elsewhere too)
+                dense_val, scatter_val = dense.meta.get("val"), scatter.meta["val"]
+                if not (
+                    isinstance(dense_val, torch.Tensor)
+                    and isinstance(out, torch.Tensor)
+                    and dense_val.shape == out.shape == scatter_val.shape
+                    and dense_val.dtype == out.dtype == scatter_val.dtype
+                ):
+                    continue
+                zeros = chain[0].args[0]
+                chain[0].replace_input_with(zeros, dense)
+                for link in chain:  # after dense, which the graph may compute after the scatters
+                    node.prepend(link)
+                node.replace_all_uses_with(scatter)
+                graph.erase_node(node)
+                if not zeros.users:
+                    graph.erase_node(zeros)
+                rewritten += 1
+                break
+        if rewritten:
+            logger.info("scatter_in_place: %d gathers' gradients scattered into the gradient they add to", rewritten)
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files((__file__,))
