@@ -18,8 +18,8 @@ its static launcher for user Triton kernels, ``autotune-<block>`` its GEMM autot
 ``nographs-<block>`` runs without the flagship's CUDA graphs (and the 2,048-row bucket they need),
 ``graphs8k-<block>`` with them over an 8,192-row bucket, ``unfused-<block>`` with the rotary
 self-attention as two calls (``kernels.rotary_fused=false``), ``gluon-<block>`` with the Gluon
-kernels under compile (``kernels.gluon_compiled=true``), ``scatter-<block>`` with the gathers'
-gradients scattered in place (``parallelism.scatter_in_place=true``).
+kernels under compile (``kernels.gluon_compiled=true``), ``noscatter-<block>`` with the gathers'
+gradients scattered into gradients of zeros (``parallelism.scatter_in_place=false``).
 ``cold-<block>`` and ``warm-<block>`` run a block for a few steps, on a machine without and then
 with the caches (data, Inductor, Triton), for the time to first step.
 
@@ -209,8 +209,8 @@ VARIANTS = {
     "unfused": ["kernels.rotary_fused=false"],
     # the personalized FFN's Gluon kernels under compile, through the opaque op (docs/kernels.md)
     "gluon": ["kernels.gluon_compiled=true"],
-    # row gathers' gradients scattered into the dense gradient in place (gem.distributed.inductor_passes)
-    "scatter": ["parallelism.scatter_in_place=true"],
+    # row gathers' gradients scattered into a gradient of zeros, not in place (gem.distributed.inductor_passes)
+    "noscatter": ["parallelism.scatter_in_place=false"],
 }
 
 

@@ -193,8 +193,9 @@ class ParallelismConfig:
     # nested keys as torch._inductor.config spells them (triton.cudagraphs); checked against it at start
     inductor: dict[str, Any] = field(default_factory=dict)
     # compile: a row gather's gradient scattered into the dense gradient it is added to, in place, instead of
-    # a [T, D] gradient of zeros (gem.distributed.inductor_passes; not yet measured on a GPU: docs/e2e.md)
-    scatter_in_place: bool = False
+    # a [T, D] gradient of zeros (gem.distributed.inductor_passes; InterFormer on an H200: -0.9 ms a step,
+    # docs/e2e.md); no effect without parallelism.compile
+    scatter_in_place: bool = True
     # > 0: each batch's event rows padded to a multiple of this with empty examples, so the dense arch
     # sees few shapes, as CUDA graphs (+parallelism.inductor.triton.cudagraphs=true) need (docs/e2e.md)
     row_bucket: int = 0
@@ -409,10 +410,6 @@ def validate(cfg: DictConfig | dict) -> Config:
     if p.row_bucket < 0:
         raise ConfigError(f"parallelism.row_bucket={p.row_bucket} must be >= 0 (0: batches as they come)")
     p.inductor = inductor_options(p.inductor, p.compile)
-    if p.scatter_in_place and not p.compile:
-        logger.warning(
-            "parallelism.scatter_in_place ignored: it is a pass of the compile, and parallelism.compile=false"
-        )
     if t.autocast is not None:
         _one_of("trainer.autocast", t.autocast, ("bfloat16",))  # float16 would need a GradScaler
     if config.model is None or "_target_" not in config.model:
