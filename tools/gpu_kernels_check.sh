@@ -62,8 +62,10 @@ if [ "$MODE" = all ] || [ "$MODE" = tests ]; then
   [ "$LEFT" -lt 60 ] && LEFT=60
   XDIST=""
   $PY -c "import xdist" 2>/dev/null && XDIST="-n 4"  # compile-bound: 4 workers where pytest-xdist is there
-  timeout -k 10 "$LEFT" $PY -m pytest tests/kernels -m gpu -q --maxfail=5 -p no:cacheprovider $XDIST \
+  # -v: each test's outcome is logged as it ends, so a run the timeout cuts still names its failures
+  timeout -k 10 "$LEFT" $PY -m pytest tests/kernels -m gpu -v --maxfail=5 -p no:cacheprovider $XDIST \
     --junitxml="$OUT/pytest-gpu.xml" > "$OUT/pytest-gpu.txt" 2>&1
   echo "pytest rc=$? (budget ${LEFT}s, ${XDIST:-no xdist})" | tee -a "$OUT/pytest-gpu.txt"
-  tail -15 "$OUT/pytest-gpu.txt"
+  grep -E "FAILED|ERROR" "$OUT/pytest-gpu.txt" | head -20
+  tail -5 "$OUT/pytest-gpu.txt"
 fi
