@@ -121,8 +121,8 @@ def parallelize_gem(
             (:func:`float8_projections`; needs torchao, and an SM89+ GPU to be faster).
         scatter_in_place: with ``compile``, Inductor scatters a row gather's gradient into the
             dense gradient it is added to instead of into a gradient of zeros
-            (:class:`gem.distributed.inductor_passes.ScatterAddInPlace`; the same values, less
-            memory traffic).
+            (:class:`gem.distributed.inductor_passes.ScatterAddInPlace`): less memory traffic, the
+            same sums but where gathered rows overlap, which it adds in another order.
     """
     from torch.distributed._composable import checkpoint
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
