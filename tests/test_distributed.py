@@ -208,7 +208,8 @@ def test_parallelize_gem_hands_inductor_options_to_every_compile(scope, monkeypa
     model.dense_arch.mlp = nn.Linear(4, 4)
     model.dense_arch.head = nn.Linear(4, 1)
     options = {"combo_kernels": True}
-    parallelize_gem(model, None, compile=True, compile_scope=scope, compile_options=options)
+    # (without the in-place scatter pass, which joins the options: tests/test_inductor_passes.py)
+    parallelize_gem(model, None, compile=True, compile_scope=scope, compile_options=options, scatter_in_place=False)
     compiled = [m for m, _ in calls]
     assert compiled == ([model.dense_arch] if scope == "dense_arch" else [model.dense_arch.mlp, model.dense_arch.head])
     assert all(kw == {"options": options} for _, kw in calls)
