@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from kernels.attention_pooling import attention_pooling
-from kernels.generated_weights import generated_weights
 from kernels.jagged import jagged_positions
 from kernels.jagged_attention import jagged_attention, packed_kv_attention, rotary_self_attention
 
@@ -146,20 +145,14 @@ class JaggedSelfAttention(nn.Module):
         )
 
 
-def generate_weights(
-    shared: torch.Tensor, mix: torch.Tensor, generated: torch.Tensor, backend: str | None = None
-) -> torch.Tensor:
+def generate_weights(shared: torch.Tensor, mix: torch.Tensor, generated: torch.Tensor) -> torch.Tensor:
     """``shared + mix @ generated_b`` for every example ``b`` (``[N, C] + [N, N_s] @ [B, N_s, C]``
     -> ``[B, N, C]``, in ``generated``'s dtype): the personalized FFN's weights.
 
     The product's inner dimension is the few summary tokens, so the result's write bounds it.
-    With the Triton backend (``backend``: a ``kernels.jagged_attention`` backend, None: Triton on
-    CUDA): ``kernels.generated_weights``, a kernel each way that writes the result once and reads
-    its gradient once. Otherwise, eager: ``baddbmm``, which copies ``shared`` into the output and
-    then adds a GEMM's result to it; compiled: :class:`_GeneratedWeights`, a forward that Inductor
-    fuses into one kernel that writes the result once."""
-    if backend == "triton" or (backend is None and generated.is_cuda):
-        return generated_weights(shared, mix, generated, backend="triton")
+    Eager: ``baddbmm``, which copies ``shared`` into the output and then adds a GEMM's result
+    to it. Compiled: :class:`_GeneratedWeights`, a forward that Inductor fuses into one kernel
+    that writes the result once."""
     if torch.compiler.is_compiling():
         return _GeneratedWeights.apply(shared, mix, generated)
     return torch.baddbmm(shared, mix.expand(generated.shape[0], -1, -1), generated)
@@ -230,7 +223,7 @@ class PersonalizedFFN(nn.Module):
         generated = self.proj(summary)  # [B, N_s, 2*H*D]
         # K_b = W_0 + M (xs_b W) per example, K and V apart, each written once in its final layout
         k, v = (
-            generate_weights(self.shared[:, part], self.mix.weight, generated[..., part], self.backend).view(
+            generate_weights(self.shared[:, part], self.mix.weight, generated[..., part]).view(
                 num_seqs, self.num_kv, self.num_heads, self.head_dim
             )
             for part in (slice(0, width), slice(width, None))
