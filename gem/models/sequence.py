@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from kernels.attention_pooling import attention_pooling
+from kernels.generated_weights import generated_weights_backward
 from kernels.jagged import jagged_positions
 from kernels.jagged_attention import jagged_attention, packed_kv_attention, rotary_self_attention
 
@@ -145,38 +146,48 @@ class JaggedSelfAttention(nn.Module):
         )
 
 
-def generate_weights(shared: torch.Tensor, mix: torch.Tensor, generated: torch.Tensor) -> torch.Tensor:
+def generate_weights(
+    shared: torch.Tensor, mix: torch.Tensor, generated: torch.Tensor, backend: str | None = None
+) -> torch.Tensor:
     """``shared + mix @ generated_b`` for every example ``b`` (``[N, C] + [N, N_s] @ [B, N_s, C]``
     -> ``[B, N, C]``, in ``generated``'s dtype): the personalized FFN's weights.
 
     The product's inner dimension is the few summary tokens, so the result's write bounds it.
     Eager: ``baddbmm``, which copies ``shared`` into the output and then adds a GEMM's result
     to it. Compiled: :class:`_GeneratedWeights`, a forward that Inductor fuses into one kernel
-    that writes the result once."""
+    that writes the result once, and a backward that reads the gradient once for all three
+    gradients with the Triton backend (``backend``: a ``kernels.jagged_attention`` backend, None:
+    Triton on CUDA; ``kernels.generated_weights``), else three times (a sum and two GEMMs)."""
     if torch.compiler.is_compiling():
-        return _GeneratedWeights.apply(shared, mix, generated)
+        kernel = backend == "triton" or (backend is None and generated.is_cuda)
+        return _GeneratedWeights.apply(shared, mix, generated, kernel)
     return torch.baddbmm(shared, mix.expand(generated.shape[0], -1, -1), generated)
 
 
 class _GeneratedWeights(torch.autograd.Function):
     """Forward: the broadcast product summed over ``N_s`` (Inductor unrolls so short a sum, and
     the ``[B, N, N_s, C]`` product is never written), in float32, rounded once to ``generated``'s
-    dtype. Backward: reductions and GEMMs over the gradient (cuBLAS reads it faster than the
-    reductions Inductor derives from the forward's broadcast)."""
+    dtype. Backward (``kernel``): ``kernels.generated_weights``, one read of the gradient; else
+    reductions and GEMMs over it (cuBLAS reads it faster than the reductions Inductor derives from
+    the forward's broadcast)."""
 
     @staticmethod
-    def forward(ctx, shared, mix, generated):
+    def forward(ctx, shared, mix, generated, kernel):
         ctx.save_for_backward(mix, generated)
+        ctx.kernel = kernel
         product = (mix.unsqueeze(-1) * generated.unsqueeze(1)).sum(2)
         return (shared + product).to(generated.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         mix, generated = ctx.saved_tensors
+        if ctx.kernel:
+            grad_shared, grad_mix, grad_generated = generated_weights_backward(grad, mix, generated, "triton")
+            return grad_shared.to(mix.dtype), grad_mix, grad_generated, None
         grad_shared = grad.sum(0, dtype=torch.float32).to(mix.dtype)
         grad_mix = torch.bmm(grad, generated.transpose(1, 2)).sum(0, dtype=torch.float32).to(mix.dtype)
         grad_generated = torch.matmul(mix.t().to(grad.dtype), grad)
-        return grad_shared, grad_mix, grad_generated
+        return grad_shared, grad_mix, grad_generated, None
 
 
 class PersonalizedFFN(nn.Module):
@@ -223,7 +234,7 @@ class PersonalizedFFN(nn.Module):
         generated = self.proj(summary)  # [B, N_s, 2*H*D]
         # K_b = W_0 + M (xs_b W) per example, K and V apart, each written once in its final layout
         k, v = (
-            generate_weights(self.shared[:, part], self.mix.weight, generated[..., part]).view(
+            generate_weights(self.shared[:, part], self.mix.weight, generated[..., part], self.backend).view(
                 num_seqs, self.num_kv, self.num_heads, self.head_dim
             )
             for part in (slice(0, width), slice(width, None))
