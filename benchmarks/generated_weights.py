@@ -7,7 +7,8 @@ One layer's K and V (``gem.models.sequence.generate_weights`` on each half of th
 bf16 under torch.compile. ``reference`` is the backward as reductions and GEMMs over the gradient
 (three reads of it); ``triton`` is ``kernels.generated_weights`` (one read). The forward is the
 same fused Inductor kernel in both. Times are ``triton.testing.do_bench`` medians of the forward
-alone and of forward and backward; ``rel_diff`` compares the two backwards' gradients. Writes
+alone and of forward and backward, the two backends in turn three times (``rounds``; ``backends``:
+the medians); ``rel_diff`` compares the two backwards' gradients. Writes
 ``generated-weights-<hardware>.json`` with the versions and the commit.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -27,27 +29,27 @@ from benchmarks.scaling import environment  # noqa: E402
 from gem.models.sequence import generate_weights  # noqa: E402
 
 NUM_SEQS, NUM_KV, NUM_SUMMARY, WIDTH = 1024, 256, 4, 512
+BACKENDS = ("reference", "triton")
+ROUNDS = 3
 
 
-def measure(backend: str, shared, mix, generated, grads) -> tuple[dict, list[torch.Tensor]]:
-    from triton.testing import do_bench
-
+def compiled_layer(backend: str, shared, mix, generated):
+    """One layer's K and V through ``generate_weights`` with ``backend``, compiled."""
     parts = (slice(0, WIDTH), slice(WIDTH, None))
-    torch._dynamo.reset()
-    layer = torch.compile(lambda: [generate_weights(shared[:, p], mix, generated[..., p], backend) for p in parts])
-    leaves = [shared, mix, generated]
+    return torch.compile(lambda: [generate_weights(shared[:, p], mix, generated[..., p], backend) for p in parts])
+
+
+def measure(layer, leaves, grads) -> dict:
+    """do_bench medians (ms) of the forward alone and of forward and backward."""
+    from triton.testing import do_bench
 
     def forward_backward():
         torch.autograd.backward(layer(), grads)
 
-    for t in leaves:
-        t.grad = None
-    forward_backward()
-    got = [t.grad.detach().float().clone() for t in leaves]
     with torch.no_grad():
         fwd = do_bench(layer, warmup=50, rep=300)
     both = do_bench(forward_backward, warmup=50, rep=300, grad_to_none=leaves)
-    return {"fwd_ms": fwd, "fwd_bwd_ms": both, "bwd_ms": both - fwd}, got
+    return {"fwd_ms": fwd, "fwd_bwd_ms": both, "bwd_ms": both - fwd}
 
 
 def main() -> None:
@@ -62,10 +64,24 @@ def main() -> None:
     generated = torch.randn(NUM_SEQS, NUM_SUMMARY, 2 * WIDTH, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grads = [torch.randn(NUM_SEQS, NUM_KV, WIDTH, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
     record = {"benchmark": "generated_weights", **environment(), "shape": [NUM_SEQS, NUM_KV, NUM_SUMMARY, WIDTH]}
-    record["backends"], results = {}, {}
-    for backend in ("reference", "triton"):
-        record["backends"][backend], results[backend] = measure(backend, shared, mix, generated, grads)
-        print(backend, record["backends"][backend], flush=True)
+    leaves = [shared, mix, generated]
+    layers, results = {}, {}
+    for backend in BACKENDS:  # compiled and run once each: the gradients to compare
+        layers[backend] = compiled_layer(backend, shared, mix, generated)
+        for t in leaves:
+            t.grad = None
+        torch.autograd.backward(layers[backend](), grads)
+        results[backend] = [t.grad.detach().float().clone() for t in leaves]
+    record["rounds"] = []  # the backends in turn, ROUNDS times: an order effect shows as a trend
+    for _ in range(ROUNDS):
+        record["rounds"].append({backend: measure(layers[backend], leaves, grads) for backend in BACKENDS})
+        print(record["rounds"][-1], flush=True)
+    record["backends"] = {
+        backend: {
+            key: statistics.median(r[backend][key] for r in record["rounds"]) for key in record["rounds"][0][backend]
+        }
+        for backend in BACKENDS
+    }
     record["rel_diff"] = {
         name: ((a - b).norm() / b.norm()).item()
         for name, a, b in zip(["d_shared", "d_mix", "d_gen"], results["triton"], results["reference"])
