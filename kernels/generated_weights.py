@@ -15,7 +15,7 @@ reads it once: one program a ``[BLOCK_N, BLOCK_C]`` tile of ``grad`` for a group
 turn, adding the tile into ``d_shared``'s float32 accumulator and taking ``d_mix``'s and
 ``d_gen``'s products on the tensor cores (``S`` padded to 16). Partial sums, float32, summed after:
 per group of examples (``d_shared``, ``d_mix``) and per block of ``N`` (``d_gen``); no atomics, so
-the result does not depend on scheduling. ``mix`` enters the products in ``grad``'s dtype (as
+the result does not depend on scheduling. ``mix`` enters ``d_gen``'s product in ``grad``'s dtype (as
 the GEMM it replaces took it); every sum is float32.
 
 ``backend="reference"`` (the default off CUDA) is the same math in PyTorch.
