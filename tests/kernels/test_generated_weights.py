@@ -45,11 +45,12 @@ def _close(got, want, tol):
         assert (a.double() - b).norm() <= tol * b.norm(), name
 
 
-@pytest.mark.parametrize("shape", [(5, 7, 3, 20), (70, 130, 4, 70), (1, 1, 1, 1)])  # (B, N, S, C)
+@pytest.mark.parametrize("shape", [(5, 7, 3, 20), (70, 130, 4, 70), (3, 300, 2, 24), (1, 1, 1, 1)])  # (B, N, S, C)
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_matches_float64_fp32(shape, backend):
     """float32 throughout (the kernel's products IEEE, not tf32), to float32 sums' rounding; 70
-    examples: three groups of 32, the last one partial; 130 rows and 70 columns: masked blocks."""
+    examples: three groups of 32, the last one partial; 130 rows and 70 columns: masked blocks;
+    300 rows: two blocks of 256 (gem_large's 512), whose partial sums of ``d_gen`` are added."""
     shared, mix, generated, grad = _inputs(*shape, torch.float32)
     got = generated_weights_backward(grad, mix, generated, backend=backend)
     assert [t.dtype for t in got] == [torch.float32] * 3
