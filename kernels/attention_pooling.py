@@ -31,9 +31,15 @@ import triton.language as tl
 from torch.utils.flop_counter import register_flop_formula
 
 from kernels.jagged import jagged_to_padded, offsets_to_lengths
-from kernels.jagged_attention.triton_common import INTERPRET, OP_WRAP, define_op, dot, fake_without_launch
+from kernels.jagged_attention.triton_common import (
+    INTERPRET,
+    OP_WRAP,
+    define_op,
+    dot,
+    fake_without_launch,
+    resolve_backend,
+)
 
-BACKENDS = ("triton", "reference")
 MAX_BLOCK_D = 1024  # wider rows run the reference (the kernels hold a block of rows in registers)
 
 
@@ -347,11 +353,7 @@ def attention_pooling(
         raise ValueError(f"x and a dtypes differ: {x.dtype}, {a.dtype}")
     if offsets.dim() != 1 or offsets.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"offsets must be [B+1] int32 or int64, got {tuple(offsets.shape)} {offsets.dtype}")
-    if backend is None:
-        backend = "triton" if x.is_cuda else "reference"
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}; expected one of {BACKENDS} or None")
-    if backend == "reference" or triton.next_power_of_2(x.shape[1]) > MAX_BLOCK_D:
+    if resolve_backend(backend, x) == "reference" or triton.next_power_of_2(x.shape[1]) > MAX_BLOCK_D:
         return attention_pooling_reference(x, a, offsets, max_len)
     x = x if x.stride(1) == 1 else x.contiguous()
     a = a.contiguous()

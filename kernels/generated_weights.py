@@ -18,7 +18,8 @@ per group of examples (``d_shared``, ``d_mix``) and per block of ``N`` (``d_gen`
 the result does not depend on scheduling. ``mix`` enters ``d_gen``'s product in ``grad``'s dtype (as
 the GEMM it replaces took it); every sum is float32.
 
-``backend="reference"`` (the default off CUDA) is the same math in PyTorch.
+``backend="reference"`` (the default off CUDA) is the PyTorch it replaces, which the compiled
+``generate_weights`` keeps without the Triton backend.
 """
 
 from __future__ import annotations
@@ -27,9 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.jagged_attention.triton_common import OP_WRAP, define_op, dot, fake_without_launch
+from kernels.jagged_attention.triton_common import OP_WRAP, define_op, dot, fake_without_launch, resolve_backend
 
-BACKENDS = ("triton", "reference")
 BLOCK_C = 64  # gradient columns per program
 MAX_BLOCK_N = 256  # gradient rows per program (N up to this in one block: no partial sums of d_gen)
 SEQS = 32  # examples per program, in turn
@@ -38,11 +38,11 @@ SEQS = 32  # examples per program, in turn
 def generated_weights_backward_reference(
     grad: torch.Tensor, mix: torch.Tensor, generated: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`generated_weights_backward` in PyTorch (float32 sums)."""
-    grad32 = grad.float()
-    d_shared = grad32.sum(0)
-    d_mix = torch.einsum("bnc,bsc->ns", grad32, generated.float())
-    d_gen = torch.einsum("ns,bnc->bsc", mix.to(grad.dtype).float(), grad32)
+    """:func:`generated_weights_backward` as the PyTorch it replaces: a float32 sum over the batch,
+    a batched GEMM (each example's product in ``grad``'s dtype) summed in float32, and a GEMM."""
+    d_shared = grad.sum(0, dtype=torch.float32)
+    d_mix = torch.bmm(grad, generated.transpose(1, 2)).sum(0, dtype=torch.float32)
+    d_gen = torch.matmul(mix.t().to(grad.dtype), grad)
     return d_shared, d_mix.to(mix.dtype), d_gen.to(generated.dtype)
 
 
@@ -169,11 +169,7 @@ def generated_weights_backward(
             f"with grad [B, N, C] = {list(grad.shape)}, mix must be [N, S] and generated [B, S, C]; got mix "
             f"{list(mix.shape)}, generated {list(generated.shape)}"
         )
-    if backend is None:
-        backend = "triton" if grad.is_cuda else "reference"
-    if backend == "reference":
+    if resolve_backend(backend, grad) == "reference":
         return generated_weights_backward_reference(grad, mix, generated)
-    if backend != "triton":
-        raise ValueError(f"backend={backend!r}; expected one of {BACKENDS} or None")
     grad, generated = (t if t.stride(-1) == 1 else t.contiguous() for t in (grad, generated))
     return torch.ops.gem_kernels.generated_weights_bwd(grad, mix, generated)

@@ -24,9 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.jagged_attention.triton_common import OP_WRAP, define_op, fake_without_launch
+from kernels.jagged_attention.triton_common import OP_WRAP, define_op, fake_without_launch, resolve_backend
 
-BACKENDS = ("triton", "reference")
 BLOCK_T = 16  # rows per program: 16 x 3 x H x D elements (24,576 at 4 heads x 128)
 
 
@@ -230,12 +229,8 @@ def rotary_qkv(
     Differentiable in ``qkv`` (the tables take no gradient).
     """
     check_inputs(qkv, cos, sin)
-    if backend is None:
-        backend = "triton" if qkv.is_cuda else "reference"
-    if backend == "reference":
+    if resolve_backend(backend, qkv) == "reference":
         return rotary_reference(qkv, cos, sin)
-    if backend != "triton":
-        raise ValueError(f"backend={backend!r}; expected one of {BACKENDS} or None")
     qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
     cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
     return torch.ops.gem_kernels.rotary_qkv_fwd(qkv, cos, sin)

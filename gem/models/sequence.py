@@ -167,9 +167,9 @@ def generate_weights(
 class _GeneratedWeights(torch.autograd.Function):
     """Forward: the broadcast product summed over ``N_s`` (Inductor unrolls so short a sum, and
     the ``[B, N, N_s, C]`` product is never written), in float32, rounded once to ``generated``'s
-    dtype. Backward (``kernel``): ``kernels.generated_weights``, one read of the gradient; else
-    reductions and GEMMs over it (cuBLAS reads it faster than the reductions Inductor derives from
-    the forward's broadcast)."""
+    dtype. Backward: ``kernels.generated_weights``, with ``kernel`` its Triton kernel (one read of
+    the gradient), else its reference, reductions and GEMMs over the gradient (cuBLAS reads it
+    faster than the reductions Inductor derives from the forward's broadcast)."""
 
     @staticmethod
     def forward(ctx, shared, mix, generated, kernel):
@@ -181,13 +181,9 @@ class _GeneratedWeights(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         mix, generated = ctx.saved_tensors
-        if ctx.kernel:
-            grad_shared, grad_mix, grad_generated = generated_weights_backward(grad, mix, generated, "triton")
-            return grad_shared.to(mix.dtype), grad_mix, grad_generated, None
-        grad_shared = grad.sum(0, dtype=torch.float32).to(mix.dtype)
-        grad_mix = torch.bmm(grad, generated.transpose(1, 2)).sum(0, dtype=torch.float32).to(mix.dtype)
-        grad_generated = torch.matmul(mix.t().to(grad.dtype), grad)
-        return grad_shared, grad_mix, grad_generated, None
+        backend = "triton" if ctx.kernel else "reference"
+        grad_shared, grad_mix, grad_generated = generated_weights_backward(grad, mix, generated, backend)
+        return grad_shared.to(mix.dtype), grad_mix, grad_generated, None
 
 
 class PersonalizedFFN(nn.Module):

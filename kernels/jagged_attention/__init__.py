@@ -23,6 +23,7 @@ from kernels.jagged_attention.reference import (
     jagged_attention_reference,
     num_visible_pairs,
 )
+from kernels.jagged_attention.triton_common import resolve_backend
 
 __all__ = [
     "ACTIVATIONS",
@@ -33,8 +34,6 @@ __all__ = [
     "packed_kv_attention",
     "rotary_self_attention",
 ]
-
-BACKENDS = ("triton", "reference")
 
 
 def jagged_attention(
@@ -164,9 +163,7 @@ def jagged_attention(
     if activation != "softmax" and post_scale is None:
         post_scale = 1.0 / max(int(max_kv_len), 1)
 
-    if backend is None:
-        backend = "triton" if q.is_cuda else "reference"
-    if backend == "reference":
+    if resolve_backend(backend, q) == "reference":
         return jagged_attention_reference(
             q,
             k,
@@ -182,8 +179,6 @@ def jagged_attention(
             window=window,
             block_size=block_size,
         )
-    if backend != "triton":
-        raise ValueError(f"backend={backend!r}; expected one of {BACKENDS} or None")
 
     q_broadcast = q_offsets is None
     if kv_offsets is None:  # dense [B, N, H, D]: a view as jagged rows with equal lengths
@@ -256,8 +251,7 @@ def rotary_self_attention(
     _check_bound("max_len", max_len)
     check_offsets("offsets", offsets, "qkv", qkv.shape[0], "max_len", max_len, _resolve_check(check))
     head_dim = qkv.shape[-1]
-    if backend is None:
-        backend = "triton" if qkv.is_cuda else "reference"
+    backend = resolve_backend(backend, qkv)
     fused = backend == "triton" and head_dim >= 16 and not head_dim & (head_dim - 1)
     if not (fused and settings.current().rotary_fused):
         q, k, v = rotary_qkv(qkv, cos, sin, backend=backend)
@@ -321,8 +315,7 @@ def packed_kv_attention(
         raise ValueError(f"offsets must be int32 or int64, got {offsets.dtype}")
     _check_bound("max_len", max_len)
     check_offsets("offsets", offsets, "kv", kv.shape[0], "max_len", max_len, _resolve_check(check))
-    if backend is None:
-        backend = "triton" if kv.is_cuda else "reference"
+    backend = resolve_backend(backend, kv)
     if backend != "triton":
         k, v = kv.unbind(1)
         return jagged_attention(q, k, v, None, offsets, None, max_len, scale=scale, backend=backend, check=False)

@@ -32,6 +32,20 @@ ACTIVATION_CODES = {name: code for code, name in enumerate(ACTIVATIONS)}
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
+# Every kernels op's backends: its Triton kernels, or its PyTorch reference (the spec).
+BACKENDS = ("triton", "reference")
+
+
+def resolve_backend(backend: str | None, t: torch.Tensor) -> str:
+    """An op's ``backend`` argument: None picks Triton for a CUDA tensor ``t`` and the reference
+    elsewhere; anything but :data:`BACKENDS` is a ValueError naming them."""
+    if backend is None:
+        return "triton" if t.is_cuda else "reference"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}; expected one of {BACKENDS} or None")
+    return backend
+
+
 # act(scale * x) = ACT_UNIT * scale * gdpa_act(x) and act'(scale * x) = ACT_UNIT * (its
 # second factor in gdpa_act_and_grad): the launchers fold these constants into the output,
 # dV and dQ / dK scales.
