@@ -19,7 +19,8 @@ its static launcher for user Triton kernels, ``autotune-<block>`` its GEMM autot
 ``graphs8k-<block>`` with them over an 8,192-row bucket, ``unfused-<block>`` with the rotary
 self-attention as two calls (``kernels.rotary_fused=false``), ``gluon-<block>`` with the Gluon
 kernels under compile (``kernels.gluon_compiled=true``), ``noscatter-<block>`` with the gathers'
-gradients scattered into gradients of zeros (``parallelism.scatter_in_place=false``).
+gradients scattered into gradients of zeros (``parallelism.scatter_in_place=false``), ``gemmgenw-<block>``
+with the personalized FFN's K/V gradients as a sum and two GEMMs (``kernels.generated_weights=false``).
 ``cold-<block>`` and ``warm-<block>`` run a block for a few steps, on a machine without and then
 with the caches (data, Inductor, Triton), for the time to first step.
 
@@ -211,6 +212,8 @@ VARIANTS = {
     "gluon": ["kernels.gluon_compiled=true"],
     # row gathers' gradients scattered into a gradient of zeros, not in place (gem.distributed.inductor_passes)
     "noscatter": ["parallelism.scatter_in_place=false"],
+    # the personalized FFN's K/V gradients as a sum and two GEMMs, not kernels.generated_weights' one read
+    "gemmgenw": ["kernels.generated_weights=false"],
 }
 
 

@@ -21,6 +21,7 @@ from kernels.attention_pooling import attention_pooling
 from kernels.generated_weights import generated_weights_backward
 from kernels.jagged import jagged_positions
 from kernels.jagged_attention import jagged_attention, packed_kv_attention, rotary_self_attention
+from kernels.jagged_attention import settings as kernel_settings
 
 
 def linear_flops(rows: int, in_dim: int, out_dim: int) -> int:
@@ -157,9 +158,11 @@ def generate_weights(
     to it. Compiled: :class:`_GeneratedWeights`, a forward that Inductor fuses into one kernel
     that writes the result once, and a backward that reads the gradient once for all three
     gradients with the Triton backend (``backend``: a ``kernels.jagged_attention`` backend, None:
-    Triton on CUDA; ``kernels.generated_weights``), else three times (a sum and two GEMMs)."""
+    Triton on CUDA; ``kernels.generated_weights``) unless the kernels' ``generated_weights``
+    setting is off, else three times (a sum and two GEMMs)."""
     if torch.compiler.is_compiling():
-        kernel = backend == "triton" or (backend is None and generated.is_cuda)
+        triton_backend = backend == "triton" or (backend is None and generated.is_cuda)
+        kernel = triton_backend and kernel_settings.current().generated_weights
         return _GeneratedWeights.apply(shared, mix, generated, kernel)
     return torch.baddbmm(shared, mix.expand(generated.shape[0], -1, -1), generated)
 

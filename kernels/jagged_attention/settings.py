@@ -49,6 +49,10 @@ class KernelSettings:
             (GDPA, the personalized FFN) runs as an opaque op that launches its kernels itself, so
             that the Gluon kernels run there too (Inductor launches only Triton kernels); meant
             for CUDA graphs, which take away the launches' host time. Not yet measured: off.
+        generated_weights: under ``torch.compile`` with the Triton backend, the personalized FFN's
+            generated K/V (``gem.models.sequence.generate_weights``) take their three gradients
+            from one read of the gradient (:mod:`kernels.generated_weights`); off, a sum over the
+            batch and two GEMMs, three reads (docs/kernels.md).
     """
 
     check: bool = False
@@ -62,6 +66,7 @@ class KernelSettings:
     store_ds_max_mib: int = 8192
     rotary_fused: bool = False
     gluon_compiled: bool = False
+    generated_weights: bool = True
 
     @property
     def store_ds_max_bytes(self) -> int:

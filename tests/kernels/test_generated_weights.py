@@ -13,6 +13,7 @@ import torch
 
 from gem.models.sequence import generate_weights
 from kernels.generated_weights import generated_weights_backward
+from kernels.jagged_attention.testing import override
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -122,6 +123,10 @@ def test_compiled_generate_weights_takes_the_kernel_with_the_triton_backend(monk
         assert len(launched) == calls, backend
         assert [g.dtype for g in grads] == [torch.float32] * 3
         _close(grads, want, 1e-6)
+    with override(generated_weights=False):  # the kernels' switch turns the kernel off
+        _, grads = _compiled_gradients("triton", inputs)
+    assert len(launched) == 1
+    _close(grads, want, 1e-6)
 
 
 @gpu
