@@ -550,7 +550,7 @@ def prepare_seqrec(
         summary = write_seqrec(data, out, o)
         logger.info(
             "converted %s/%s -> %s in %.1fs: %s rows; %d users dropped (under 3 events), %d item ids never "
-            "seen, %d items only in evaluation, %s items without attributes",
+            "seen, %d items only in evaluation, %s",
             source,
             name,
             out,
@@ -559,7 +559,9 @@ def prepare_seqrec(
             summary["users_dropped_under_3_events"],
             summary["item_ids_never_seen"],
             summary["items_only_in_evaluation"],
-            summary["items_without_attributes"],
+            "no attributes file"
+            if summary["items_without_attributes"] is None
+            else f"{summary['items_without_attributes']} items without attributes",
         )
 
     return make_once(out, convert, is_writer, 1800, "convert")
