@@ -158,6 +158,17 @@ def test_eval_every_minus_one_validates_after_every_epoch(cache_dir, tmp_path):
         validate(_cfg(cache_dir, tmp_path, "trainer.eval_every=-2"))
 
 
+def test_min_steps_raises_a_small_splits_epochs(cache_dir, tmp_path):
+    """trainer.min_steps: 31 steps an epoch (2,000 training rows in batches of 64) fall short of 40,
+    so the run trains two whole epochs; a floor the epochs already reach changes nothing."""
+    raised = train(_cfg(cache_dir, tmp_path / "raised", "trainer.max_steps=-1", "trainer.min_steps=40"))
+    assert raised["steps"] == 62
+    kept = train(_cfg(cache_dir, tmp_path / "kept", "trainer.max_steps=-1", "trainer.min_steps=31"))
+    assert kept["steps"] == 31
+    with pytest.raises(ConfigError, match="trainer.min_steps"):
+        validate(_cfg(cache_dir, tmp_path, "trainer.min_steps=-1"))
+
+
 def test_best_patience_stops_a_run_and_its_restart(cache_dir, tmp_path):
     """trainer.best_patience=2: the validations of steps 4 and 6 bring no lower click AUC than step
     2's, so the run stops at step 6, checkpointed there (not a multiple of every_steps), and tests

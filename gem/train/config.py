@@ -149,6 +149,9 @@ class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda
     epochs: int = 1
     max_steps: int = -1  # > 0 stops early
+    # > 0: a training split too small for this many steps in trainer.epochs trains the fewest whole
+    # epochs that reach it (a small data set's run); 0: trainer.epochs as it is
+    min_steps: int = 0
     seed: int = 0
     deterministic: bool = False
     log_every: int = 50
@@ -363,6 +366,7 @@ def validate(cfg: DictConfig | dict) -> Config:
     _one_of("optim.schedule", o.schedule, ("constant", "cosine"))
     _one_of("trainer.device", t.device, ("auto", "cpu", "cuda"))
     _positive("trainer.epochs", t.epochs)
+    _positive("trainer.min_steps", t.min_steps, allow_zero=True)
     _positive("trainer.log_every", t.log_every)
     if t.eval_every < -1:
         raise ConfigError(f"trainer.eval_every={t.eval_every} must be >= 0 (steps), or -1 (after every epoch)")

@@ -502,6 +502,17 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
             f"({train_loader.num_rows()} rows); lower data.batch_size"
         )
     stream = train_loader if isinstance(train_loader, StreamLoader) else None  # data.kind=stream: one pass
+    if stream is None and t.max_steps <= 0 and t.epochs * steps_per_epoch < t.min_steps:
+        epochs = math.ceil(t.min_steps / steps_per_epoch)
+        logger.info(
+            "trainer.min_steps=%d: %d epochs of %d steps (trainer.epochs=%d would train %d)",
+            t.min_steps,
+            epochs,
+            steps_per_epoch,
+            t.epochs,
+            t.epochs * steps_per_epoch,
+        )
+        t.epochs = epochs  # this run's typed copy of the config
     total_steps = t.max_steps if t.max_steps > 0 else (stream.total_steps() if stream else t.epochs * steps_per_epoch)
     if stream is None:
         check_eval_splits(config, lambda split: loader(split, d.eval_batch_size, False), data_dir)
