@@ -150,7 +150,7 @@ class TrainerConfig:
     epochs: int = 1
     max_steps: int = -1  # > 0 stops early
     # > 0: a training split too small for this many steps in trainer.epochs trains the fewest whole
-    # epochs that reach it (a small data set's run); 0: trainer.epochs as it is
+    # epochs that reach it (a small data set's run; trainer.max_steps and streams ignore it); 0: off
     min_steps: int = 0
     seed: int = 0
     deterministic: bool = False
