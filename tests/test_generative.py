@@ -105,9 +105,11 @@ def _model(schema, block="interformer", **kwargs):
 
 def _tiny_seqrec_gen(tmp_path) -> list[str]:
     """``experiment=seqrec_gen`` on the tiny set that ``_write_s3rec`` wrote into ``tmp_path``, at a
-    test's size (16 users a step, 20 evaluation negatives, no DataLoader workers)."""
+    test's size (16 users a step, 20 evaluation negatives, no DataLoader workers, the epochs a test
+    sets without the recipe's step floor)."""
     return [
         "experiment=seqrec_gen",
+        "trainer.min_steps=0",
         f"data.dir={tmp_path}",
         "data.name=Tiny",
         "data.batch_size=16",
