@@ -22,7 +22,13 @@ from gem.data.pipeline.schema import FeatureSchema
 from gem.data.sources.synthetic import SyntheticConfig, generate
 from gem.models.gem import GEMModel, pad_examples
 from gem.models.gem_arch import GEMDenseArch
-from gem.models.sequence import PoolingByAttention, generate_weights, self_attention_pairs
+from gem.models.sequence import (
+    JaggedSelfAttention,
+    PersonalizedFFN,
+    PoolingByAttention,
+    generate_weights,
+    self_attention_pairs,
+)
 from gem.sparse.arch import JaggedEmbeddings, SparseArch, SparseOutput
 from gem.train.flops import batch_lengths, mfu, step_flops
 from gem.train.losses import multitask_bce
@@ -208,13 +214,20 @@ def test_fsdp_gathers_a_layer_for_a_backward_through_its_sequence_outputs_alone(
 
 @pytest.mark.parametrize("block", BLOCKS)
 def test_bf16_autocast_runs_close_to_fp32(tiny_schema, tiny_dataset, block):
+    """Also: the event streams' residual rows stay in bf16 through every layer (a float32 stream
+    would double the bytes of every norm, residual add and gather on the GPU)."""
     model = build(tiny_schema, block=block)
     batch = first_batch(tiny_dataset, tiny_schema, batch_size=8)
     reference = model(batch)
+    stream_dtypes = []
+    for module in model.modules():
+        if isinstance(module, (JaggedSelfAttention, PersonalizedFFN)):
+            module.register_forward_hook(lambda m, args, out: stream_dtypes.extend([args[0].dtype, out.dtype]))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = model(batch)
     logits.float().sum().backward()
     torch.testing.assert_close(logits.float(), reference, rtol=0.05, atol=0.05)
+    assert stream_dtypes and set(stream_dtypes) == {torch.bfloat16}, stream_dtypes
 
 
 @pytest.mark.parametrize("block", BLOCKS)
