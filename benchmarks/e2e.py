@@ -20,7 +20,8 @@ its static launcher for user Triton kernels, ``autotune-<block>`` its GEMM autot
 self-attention as two calls (``kernels.rotary_fused=false``), ``gluon-<block>`` with the Gluon
 kernels under compile (``kernels.gluon_compiled=true``), ``noscatter-<block>`` with the gathers'
 gradients scattered into gradients of zeros (``parallelism.scatter_in_place=false``), ``gemmgenw-<block>``
-with the personalized FFN's K/V gradients as a sum and two GEMMs (``kernels.generated_weights=false``).
+with the personalized FFN's K/V gradients as a sum and two GEMMs (``kernels.generated_weights=false``),
+``cdt-<block>`` with Inductor's coordinate-descent tuning of its kernels.
 ``cold-<block>`` and ``warm-<block>`` run a block for a few steps, on a machine without and then
 with the caches (data, Inductor, Triton), for the time to first step.
 
@@ -214,6 +215,9 @@ VARIANTS = {
     "noscatter": ["parallelism.scatter_in_place=false"],
     # the personalized FFN's K/V gradients as a sum and two GEMMs, not kernels.generated_weights' one read
     "gemmgenw": ["kernels.generated_weights=false"],
+    # Inductor's coordinate-descent tuning of its own kernels at their first launch (a cold first step
+    # of minutes; the tuned configs are cached beside the kernels)
+    "cdt": ["+parallelism.inductor.coordinate_descent_tuning=true"],
 }
 
 
