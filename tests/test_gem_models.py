@@ -45,6 +45,7 @@ VARIANTS = {  # every block with the non-default options switched on somewhere
         num_layers=3,
         wukong={"num_experts": 2, "rank": 4, "hidden": 32},
         streams={"hist": {"num_heads": 1, "head_dim": 32, "window": 4}},
+        row_bias=False,
     ),
 }
 
@@ -412,6 +413,18 @@ def test_bad_stream_settings_name_the_key(tiny_schema):
         build(tiny_schema, block="hstu")
     with pytest.raises(ValueError, match=r"model.pool_rows='auto' must be null"):
         build(tiny_schema, pool_rows="auto")
+    with pytest.raises(ValueError, match=r"model.row_bias='no' must be true or false"):
+        build(tiny_schema, row_bias="no")
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_row_bias_false_drops_the_biases_of_the_row_projections_only(tiny_schema, block):
+    """The shapes, gradients and invariances without them: VARIANTS["kunlun"]."""
+    with_bias = {name for name, _ in build(tiny_schema, block=block).named_parameters()}
+    without = {name for name, _ in build(tiny_schema, block=block, row_bias=False).named_parameters()}
+    row_projection = re.compile(r"dense_arch\.layers\.\d+\.(attention\.hist\.(qkv|out)|pffn\.hist\.out)\.bias")
+    assert without < with_bias
+    assert with_bias - without == {name for name in with_bias if row_projection.fullmatch(name)}
 
 
 # debug=tiny on shorter histories and a smaller test split, to keep each run a few seconds on 2 cores.

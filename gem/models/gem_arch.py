@@ -52,6 +52,9 @@ class GEMDenseArch(nn.Module):
     attention_backend: ``kernels.jagged_attention`` backend (configs: ``${kernels.attention_backend}``).
     pool_rows: how PMA / seed pooling compute (gem.models.sequence.PoolingByAttention): None picks
         by the query count, True pools the rows unprojected, False projects them (same function).
+    row_bias: biases on the projections of every event row in the layers (self-attention's Q/K/V and
+        output, the personalized FFN's output); False drops them, as PaLM and LLaMA do, and with them
+        a sum over every row of each one's gradient in the backward (the pre-norms' shifts remain).
     """
 
     def __init__(
@@ -80,12 +83,15 @@ class GEMDenseArch(nn.Module):
         domain_mode: str = "gate",
         attention_backend: str | None = None,
         pool_rows: bool | None = None,
+        row_bias: bool = True,
     ) -> None:
         super().__init__()
         if block not in BLOCKS:
             raise ValueError(f"model.block={block!r} must be one of {list(BLOCKS)}")
         if pool_rows not in (None, True, False):
             raise ValueError(f"model.pool_rows={pool_rows!r} must be null (chosen by query count), true or false")
+        if not isinstance(row_bias, bool):
+            raise ValueError(f"model.row_bias={row_bias!r} must be true or false")
         if not schema.sequence_groups:
             raise ValueError("model: the GEM arch needs at least one sequence group in data.schema.sequence_groups")
         streams = dict(streams or {})
@@ -128,6 +134,7 @@ class GEMDenseArch(nn.Module):
                     num_recent,
                     attention_backend,
                     pool_rows,
+                    row_bias,
                 )
                 for _ in range(num_layers)
             )
@@ -154,6 +161,7 @@ class GEMDenseArch(nn.Module):
                     dict(wukong or {}),
                     attention_backend,
                     pool_rows,
+                    row_bias,
                 )
                 for i in range(num_layers)
             )

@@ -101,6 +101,8 @@ class InterFormerLayer(nn.Module):
         pffn_kv / pffn_activation: hidden width and activation of the personalized FFN.
         num_pma / num_recent: PMA tokens and most recent rows in each sequence summary.
         pool_rows: how PMA computes (gem.models.sequence.PoolingByAttention; None: by its rule).
+        row_bias: biases on the projections of every event row (self-attention's Q/K/V and output,
+            the personalized FFN's output).
     """
 
     def __init__(
@@ -116,6 +118,7 @@ class InterFormerLayer(nn.Module):
         num_recent: int,
         backend: str | None = None,
         pool_rows: bool | None = None,
+        row_bias: bool = True,
     ) -> None:
         super().__init__()
         self.x_summary = NonSequenceSummary(num_tokens, num_summary, dim)
@@ -129,12 +132,15 @@ class InterFormerLayer(nn.Module):
         self.interaction = InteractionEnsemble(list(interaction), num_in, num_tokens, dim)
         self.pffn = nn.ModuleDict(
             {
-                name: PersonalizedFFN(width, heads, dim, num_summary, pffn_kv, pffn_activation, backend)
+                name: PersonalizedFFN(width, heads, dim, num_summary, pffn_kv, pffn_activation, backend, row_bias)
                 for name, width, heads, _ in streams
             }
         )
         self.attention = nn.ModuleDict(
-            {name: JaggedSelfAttention(width, heads, window, backend) for name, width, heads, window in streams}
+            {
+                name: JaggedSelfAttention(width, heads, window, backend, bias=row_bias)
+                for name, width, heads, window in streams
+            }
         )
 
     def forward(

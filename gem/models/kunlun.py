@@ -73,6 +73,8 @@ class KunlunLayer(nn.Module):
         num_seeds / num_pooled: seed pooling.
         wukong: keyword arguments of :class:`WukongLayer` (rank, hidden, num_lcb, num_experts).
         pool_rows: how seed pooling computes (gem.models.sequence.PoolingByAttention; None: by its rule).
+        row_bias: biases on the projections of every event row (self-attention's Q/K/V and output,
+            the personalized FFN's output).
     """
 
     def __init__(
@@ -89,6 +91,7 @@ class KunlunLayer(nn.Module):
         wukong: dict,
         backend: str | None = None,
         pool_rows: bool | None = None,
+        row_bias: bool = True,
     ) -> None:
         super().__init__()
         self.skip = skip
@@ -96,7 +99,7 @@ class KunlunLayer(nn.Module):
             self.x_summary = NonSequenceSummary(num_tokens, num_summary, dim)
             self.pffn = nn.ModuleDict(
                 {
-                    name: PersonalizedFFN(width, heads, dim, num_summary, pffn_kv, pffn_activation, backend)
+                    name: PersonalizedFFN(width, heads, dim, num_summary, pffn_kv, pffn_activation, backend, row_bias)
                     for name, width, heads, _ in streams
                 }
             )
@@ -107,7 +110,10 @@ class KunlunLayer(nn.Module):
                 }
             )
         self.attention = nn.ModuleDict(
-            {name: JaggedSelfAttention(width, heads, window, backend) for name, width, heads, window in streams}
+            {
+                name: JaggedSelfAttention(width, heads, window, backend, bias=row_bias)
+                for name, width, heads, window in streams
+            }
         )
         self.interaction = WukongLayer(num_tokens + num_pooled * len(streams), num_tokens, dim, **wukong)
 

@@ -95,6 +95,8 @@ class JaggedSelfAttention(nn.Module):
         causal: each row sees only itself and earlier rows (next-event prediction).
         backend: ``kernels.jagged_attention`` backend (None: Triton on CUDA, reference elsewhere).
         dropout: on the attention's output before the residual add (0: none).
+        bias: biases on the Q/K/V and output projections (False: none, which spares the backward
+            a sum over every row of their gradients).
     """
 
     def __init__(
@@ -105,6 +107,7 @@ class JaggedSelfAttention(nn.Module):
         backend: str | None = None,
         causal: bool = False,
         dropout: float = 0.0,
+        bias: bool = True,
     ) -> None:
         super().__init__()
         if dim % num_heads or (dim // num_heads) % 2:
@@ -112,8 +115,8 @@ class JaggedSelfAttention(nn.Module):
         self.num_heads, self.head_dim, self.window, self.backend = num_heads, dim // num_heads, window, backend
         self.causal = causal
         self.norm = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.out = nn.Linear(dim, dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=bias)
+        self.out = nn.Linear(dim, dim, bias=bias)
         self.dropout = nn.Dropout(dropout) if dropout else None
 
     def forward(
@@ -204,6 +207,7 @@ class PersonalizedFFN(nn.Module):
     Args:
         dim: row width ``H * D``; summary_dim / num_summary: the summary's token width and count.
         num_kv: ``N``, the FFN's hidden width per head.
+        bias: a bias on the output projection (False: none).
     """
 
     def __init__(
@@ -215,6 +219,7 @@ class PersonalizedFFN(nn.Module):
         num_kv: int,
         activation: str = "silu",
         backend: str | None = None,
+        bias: bool = True,
     ) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv = num_heads, dim // num_heads, num_kv
@@ -223,7 +228,7 @@ class PersonalizedFFN(nn.Module):
         self.proj = nn.Linear(summary_dim, 2 * dim, bias=False)
         self.mix = nn.Linear(num_summary, num_kv, bias=False)
         self.shared = nn.Parameter(torch.empty(num_kv, 2 * dim))  # W_0
-        self.out = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, dim, bias=bias)
 
     def init_own_parameters(self) -> None:
         nn.init.normal_(self.shared, std=self.head_dim**-0.5)
