@@ -132,7 +132,7 @@ class InterFormerLayer(nn.Module):
         self.interaction = InteractionEnsemble(list(interaction), num_in, num_tokens, dim)
         self.pffn = nn.ModuleDict(
             {
-                name: PersonalizedFFN(width, heads, dim, num_summary, pffn_kv, pffn_activation, backend, row_bias)
+                name: PersonalizedFFN(width, heads, dim, num_summary, pffn_kv, pffn_activation, backend, bias=row_bias)
                 for name, width, heads, _ in streams
             }
         )

@@ -99,7 +99,9 @@ class KunlunLayer(nn.Module):
             self.x_summary = NonSequenceSummary(num_tokens, num_summary, dim)
             self.pffn = nn.ModuleDict(
                 {
-                    name: PersonalizedFFN(width, heads, dim, num_summary, pffn_kv, pffn_activation, backend, row_bias)
+                    name: PersonalizedFFN(
+                        width, heads, dim, num_summary, pffn_kv, pffn_activation, backend, bias=row_bias
+                    )
                     for name, width, heads, _ in streams
                 }
             )
