@@ -22,7 +22,7 @@ kernels under compile (``kernels.gluon_compiled=true``), ``noscatter-<block>`` w
 gradients scattered into gradients of zeros (``parallelism.scatter_in_place=false``), ``gemmgenw-<block>``
 with the personalized FFN's K/V gradients as a sum and two GEMMs (``kernels.generated_weights=false``),
 ``cdt-<block>`` with Inductor's coordinate-descent tuning of its kernels (and without its static
-launcher, whose warm loads retune them in torch 2.11), ``nobias-<block>`` without
+launcher, whose warm loads probably retune them in torch 2.11), ``nobias-<block>`` without
 biases on the layers' projections of every event row (``model.row_bias=false``).
 ``cold-<block>`` and ``warm-<block>`` run a block for a few steps, on a machine without and then
 with the caches (data, Inductor, Triton), for the time to first step.
@@ -218,9 +218,9 @@ VARIANTS = {
     # the personalized FFN's K/V gradients as a sum and two GEMMs, not kernels.generated_weights' one read
     "gemmgenw": ["kernels.generated_weights=false"],
     # Inductor's coordinate-descent tuning of its own kernels at their first launch (a cold first step
-    # of minutes; the tuned configs are cached beside the kernels). Without the static launcher: torch
-    # 2.11 loads a warm graph's kernels through it and tunes them again (pytorch#172819; later torch
-    # keeps the tuned flag there), where the plain path reads the tuned config back from the cache
+    # of minutes; the tuned configs are cached beside the kernels). Without the static launcher: a warm
+    # graph's kernels load through it, and before pytorch#172819's fix (probably torch 2.11) are tuned
+    # again there; the plain path reads the tuned config back from the cache
     "cdt": [
         "+parallelism.inductor.coordinate_descent_tuning=true",
         "+parallelism.inductor.use_static_cuda_launcher=false",
