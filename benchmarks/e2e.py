@@ -22,8 +22,9 @@ kernels under compile (``kernels.gluon_compiled=true``), ``noscatter-<block>`` w
 gradients scattered into gradients of zeros (``parallelism.scatter_in_place=false``), ``gemmgenw-<block>``
 with the personalized FFN's K/V gradients as a sum and two GEMMs (``kernels.generated_weights=false``),
 ``cdt-<block>`` with Inductor's coordinate-descent tuning of its kernels (and without its static
-launcher, whose warm loads probably retune them in torch 2.11), ``nobias-<block>`` without
-biases on the layers' projections of every event row (``model.row_bias=false``).
+launcher: a warm start still tuned them again, 63 s to its first step in torch 2.11), ``rowbias-<block>``
+with biases on the layers' projections of every event row (``model.row_bias=true``; the flagship drops
+them since stop 64, measured then as ``nobias-<block>`` against the biased flagship).
 ``cold-<block>`` and ``warm-<block>`` run a block for a few steps, on a machine without and then
 with the caches (data, Inductor, Triton), for the time to first step.
 
@@ -218,16 +219,16 @@ VARIANTS = {
     # the personalized FFN's K/V gradients as a sum and two GEMMs, not kernels.generated_weights' one read
     "gemmgenw": ["kernels.generated_weights=false"],
     # Inductor's coordinate-descent tuning of its own kernels at their first launch (a cold first step
-    # of minutes; the tuned configs are cached beside the kernels). Without the static launcher: a warm
-    # graph's kernels load through it, and before pytorch#172819's fix (probably torch 2.11) are tuned
-    # again there; the plain path reads the tuned config back from the cache
+    # of minutes; the tuned configs are cached beside the kernels). Without the static launcher, whose
+    # cache check drops the tuned mark before pytorch#172819's fix; in torch 2.11 a warm start still
+    # tuned again (2026-12-05: 63 s to the first step, docs/e2e-log.md)
     "cdt": [
         "+parallelism.inductor.coordinate_descent_tuning=true",
         "+parallelism.inductor.use_static_cuda_launcher=false",
     ],
-    # no biases on the layers' projections of every event row (Q/K/V, the outputs): their gradients'
-    # sums over the rows go (a model change: compare the losses too)
-    "nobias": ["model.row_bias=false"],
+    # biases on the layers' projections of every event row (Q/K/V, the outputs), which the flagship
+    # drops since stop 64 (a model change: compare the losses too)
+    "rowbias": ["model.row_bias=true"],
 }
 
 
