@@ -24,7 +24,8 @@ with the personalized FFN's K/V gradients as a sum and two GEMMs (``kernels.gene
 ``cdt-<block>`` with Inductor's coordinate-descent tuning of its kernels (and without its static
 launcher: a warm start still tuned them again, 63 s to its first step in torch 2.11), ``rowbias-<block>``
 with biases on the layers' projections of every event row (``model.row_bias=true``; the flagship drops
-them since stop 64, measured then as ``nobias-<block>`` against the biased flagship).
+them since stop 64, measured then as ``nobias-<block>`` against the biased flagship), ``mmadd-<block>``
+with the residual added after the GEMM instead of in cuBLAS's ``addmm`` (``parallelism.residual_addmm=false``).
 ``cold-<block>`` and ``warm-<block>`` run a block for a few steps, on a machine without and then
 with the caches (data, Inductor, Triton), for the time to first step.
 
@@ -229,6 +230,9 @@ VARIANTS = {
     # biases on the layers' projections of every event row (Q/K/V, the outputs), which the flagship
     # drops since stop 64 (a model change: compare the losses too)
     "rowbias": ["model.row_bias=true"],
+    # the residual added after the output projections' GEMMs, fused into the next LayerNorm kernel,
+    # not by cuBLAS's addmm after a copy of the residual (gem.distributed.inductor_passes)
+    "mmadd": ["parallelism.residual_addmm=false"],
 }
 
 

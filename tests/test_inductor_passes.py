@@ -1,5 +1,6 @@
-"""gem.distributed.inductor_passes: the post-grad rewrite that scatters a row gather's gradient into
-the dense gradient it is added to (``parallelism.scatter_in_place``), under Inductor on the CPU."""
+"""gem.distributed.inductor_passes: the post-grad rewrites that scatter a row gather's gradient into
+the dense gradient it is added to (``parallelism.scatter_in_place``) and take a full-size addend
+out of ``addmm`` (``parallelism.residual_addmm=false``), under Inductor on the CPU."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 import torch._inductor.config as inductor_config
 
-from gem.distributed.inductor_passes import ScatterAddInPlace
+from gem.distributed.inductor_passes import AddAfterMatmul, ScatterAddInPlace
 from kernels.jagged import jagged_first, jagged_last
 
 aten = torch.ops.aten
@@ -104,9 +105,84 @@ def test_the_rewrite_keeps_its_conditions(dense_use, accumulate, dtype, rewritte
         assert torch.equal(a, b)
 
 
+def _pre_norm_blocks(options: dict | None):
+    """Two pre-norm residual blocks without biases, ``x + W2 gelu(W1 LN(x))`` (gem's layers with
+    ``model.row_bias=false``): the gradients of the input and of the blocks' last projections, and
+    the code Inductor wrote (None: eager)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    blocks = [
+        torch.nn.ModuleList(
+            [torch.nn.LayerNorm(16), torch.nn.Linear(16, 32, bias=False), torch.nn.Linear(32, 16, bias=False)]
+        )
+        for _ in range(2)
+    ]
+    x = torch.randn(40, 16, requires_grad=True)
+
+    def loss(x):
+        for norm, up, down in blocks:
+            x = x + down(torch.nn.functional.gelu(up(norm(x))))
+        return x.square().sum()
+
+    torch._dynamo.reset()
+    code = []
+    with inductor_config.patch(fx_graph_cache=False):
+        if options is None:
+            loss(x).backward()
+        else:
+            _, code = run_and_get_code(lambda: torch.compile(loss, options=options)(x).backward())
+    return [x.grad, *(block[2].weight.grad for block in blocks)], "\n".join(code)
+
+
+def test_a_residual_add_leaves_addmm():
+    """Inductor fuses each block's residual add into ``addmm`` (which copies the residual into its
+    output first); with :class:`AddAfterMatmul` no ``addmm`` is left, the products are plain
+    ``mm``, and the gradients are the eager ones to rounding."""
+    got, code = _pre_norm_blocks({"post_grad_custom_post_pass": AddAfterMatmul()})
+    plain, plain_code = _pre_norm_blocks({})
+    eager, _ = _pre_norm_blocks(None)
+    assert "addmm" in plain_code  # the pattern the pass undoes is still Inductor's
+    assert "addmm" not in code and "extern_kernels.mm(" in code
+    for a, b in zip(got, eager):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+
+
+@pytest.mark.parametrize(
+    "addend, beta, rewritten",
+    [
+        ("full", 1, True),
+        ("bias", 1, False),  # a bias row stays on cuBLAS's epilogue
+        ("expanded", 1, False),  # a bias broadcast to the output's shape (stride 0): the same
+        ("full", 2, False),  # a scaled addend
+    ],
+)
+def test_the_addmm_rewrite_keeps_its_conditions(addend, beta, rewritten):
+    """Only ``addmm`` of a full-size addend with alpha = beta = 1 becomes ``mm`` and ``add``; the
+    graph computes the same either way."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(inp, a, b):
+        if addend == "expanded":
+            inp = inp.expand(6, 5)
+        return aten.addmm.default(inp, a, b, beta=beta)
+
+    args = (torch.randn(5 if addend != "full" else (6, 5)), torch.randn(6, 3), torch.randn(3, 5))
+    module = make_fx(f, tracing_mode="fake")(*args)
+    want = module(*args)
+    AddAfterMatmul()(module.graph)
+    module.graph.lint()
+    module.recompile()
+    targets = [node.target for node in module.graph.nodes]
+    assert (aten.addmm.default not in targets) == rewritten
+    assert (aten.mm.default in targets) == rewritten
+    assert torch.allclose(module(*args), want, rtol=1e-6, atol=1e-6)
+
+
 def test_the_option_hands_the_pass_to_each_compile(monkeypatch):
-    """parallelism.scatter_in_place=true (with parallelism.compile) adds the pass to the options of
-    the dense arch's compiles, beside the ``parallelism.inductor`` ones; off, they stay as given."""
+    """parallelism.scatter_in_place=true (with parallelism.compile) adds its pass to the options of
+    the dense arch's compiles, beside the ``parallelism.inductor`` ones, and
+    parallelism.residual_addmm=false adds its own; otherwise they stay as given."""
     from torch import nn
 
     import gem
@@ -121,6 +197,7 @@ def test_the_option_hands_the_pass_to_each_compile(monkeypatch):
                 "model=gem_tiny",
                 "parallelism.compile=true",
                 f"parallelism.scatter_in_place={str(on).lower()}",
+                f"parallelism.residual_addmm={str(not on).lower()}",
                 "+parallelism.inductor.combo_kernels=true",
             ]
         )
@@ -128,4 +205,7 @@ def test_the_option_hands_the_pass_to_each_compile(monkeypatch):
         assert calls and all(call["options"]["combo_kernels"] for call in calls)
         assert all(
             isinstance(call["options"].get("post_grad_custom_pre_pass"), ScatterAddInPlace) == on for call in calls
+        )
+        assert all(
+            isinstance(call["options"].get("post_grad_custom_post_pass"), AddAfterMatmul) == on for call in calls
         )

@@ -1,4 +1,5 @@
-"""An Inductor graph pass for gem's compiled dense archs (``parallelism.scatter_in_place``).
+"""Inductor graph passes for gem's compiled dense archs (``parallelism.scatter_in_place``,
+``parallelism.residual_addmm``).
 
 The backward of a row gather ``h[idx]`` (the sequence summaries' CLS and recent rows,
 ``kernels.jagged.jagged_first`` / ``jagged_last``) is ``index_put(zeros_like(h), [idx], grad,
@@ -11,6 +12,14 @@ reinplacing then turns into a scatter into ``dense`` itself. Each element gets t
 no index repeats (``dense + value`` or ``dense + 0``); a repeated index, or several scatters
 summed before the add, add their values onto ``dense`` one at a time instead of summing them
 first, which can round differently.
+
+Without biases on the row projections (``model.row_bias=false``) Inductor's own post-grad pattern
+turns a residual add ``residual + x @ W`` into ``addmm(residual, x, W)``, and ATen's ``addmm``
+first copies ``residual`` into its output, for cuBLAS to add the product to it: a copy of the
+stream per projection (on the flagship 0.76 ms a step, docs/e2e.md). :class:`AddAfterMatmul` turns
+each such ``addmm`` of a full-size addend back into ``mm`` then ``add``, which Inductor fuses into
+the kernel that reads the sum (a LayerNorm), as it did with the biases; a bias (a broadcast row)
+stays on cuBLAS's epilogue. The product is rounded to its dtype before the add, as in eager mode.
 """
 
 from __future__ import annotations
@@ -93,6 +102,47 @@ class ScatterAddInPlace(CustomGraphPass):
                 break
         if rewritten:
             logger.info("scatter_in_place: %d gathers' gradients scattered into the gradient they add to", rewritten)
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files((__file__,))
+
+
+def _full_size_addend(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is ``addmm(inp, a, b)`` with alpha = beta = 1 and an ``inp`` of the
+    output's shape and dtype that is not a broadcast (no stride of 0, as an expanded bias has)."""
+    if node.target is not aten.addmm.default or node.kwargs.get("alpha", 1) != 1 or node.kwargs.get("beta", 1) != 1:
+        return False
+    inp, out = node.args[0], node.meta.get("val")
+    inp = inp.meta.get("val") if isinstance(inp, torch.fx.Node) else None
+    return (
+        isinstance(inp, torch.Tensor)
+        and isinstance(out, torch.Tensor)
+        and inp.shape == out.shape
+        and inp.dtype == out.dtype
+        and 0 not in inp.stride()
+    )
+
+
+class AddAfterMatmul(CustomGraphPass):
+    """``addmm(inp, a, b)`` of a full-size ``inp`` -> ``add(mm(a, b), inp)`` (a post-grad pass that
+    runs after Inductor's patterns: ``torch._inductor.config.post_grad_custom_post_pass``)."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        rewritten = 0
+        for node in list(graph.nodes):
+            if not _full_size_addend(node):
+                continue
+            inp, a, b = node.args[:3]
+            with graph.inserting_before(node):
+                product = graph.call_function(aten.mm.default, (a, b))
+                total = graph.call_function(aten.add.Tensor, (product, inp))
+            product.meta["val"] = aten.mm.default(a.meta["val"], b.meta["val"])
+            total.meta["val"] = aten.add.Tensor(product.meta["val"], inp.meta["val"])
+            node.replace_all_uses_with(total)
+            graph.erase_node(node)
+            rewritten += 1
+        if rewritten:
+            logger.info("residual_addmm=false: %d full-size addends taken out of addmm", rewritten)
 
     def uuid(self) -> bytes:
         return get_hash_for_files((__file__,))

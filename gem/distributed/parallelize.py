@@ -92,6 +92,7 @@ def parallelize_gem(
     reshard_after_forward: bool = True,
     float8_min_features: int | None = None,
     scatter_in_place: bool = True,
+    residual_addmm: bool = True,
 ) -> nn.Module:
     """Parallelize ``model.dense_arch`` in place and return ``model``.
 
@@ -123,6 +124,10 @@ def parallelize_gem(
             dense gradient it is added to instead of into a gradient of zeros
             (:class:`gem.distributed.inductor_passes.ScatterAddInPlace`): less memory traffic, the
             same sums but where gathered rows overlap, which it adds in another order.
+        residual_addmm: with ``compile``, let Inductor add a full-size tensor to a product inside
+            cuBLAS (``addmm``, after copying the tensor into the output), as it does by default;
+            False adds it after the GEMM, in the kernel that reads the sum
+            (:class:`gem.distributed.inductor_passes.AddAfterMatmul`).
     """
     from torch.distributed._composable import checkpoint
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -144,6 +149,10 @@ def parallelize_gem(
             from gem.distributed.inductor_passes import ScatterAddInPlace
 
             compile_options = (compile_options or {}) | {"post_grad_custom_pre_pass": ScatterAddInPlace()}
+        if not residual_addmm:
+            from gem.distributed.inductor_passes import AddAfterMatmul
+
+            compile_options = (compile_options or {}) | {"post_grad_custom_post_pass": AddAfterMatmul()}
     blocks = dense_blocks(dense)
     for block in blocks:
         if activation_checkpointing:

@@ -199,6 +199,9 @@ class ParallelismConfig:
     # a [T, D] gradient of zeros (gem.distributed.inductor_passes; InterFormer on an H200: -0.9 ms a step,
     # docs/e2e.md); no effect without parallelism.compile
     scatter_in_place: bool = True
+    # compile: Inductor's addmm for `residual + x @ W` (ATen copies the residual into the output first);
+    # false: the GEMM, then the add fused into the kernel that reads the sum (gem.distributed.inductor_passes)
+    residual_addmm: bool = True
     # > 0: each batch's event rows padded to a multiple of this with empty examples, so the dense arch
     # sees few shapes, as CUDA graphs (+parallelism.inductor.triton.cudagraphs=true) need (docs/e2e.md)
     row_bucket: int = 0

@@ -245,6 +245,7 @@ def build_model(config: Config, schema: FeatureSchema, env: DistEnv, timer: Star
         reshard_after_forward=p.reshard_after_forward,
         float8_min_features=p.float8_min_features if p.float8 else None,
         scatter_in_place=p.scatter_in_place,
+        residual_addmm=p.residual_addmm,
     )
 
 
