@@ -371,6 +371,32 @@ def test_compiled_personalized_ffn_weights_are_one_kernel_matching_baddbmm(dtype
     assert len(kernels) == 1 and kernels[0].startswith("cpp_fused"), launched  # one fused kernel, no GEMM
 
 
+def test_personalized_ffn_is_a_shared_ffn_plus_rank_num_summary_terms():
+    """The identity docs/e2e.md's shared-FFN lever rests on: with ``K_b = W_0 + M G_b`` (and V
+    alike, the same ``M``), each head computes ``act(s (x W_0^T + (x G_b^T) M^T)) (W_0v + M G_bv) / N``,
+    so every row meets the same ``W_0`` plus ``[rows, N_s]`` terms of its own example. The
+    module's output, float64, reference kernels, against that form of its own parameters."""
+    torch.manual_seed(0)
+    heads, head_dim, num_summary, num_kv = 2, 8, 3, 16
+    ffn = PersonalizedFFN(heads * head_dim, heads, 12, num_summary, num_kv, "silu", "reference", bias=False).double()
+    ffn.init_own_parameters()
+    offsets = torch.tensor([0, 5, 5, 12])
+    x = torch.randn(12, heads * head_dim, dtype=torch.float64)
+    summary = torch.randn(3, num_summary, 12, dtype=torch.float64)
+    want = ffn(x, offsets, 7, summary)
+
+    g_k, g_v = ffn.proj(summary).view(3, num_summary, 2, heads, head_dim).unbind(2)  # [B, N_s, H, D]
+    w_k, w_v = ffn.shared.view(num_kv, 2, heads, head_dim).unbind(1)  # [N, H, D]
+    mix = ffn.mix.weight  # [N, N_s]
+    example = torch.repeat_interleave(torch.arange(3), offsets.diff())  # each row's example
+    h = ffn.norm(x).view(-1, heads, head_dim)
+    c = torch.einsum("thd,tshd->ths", h, g_k[example])  # x G_b^T
+    p = torch.nn.functional.silu((torch.einsum("thd,nhd->thn", h, w_k) + c @ mix.t()) * head_dim**-0.5)
+    o = torch.einsum("thn,nhd->thd", p, w_v) + torch.einsum("ths,tshd->thd", p @ mix, g_v[example])
+    got = x + ffn.out((o / num_kv).reshape(x.shape))
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
 class _GeneratedWeightsArch(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
