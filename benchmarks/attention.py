@@ -627,11 +627,15 @@ def length_sweep(out_dir: pathlib.Path) -> None:
         )
 
 
+def flagship_lengths() -> torch.Tensor:
+    """The flagship's history lengths ``[FLAGSHIP_BATCH]``: lognormal, seed 0, in [1, FLAGSHIP_MAX_LEN]."""
+    normal = torch.randn(FLAGSHIP_BATCH, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    return (FLAGSHIP_LOG_MEAN + FLAGSHIP_LOG_STD * normal).exp().round().clamp(1, FLAGSHIP_MAX_LEN).long()
+
+
 def flagship(out_dir: pathlib.Path) -> None:
     """--flagship: FLAGSHIP_CASES with their baselines and FLAGSHIP_VARIANTS, one JSON."""
-    gen = torch.Generator().manual_seed(0)
-    normal = torch.randn(FLAGSHIP_BATCH, generator=gen, dtype=torch.float64)
-    lengths = (FLAGSHIP_LOG_MEAN + FLAGSHIP_LOG_STD * normal).exp().round().clamp(1, FLAGSHIP_MAX_LEN).long()
+    lengths = flagship_lengths()
     versions, rows = _versions(), []
     for name, layout, activation, mask in FLAGSHIP_CASES:
         rows += run_case(

@@ -30,7 +30,7 @@ from hydra.utils import instantiate
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.attention import FLAGSHIP_BATCH, FLAGSHIP_LOG_MEAN, FLAGSHIP_LOG_STD, FLAGSHIP_MAX_LEN  # noqa: E402
+from benchmarks.attention import FLAGSHIP_BATCH, flagship_lengths  # noqa: E402
 from benchmarks.scaling import commit  # noqa: E402
 from gem.data.pipeline.schema import FeatureSchema  # noqa: E402
 from gem.models import sequence  # noqa: E402
@@ -75,8 +75,7 @@ def flagship_split(block: str) -> dict:
     the attention kernels (each attention term counted as the model counts it, forward and
     backward)."""
     dense, schema = dense_arch(["experiment=gem_base_h200", f"model.block={block}"])
-    normal = torch.randn(FLAGSHIP_BATCH, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    lengths = (FLAGSHIP_LOG_MEAN + FLAGSHIP_LOG_STD * normal).exp().round().clamp(1, FLAGSHIP_MAX_LEN).long()
+    lengths = flagship_lengths()
     terms = []
     count = sequence.attention_flops
 
