@@ -26,7 +26,9 @@ CONSUMER_REGS = 232  # registers per consumer thread after setmaxnreg (the loade
 # int32 per work tile: first row, valid rows, head, K/V (or Q) start, length, 3 zeros
 WORK_FIELDS = gl.constexpr(8)
 HEAD_DIMS = (64, 128)
-SILU, GELU, FAST_GELU, RELU = (gl.constexpr(code) for code in (tc.SILU, tc.GELU, tc.FAST_GELU, tc.RELU))
+SOFTMAX, SILU, GELU, FAST_GELU, RELU = (
+    gl.constexpr(code) for code in (tc.SOFTMAX, tc.SILU, tc.GELU, tc.FAST_GELU, tc.RELU)
+)
 
 
 def applies(q, k, v, activation, causal, window, block_size, q_broadcast) -> bool:
@@ -34,8 +36,19 @@ def applies(q, k, v, activation, causal, window, block_size, q_broadcast) -> boo
     GPU, a pointwise activation without a causal, window or block mask, jagged queries, head dim
     64 or 128, and non-empty ``[rows, H, D]`` tensors that a 2-D descriptor over ``[rows, H * D]``
     can address (heads adjacent, 16-byte aligned base and row stride)."""
-    if not tc.unmasked_pointwise(activation, causal, window, block_size, q_broadcast):
-        return False
+    return tc.unmasked_pointwise(activation, causal, window, block_size, q_broadcast) and tensors_apply(q, k, v)
+
+
+def softmax_dkdv_applies(q, k, v, activation, causal, window, block_size, q_broadcast) -> bool:
+    """Whether the Gluon dK/dV kernel can take a softmax backward: bf16, no causal, window or
+    block mask, jagged queries, and tensors as :func:`applies` asks."""
+    unmasked = not (causal or window >= 0 or block_size > 0 or q_broadcast)
+    return activation == "softmax" and unmasked and q.dtype == torch.bfloat16 and tensors_apply(q, k, v)
+
+
+def tensors_apply(q, k, v) -> bool:
+    """Real (not traced) 16-bit CUDA tensors on an sm_90 GPU, head dim 64 or 128, non-empty
+    ``[rows, H, D]`` tensors that a 2-D descriptor over ``[rows, H * D]`` can address."""
     if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         return False
     if torch.compiler.is_compiling() or any(is_fake(t) for t in (q, k, v)):

@@ -19,8 +19,9 @@ This module chooses the kernels, from the settings in force (``settings.py``) an
   and ``max_q_len > settings.gluon_min_q_len``, else the Triton one (``triton_fwd.py``);
 * backward (:func:`launch_backward`): the stored-dS backward where it applies and its buffer
   fits (:func:`store_ds_bytes`, ``settings.store_ds_max_mib``; dK/dV store dS, dQ = dS K reads
-  it), its dK/dV in Gluon (``gluon_bwd.py``) for bf16 silu / fast_gelu on sm_90; else the
-  Triton dK/dV and the recomputing dQ kernel (``triton_bwd.py``).
+  it), its dK/dV in Gluon (``gluon_bwd.py``) for bf16 silu / fast_gelu on sm_90 (and bf16
+  softmax with ``settings.gluon_bwd_softmax``); else the Triton dK/dV and the recomputing dQ
+  kernel (``triton_bwd.py``).
 
 The forward computes the order in which the kernels' programs take the examples
 (``batch_order.py``) and returns it for the backward. Callers use
@@ -194,16 +195,20 @@ def _store_ds_buffer(q, k, max_q_len) -> torch.Tensor | None:
 def _gluon_dkdv(
     q, k, v, grad_out, activation, causal, window, block_size, q_broadcast, store_ds, packed, config
 ) -> bool:
-    """Whether gluon_bwd's dK/dV kernel runs the backward's dK/dV (and stores dS): with
-    ``config.gluon_bwd``, the stored-dS backward in bf16 silu / fast_gelu (the bf16x2 path),
-    where the Gluon kernels apply to q, k, v and dO's rows can be addressed as q's."""
-    if not (config.gluon_bwd and store_ds and packed):
-        return False
-    if not _gluon_applies(q, k, v, activation, causal, window, block_size, q_broadcast):
+    """Whether gluon_bwd's dK/dV kernel runs the backward's dK/dV (and stores dS): the stored-dS
+    backward in bf16 silu / fast_gelu (the bf16x2 path) with ``config.gluon_bwd``, or in bf16
+    softmax with ``config.gluon_bwd_softmax``, where the Gluon kernels apply to q, k, v and dO's
+    rows can be addressed as q's."""
+    if not store_ds or INTERPRET or not q.is_cuda:
         return False
     from kernels.jagged_attention import gluon_common
 
-    return gluon_common.addressable(grad_out)
+    mask = (causal, window, block_size, q_broadcast)
+    if activation == "softmax":
+        applies = config.gluon_bwd_softmax and gluon_common.softmax_dkdv_applies(q, k, v, activation, *mask)
+    else:
+        applies = config.gluon_bwd and packed and gluon_common.applies(q, k, v, activation, *mask)
+    return applies and gluon_common.addressable(grad_out)
 
 
 def launch_backward(
@@ -325,6 +330,8 @@ def launch_backward(
             qk_scale,
             grad_scale,
             dv_scale,
+            lse=lse,
+            delta=delta,
         )
     else:
         _took("triton_dkdv")

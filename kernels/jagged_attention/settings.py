@@ -37,6 +37,9 @@ class KernelSettings:
             faster at 128 rows).
         gluon_bwd: the stored-dS backward's dK/dV runs the Gluon kernel (sm_90, bf16 silu and
             fast_gelu on the bf16x2 path).
+        gluon_bwd_softmax: the same Gluon kernel for the softmax backward (bf16, no mask, jagged
+            queries, eager calls without a packed gradient or rotation). Compiled for sm_90 in
+            CI, not yet run on a GPU: off.
         store_ds: without a causal, window or block mask and without a broadcast Q, the dK/dV
             kernel stores dS and dQ = dS K reads it instead of recomputing S and dP.
         store_ds_max_mib: the stored-dS buffer's cap in MiB; above it dQ is recomputed.
@@ -62,6 +65,7 @@ class KernelSettings:
     gluon: bool = True
     gluon_min_q_len: int = 128
     gluon_bwd: bool = True
+    gluon_bwd_softmax: bool = False
     store_ds: bool = True
     store_ds_max_mib: int = 8192
     rotary_fused: bool = False

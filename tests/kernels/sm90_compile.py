@@ -142,8 +142,11 @@ def _compile(fn, args, kwargs, float_type):
         ptx = compiled.asm["ptx"]
         assert "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx and "wgmma" in ptx
         assert "cp.async.bulk.tensor.2d.global.shared" in ptx  # TMA stores (out; dK, dV, dS)
-        packed = kwargs.get("PACKED", True)  # the dK/dV kernel runs bf16x2 only
+        # the dK/dV kernel runs GDPA on bf16x2 only, softmax in float32 (exp2)
+        softmax = kwargs["ACTIVATION"] == testing.ACTIVATION_CODES["softmax"]
+        packed = kwargs.get("PACKED", not softmax)
         assert ("tanh.approx.bf16x2" in ptx) == packed
+        assert "ex2.approx" in ptx or not softmax
         resources = _resources(compiled.asm["cubin"])
         stack = int(re.search(r"stack=(\d+)", resources).group(1))
         # The forward must not spill; the dK/dV kernel keeps a few registers per step in local
@@ -306,11 +309,13 @@ def main() -> None:
             wrap=compile_only,
             num_sms=132,
         )
-    # the Gluon dK/dV (bf16 silu and fast_gelu at head dim 128, fast_gelu at 64)
-    for head_dim, activation in ((128, "silu"), (128, "fast_gelu"), (64, "fast_gelu")):
+    # the Gluon dK/dV (bf16 silu and fast_gelu at head dim 128, fast_gelu at 64; softmax at both)
+    cases = ((128, "silu"), (128, "fast_gelu"), (64, "fast_gelu"), (128, "softmax"), (64, "softmax"))
+    for head_dim, activation in cases:
         inputs = make_inputs([5, 0, 130], [7, 3, 200], num_heads=2, head_dim=head_dim, dtype=torch.bfloat16)
         q, k, v = inputs.tensors()
         ds = q.new_empty(2, k.shape[0], testing.store_ds_row(inputs.max_q_len))
+        lse = torch.empty(2, q.shape[0], dtype=torch.float32)
         gluon_bwd.dkdv(
             q,
             k,
@@ -327,6 +332,8 @@ def main() -> None:
             0.088,
             0.1,
             0.1,
+            lse=lse,
+            delta=torch.empty_like(lse),
             wrap=compile_only,
             num_sms=132,
         )
