@@ -25,7 +25,8 @@ with the personalized FFN's K/V gradients as a sum and two GEMMs (``kernels.gene
 launcher: a warm start still tuned them again, 63 s to its first step in torch 2.11), ``rowbias-<block>``
 with biases on the layers' projections of every event row (``model.row_bias=true``; the flagship drops
 them since stop 64, measured then as ``nobias-<block>`` against the biased flagship), ``mmadd-<block>``
-with the residual added after the GEMM instead of in cuBLAS's ``addmm`` (``parallelism.residual_addmm=false``).
+with the residual added after the GEMM instead of in cuBLAS's ``addmm`` (``parallelism.residual_addmm=false``),
+``gluonsm-<block>`` with the self-attention's softmax dK/dV on the Gluon kernel (``kernels.gluon_bwd_softmax=true``).
 ``cold-<block>`` and ``warm-<block>`` run a block for a few steps, on a machine without and then
 with the caches (data, Inductor, Triton), for the time to first step.
 
@@ -233,6 +234,9 @@ VARIANTS = {
     # the residual added after the output projections' GEMMs, fused into the next LayerNorm kernel,
     # not by cuBLAS's addmm after a copy of the residual (gem.distributed.inductor_passes)
     "mmadd": ["parallelism.residual_addmm=false"],
+    # the self-attention's softmax dK/dV on the Gluon kernel, through the opaque rotary op under
+    # compile (kernels.gluon_compiled is on in the flagship; docs/kernels-log.md, 2026-12-05)
+    "gluonsm": ["kernels.gluon_bwd_softmax=true"],
 }
 
 

@@ -110,6 +110,27 @@ def _grads(st, dpt, scale, ACTIVATION: gl.constexpr):
 
 
 @gluon.jit
+def _turned_back(g, COS, SIN, row0, num_rows, stride_cs, ROPE: gl.constexpr):
+    """With ROPE, ``R^T g`` for the gradient ``g [rows, D]`` (float32) of a rotated operand's rows
+    ``row0 ..``: the channel pairs ``(j, j + D/2)`` turned back with the tables' rows (float32
+    ``[T, D/2]``, as ``kernels.rotary``; triton_common's ``store_grad``); without, ``g``. (ROPE
+    reaches the partitions as a runtime value, as ACTIVATION does: both branches keep g's type.)"""
+    if ROPE:
+        HALF: gl.constexpr = g.shape[1] // 2
+        g1, g2 = gl.split(gl.permute(gl.reshape(g, [g.shape[0], 2, HALF]), [0, 2, 1]))
+        layout: gl.constexpr = g1.type.layout
+        rows = gl.arange(0, g.shape[0], layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
+        table = (row0 + rows).to(gl.int64)[:, None] * stride_cs + cols[None, :]
+        valid = (rows < num_rows)[:, None]
+        cos = gl.load(COS + table, mask=valid, other=0.0).to(gl.float32)
+        sin = gl.load(SIN + table, mask=valid, other=0.0).to(gl.float32)
+        pairs = gl.join(g1 * cos + g2 * sin, g2 * cos - g1 * sin)  # [rows, D/2, 2]
+        g = gl.convert_layout(gl.reshape(gl.permute(pairs, [0, 2, 1]), [g.shape[0], g.shape[1]]), g.type.layout)
+    return g
+
+
+@gluon.jit
 def _dkdv_loader(
     k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, ready, free, WORK, TOTAL
 ):
@@ -165,12 +186,16 @@ def _dkdv_consumer(
     LSE,
     DELTA,
     stride_lse_h,
+    COS,
+    SIN,
+    stride_cs,
     WORK,
     TOTAL,
     scale,
     dk_scale,
     dv_scale,
     ACTIVATION: gl.constexpr,
+    ROPE: gl.constexpr,
     HALF: gl.constexpr,
 ):
     """A 4-warp consumer: keys ``HALF * 64`` to ``HALF * 64 + 63`` of each of the program's work
@@ -248,7 +273,8 @@ def _dkdv_consumer(
             mbarrier.arrive(free.index(last), count=1)
             it += n_steps
         # every product that read this tile's K and V is complete: they take dK and dV
-        store_tile((dk * dk_scale).to(dtype), DK + h * HEAD_D, dk_desc, k, row0, h * HEAD_D, num_keys, stride_dkt)
+        dk = _turned_back(dk * dk_scale, COS, SIN, row0, num_keys, stride_cs, ROPE)
+        store_tile(dk.to(dtype), DK + h * HEAD_D, dk_desc, k, row0, h * HEAD_D, num_keys, stride_dkt)
         store_tile((dv * dv_scale).to(dtype), DV + h * HEAD_D, dv_desc, v, row0, h * HEAD_D, num_keys, stride_dvt)
         tma.store_wait(0)
         mbarrier.arrive(kv_free.index(b), count=1)
@@ -279,12 +305,16 @@ def _dkdv_consumer0(
     LSE,
     DELTA,
     stride_lse_h,
+    COS,
+    SIN,
+    stride_cs,
     WORK,
     TOTAL,
     scale,
     dk_scale,
     dv_scale,
     ACTIVATION: gl.constexpr,
+    ROPE: gl.constexpr,
 ):
     _dkdv_consumer(
         k_smem,
@@ -309,12 +339,16 @@ def _dkdv_consumer0(
         LSE,
         DELTA,
         stride_lse_h,
+        COS,
+        SIN,
+        stride_cs,
         WORK,
         TOTAL,
         scale,
         dk_scale,
         dv_scale,
         ACTIVATION,
+        ROPE,
         0,
     )
 
@@ -343,12 +377,16 @@ def _dkdv_consumer1(
     LSE,
     DELTA,
     stride_lse_h,
+    COS,
+    SIN,
+    stride_cs,
     WORK,
     TOTAL,
     scale,
     dk_scale,
     dv_scale,
     ACTIVATION: gl.constexpr,
+    ROPE: gl.constexpr,
 ):
     _dkdv_consumer(
         k_smem,
@@ -373,12 +411,16 @@ def _dkdv_consumer1(
         LSE,
         DELTA,
         stride_lse_h,
+        COS,
+        SIN,
+        stride_cs,
         WORK,
         TOTAL,
         scale,
         dk_scale,
         dv_scale,
         ACTIVATION,
+        ROPE,
         1,
     )
 
@@ -397,17 +439,21 @@ def _gdpa_dkdv_kernel(
     DS,
     LSE,
     DELTA,
+    COS,
+    SIN,
     WORK,
     TOTAL,
     stride_dkt,
     stride_dvt,
     stride_dst,
     stride_lse_h,
+    stride_cs,
     kv_rows,
     scale,
     dk_scale,
     dv_scale,
     ACTIVATION: gl.constexpr,
+    ROPE: gl.constexpr,
     HEAD_D: gl.constexpr,
     BLOCK_M: gl.constexpr,
     STAGES: gl.constexpr,
@@ -446,12 +492,16 @@ def _gdpa_dkdv_kernel(
         LSE,
         DELTA,
         stride_lse_h,
+        COS,
+        SIN,
+        stride_cs,
         WORK,
         TOTAL,
         scale,
         dk_scale,
         dv_scale,
         ACTIVATION,
+        ROPE,
     )
     gl.warp_specialize(
         [
@@ -500,6 +550,7 @@ def dkdv(
     dv_scale,
     lse=None,
     delta=None,
+    rope=None,
     wrap=lambda kernel: kernel,
     num_sms=None,
     block_m=BWD_BLOCK_M,
@@ -509,11 +560,16 @@ def dkdv(
     stored-dS buffer) of the backward of GDPA (bf16 silu / fast_gelu) or softmax (bf16, no mask;
     ``lse`` and ``delta``: the forward's ``[H, rows]`` log-sum-exp in base 2 and the row sums of
     ``dO * O``, ``scale`` with log2 e in it); arguments as :func:`forward`, ``scale``,
-    ``dk_scale`` and ``dv_scale`` as the Triton dK/dV launcher's."""
+    ``dk_scale`` and ``dv_scale`` as the Triton dK/dV launcher's. ``rope``: ``(cos, sin)``
+    where Q and K are rotated and dK is to be turned back through the rotation (float32
+    ``[T, D/2]``, as ``kernels.rotary``). ``dk`` and ``dv`` may be strided views (the slices of
+    a packed ``[T, 3, H, D]`` gradient), with heads adjacent and 16-byte aligned rows."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     softmax = activation_code == SOFTMAX
     if softmax and (lse is None or delta is None or lse.stride() != delta.stride() or lse.stride(1) != 1):
         raise ValueError("gluon_bwd.dkdv: softmax needs lse and delta, [H, rows] float32 of one layout, rows adjacent")
+    cos, sin = rope if rope is not None else (dk, dk)  # (stand-ins, unread)
+    stride_cs = cos.stride(0) if rope is not None else 0
     # key tiles: the forward's work list with the roles of queries and keys swapped
     work, total = work_list(kv_offsets, q_offsets, batch_order, num_heads, max_kv_len, wrap)
     element = gl.bfloat16
@@ -541,17 +597,21 @@ def dkdv(
         ds,
         lse if softmax else dk,  # (GDPA: a stand-in, unread)
         delta if softmax else dk,
+        cos,
+        sin,
         work,
         total,
         dk.stride(0),
         dv.stride(0),
         ds.stride(1),
         lse.stride(0) if softmax else 0,
+        stride_cs,
         k.shape[0],
         scale,
         dk_scale,
         dv_scale,
         ACTIVATION=activation_code,
+        ROPE=rope is not None,
         HEAD_D=head_dim,
         BLOCK_M=block_m,
         STAGES=stages,

@@ -193,22 +193,28 @@ def _store_ds_buffer(q, k, max_q_len) -> torch.Tensor | None:
 
 
 def _gluon_dkdv(
-    q, k, v, grad_out, activation, causal, window, block_size, q_broadcast, store_ds, packed, config
-) -> bool:
-    """Whether gluon_bwd's dK/dV kernel runs the backward's dK/dV (and stores dS): the stored-dS
-    backward in bf16 silu / fast_gelu (the bf16x2 path) with ``config.gluon_bwd``, or in bf16
-    softmax with ``config.gluon_bwd_softmax``, where the Gluon kernels apply to q, k, v and dO's
-    rows can be addressed as q's."""
+    q, k, v, grad_out, dk, dv, packed_grad, activation, mask, store_ds, packed, rotated, config
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The (dK, dV) that gluon_bwd's dK/dV kernel writes (storing dS too) where it runs the
+    backward's dK/dV, else None: the stored-dS backward in bf16 silu / fast_gelu (the bf16x2
+    path, unrotated) with ``config.gluon_bwd``, or in bf16 softmax (Q and K ``rotated`` or not)
+    with ``config.gluon_bwd_softmax``, where the Gluon kernels apply to q, k, v and dO, dK and dV
+    can be addressed as q. ``mask``: (causal, window, block_size, q_broadcast). A packed
+    gradient's dK and dV are its slices (views: this path runs on real tensors only, never
+    traced by torch.compile)."""
     if not store_ds or INTERPRET or not q.is_cuda:
-        return False
+        return None
     from kernels.jagged_attention import gluon_common
 
-    mask = (causal, window, block_size, q_broadcast)
     if activation == "softmax":
         applies = config.gluon_bwd_softmax and gluon_common.softmax_dkdv_applies(q, k, v, activation, *mask)
     else:
-        applies = config.gluon_bwd and packed and gluon_common.applies(q, k, v, activation, *mask)
-    return applies and gluon_common.addressable(grad_out)
+        applies = config.gluon_bwd and packed and not rotated and gluon_common.applies(q, k, v, activation, *mask)
+    if not applies:
+        return None
+    if packed_grad is not None:
+        dk, dv = packed_grad.unbind(1)[-2:]
+    return (dk, dv) if all(gluon_common.addressable(t) for t in (grad_out, dk, dv)) else None
 
 
 def launch_backward(
@@ -304,13 +310,11 @@ def launch_backward(
     store_ds = ds is not None
     if ds is None:
         ds = q
-    if (
-        packed_grad is None
-        and rope is None
-        and _gluon_dkdv(
-            q, k, v, grad_out, activation, causal, window, block_size, q_broadcast, store_ds, packed, config
-        )
-    ):
+    mask = (causal, window, block_size, q_broadcast)
+    gluon_grads = _gluon_dkdv(
+        q, k, v, grad_out, dk, dv, packed_grad, activation, mask, store_ds, packed, rope is not None, config
+    )
+    if gluon_grads is not None:
         from kernels.jagged_attention import gluon_bwd
 
         _took("gluon_dkdv")
@@ -319,8 +323,7 @@ def launch_backward(
             k,
             v,
             grad_out,
-            dk,
-            dv,
+            *gluon_grads,
             ds,
             q_offsets,
             kv_offsets,
@@ -332,6 +335,7 @@ def launch_backward(
             dv_scale,
             lse=lse,
             delta=delta,
+            rope=rope,
         )
     else:
         _took("triton_dkdv")
@@ -587,17 +591,21 @@ def _rope_forward(qkv, cos, sin, offsets, sizes, activation, scales, wrap):
     return out, lse, order, q, k
 
 
-@define_op("gem_kernels::rotary_self_attention_fwd")
-def _rope_fwd_op(
-    qkv: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    offsets: torch.Tensor,
-    sizes: list[int],
-    activation: str,
-    scales: list[float],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _rope_forward(qkv, cos, sin, offsets, sizes, activation, scales, OP_WRAP)
+def _rope_forward_op(wrap):
+    """The rotary forward op's function, launching through ``wrap``."""
+
+    def forward(
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        offsets: torch.Tensor,
+        sizes: list[int],
+        activation: str,
+        scales: list[float],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _rope_forward(qkv, cos, sin, offsets, sizes, activation, scales, wrap)
+
+    return forward
 
 
 def _rope_backward_kernels(grad_out, q, k, qkv, out, lse, cos, sin, offsets, order, sizes, activation, scales, wrap):
@@ -621,29 +629,45 @@ def _rope_backward_kernels(grad_out, q, k, qkv, out, lse, cos, sin, offsets, ord
     return dqkv
 
 
-@define_op("gem_kernels::rotary_self_attention_bwd")
-def _rope_bwd_op(
-    grad_out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    qkv: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    offsets: torch.Tensor,
-    batch_order: torch.Tensor,
-    sizes: list[int],
-    activation: str,
-    scales: list[float],
-) -> torch.Tensor:
-    return _rope_backward_kernels(
-        grad_out, q, k, qkv, out, lse, cos, sin, offsets, batch_order, sizes, activation, scales, OP_WRAP
-    )
+def _rope_backward_op(wrap):
+    """The rotary backward op's function, launching through ``wrap``."""
+
+    def backward(
+        grad_out: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        qkv: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        offsets: torch.Tensor,
+        batch_order: torch.Tensor,
+        sizes: list[int],
+        activation: str,
+        scales: list[float],
+    ) -> torch.Tensor:
+        return _rope_backward_kernels(
+            grad_out, q, k, qkv, out, lse, cos, sin, offsets, batch_order, sizes, activation, scales, wrap
+        )
+
+    return backward
 
 
+_rope_fwd_op = define_op("gem_kernels::rotary_self_attention_fwd")(_rope_forward_op(OP_WRAP))
+_rope_bwd_op = define_op("gem_kernels::rotary_self_attention_bwd")(_rope_backward_op(OP_WRAP))
 fake_without_launch(_rope_fwd_op, _rope_forward)
 fake_without_launch(_rope_bwd_op, _rope_backward_kernels)
+# The opaque pair (settings.gluon_compiled with gluon_bwd_softmax), as jagged attention's: under
+# torch.compile the backward launches its kernels itself, so that the Gluon dK/dV runs there too.
+_rope_fwd_eager_op = torch.library.custom_op("gem_kernels::rotary_self_attention_fwd_eager", mutates_args=())(
+    _rope_forward_op(identity)
+)
+_rope_bwd_eager_op = torch.library.custom_op("gem_kernels::rotary_self_attention_bwd_eager", mutates_args=())(
+    _rope_backward_op(identity)
+)
+_rope_fwd_eager_op.register_fake(lambda *args: _rope_forward(*args, wrap=no_launch))
+_rope_bwd_eager_op.register_fake(lambda *args: _rope_backward_kernels(*args, wrap=no_launch))
 
 
 def _rope_setup_context(ctx, inputs, output) -> None:
@@ -653,22 +677,40 @@ def _rope_setup_context(ctx, inputs, output) -> None:
     ctx.params = params  # sizes, activation, scales
 
 
-def _rope_backward(ctx, grad_out, *unused):  # lse, order, q and k take no gradient
-    dqkv = torch.ops.gem_kernels.rotary_self_attention_bwd(grad_out, *ctx.saved_tensors, *ctx.params)
-    return dqkv, None, None, None, *([None] * len(ctx.params))
+def _rope_autograd_backward(bwd_op):
+    """The autograd formula of a rotary forward op whose backward op is ``bwd_op``."""
+
+    def backward(ctx, grad_out, *unused):  # lse, order, q and k take no gradient
+        dqkv = bwd_op(grad_out, *ctx.saved_tensors, *ctx.params)
+        return dqkv, None, None, None, *([None] * len(ctx.params))
+
+    return backward
 
 
 torch.library.register_autograd(
-    "gem_kernels::rotary_self_attention_fwd", _rope_backward, setup_context=_rope_setup_context
+    "gem_kernels::rotary_self_attention_fwd",
+    _rope_autograd_backward(torch.ops.gem_kernels.rotary_self_attention_bwd),
+    setup_context=_rope_setup_context,
+)
+torch.library.register_autograd(
+    "gem_kernels::rotary_self_attention_fwd_eager",
+    _rope_autograd_backward(torch.ops.gem_kernels.rotary_self_attention_bwd_eager),
+    setup_context=_rope_setup_context,
 )
 
 
-@register_flop_formula(torch.ops.gem_kernels.rotary_self_attention_fwd, get_raw=True)
+@register_flop_formula(
+    [torch.ops.gem_kernels.rotary_self_attention_fwd, torch.ops.gem_kernels.rotary_self_attention_fwd_eager],
+    get_raw=True,
+)
 def _rope_fwd_flop_formula(qkv, cos, sin, offsets, sizes, *args, out_val=None, **kwargs) -> int:
     return _forward_flops(qkv[:, 0], offsets, offsets, sizes)
 
 
-@register_flop_formula(torch.ops.gem_kernels.rotary_self_attention_bwd, get_raw=True)
+@register_flop_formula(
+    [torch.ops.gem_kernels.rotary_self_attention_bwd, torch.ops.gem_kernels.rotary_self_attention_bwd_eager],
+    get_raw=True,
+)
 def _rope_bwd_flop_formula(
     grad_out, q, k, qkv, out, lse, cos, sin, offsets, batch_order, sizes, *args, **kwargs
 ) -> int:
@@ -777,8 +819,23 @@ def packed_kv_attention_triton(q, kv, q_offsets, kv_offsets, max_kv_len, scale) 
 
 
 def rotary_self_attention_triton(qkv, cos, sin, offsets, max_len, scale, causal, window) -> torch.Tensor:
-    """Calls the registered rotary self-attention op (softmax, differentiable in ``qkv``)."""
-    out, _, _, _, _ = torch.ops.gem_kernels.rotary_self_attention_fwd(
+    """Calls the registered rotary self-attention op (softmax, differentiable in ``qkv``). Under
+    ``torch.compile`` with ``settings.gluon_compiled`` and ``settings.gluon_bwd_softmax``, a call
+    without a mask goes to the opaque op, whose backward may run the Gluon dK/dV."""
+    settings = current_settings()
+    opaque = (
+        not causal
+        and window < 0
+        and torch.compiler.is_compiling()
+        and settings.gluon_compiled
+        and settings.gluon_bwd_softmax
+    )
+    fwd_op = (
+        torch.ops.gem_kernels.rotary_self_attention_fwd_eager
+        if opaque
+        else torch.ops.gem_kernels.rotary_self_attention_fwd
+    )
+    out, _, _, _, _ = fwd_op(
         qkv, cos, sin, offsets, [max_len, max_len, int(causal), window, 0, 0], "softmax", [scale, 1.0]
     )
     return out

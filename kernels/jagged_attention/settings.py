@@ -38,8 +38,8 @@ class KernelSettings:
         gluon_bwd: the stored-dS backward's dK/dV runs the Gluon kernel (sm_90, bf16 silu and
             fast_gelu on the bf16x2 path).
         gluon_bwd_softmax: the same Gluon kernel for the softmax backward (bf16, no mask, jagged
-            queries, eager calls without a packed gradient or rotation). Compiled for sm_90 in
-            CI, not yet run on a GPU: off.
+            queries; in the rotary self-attention too, dK turned back through the rotation as it
+            is stored). Compiled for sm_90 in CI, not yet run on a GPU: off.
         store_ds: without a causal, window or block mask and without a broadcast Q, the dK/dV
             kernel stores dS and dQ = dS K reads it instead of recomputing S and dP.
         store_ds_max_mib: the stored-dS buffer's cap in MiB; above it dQ is recomputed.
@@ -51,7 +51,8 @@ class KernelSettings:
         gluon_compiled: under ``torch.compile``, attention with a pointwise activation and no mask
             (GDPA, the personalized FFN) runs as an opaque op that launches its kernels itself, so
             that the Gluon kernels run there too (Inductor launches only Triton kernels); meant
-            for CUDA graphs, which take away the launches' host time. Not yet measured: off.
+            for CUDA graphs, which take away the launches' host time. With ``gluon_bwd_softmax``
+            the rotary self-attention without a mask too. Not yet measured: off.
         generated_weights: under ``torch.compile`` with the Triton backend, the personalized FFN's
             generated K/V (``gem.models.sequence.generate_weights``) take their three gradients
             from one read of the gradient (:mod:`kernels.generated_weights`); off, a sum over the

@@ -11,7 +11,8 @@ the backward also with GEM_KERNELS_STORE_DS's kernels.
 The pooling kernels (``kernels.attention_pooling``) compile at width 512 for 16 and 128 columns.
 Last, the Gluon forward (``gluon_fwd.py``: inline PTX, TMA, warp specialization) for every
 pointwise activation, whose cubins must not spill, and the Gluon dK/dV kernel (bf16 silu and
-fast_gelu), whose cubins may spill at most ``GLUON_DKDV_STACK`` bytes per thread.
+fast_gelu; softmax, also with the rotary self-attention's rotation and packed gradient), whose
+cubins may spill at most ``GLUON_DKDV_STACK`` bytes per thread.
 ``python tests/kernels/sm90_compile.py --resources [activation ...]`` compiles every autotune
 config instead and prints each one's registers and spill (stack) bytes per thread,
 read from the cubin with the cuobjdump that ships with Triton; set GEM_KERNELS_TUNE_SPACE=wide for
@@ -154,7 +155,7 @@ def _compile(fn, args, kwargs, float_type):
         assert stack <= (0 if "PACKED" in kwargs else GLUON_DKDV_STACK), resources
         print(
             f"compiled gluon {fn.__name__} activation={kwargs['ACTIVATION']} "
-            f"head_dim={kwargs['HEAD_D']} bf16x2={packed} {resources} "
+            f"head_dim={kwargs['HEAD_D']} bf16x2={packed} rope={int(kwargs.get('ROPE', False))} {resources} "
             f"shared={compiled.metadata.shared}",
             flush=True,
         )
@@ -337,6 +338,35 @@ def main() -> None:
             wrap=compile_only,
             num_sms=132,
         )
+    # softmax as the rotary self-attention calls it: dK turned back through the rotation, dK and
+    # dV written into the slices of a packed [T, 3, H, D] gradient
+    inputs = make_inputs([5, 0, 130], num_heads=2, head_dim=128, dtype=torch.bfloat16)
+    q, k, v = inputs.tensors()
+    dqkv = q.new_empty(q.shape[0], 3, 2, 128)
+    lse = torch.empty(2, q.shape[0], dtype=torch.float32)
+    tables = torch.empty(q.shape[0], 64, dtype=torch.float32)
+    gluon_bwd.dkdv(
+        q,
+        k,
+        v,
+        torch.empty_like(q),
+        dqkv[:, 1],
+        dqkv[:, 2],
+        q.new_empty(2, k.shape[0], testing.store_ds_row(inputs.max_q_len)),
+        inputs.q_offsets,
+        inputs.kv_offsets,
+        order,
+        inputs.max_kv_len,
+        testing.ACTIVATION_CODES["softmax"],
+        0.088,
+        0.1,
+        1.0,
+        lse=lse,
+        delta=torch.empty_like(lse),
+        rope=(tables, tables),
+        wrap=compile_only,
+        num_sms=132,
+    )
 
 
 if __name__ == "__main__":

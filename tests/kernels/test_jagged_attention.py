@@ -316,16 +316,17 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     # the stored-dS backward (the forward, LATE_PV for fast_gelu, the preprocess for softmax, dK/dV
     # storing dS, dQ from dS), with fp32 and with fp64 scalars, and the batch order kernel. Then
     # the Gluon forward (six cases, each with its work-list kernel): bf16 silu and fast_gelu on
-    # the bf16x2 path, no spills (checked in the script); the Gluon dK/dV (three cases on bf16x2
-    # and softmax at two head dims, each with its work-list kernel). And kernels.rotary's kernel,
+    # the bf16x2 path, no spills (checked in the script); the Gluon dK/dV (three cases on bf16x2,
+    # softmax at two head dims and with the rotation, each with its work-list kernel). And kernels.rotary's kernel,
     # both ways, at two head dims;
     # rotary self-attention (Q and K rotated, then the softmax forward and a backward turning dK and
     # dQ back, once storing dS without a mask and once recomputing dQ, causal); and
     # kernels.attention_pooling's two kernels at 16 and 128 columns.
-    assert sum(line.startswith("compiled gluon") for line in lines) == 11, lines
+    assert sum(line.startswith("compiled gluon") for line in lines) == 12, lines
     assert sum("bf16x2=True" in line for line in lines) == 5, lines
-    assert sum(line.startswith("compiled gluon _gdpa_dkdv_kernel activation=0") for line in lines) == 2, lines
-    assert sum("_work_list_kernel" in line for line in lines) == 11, lines
+    assert sum(line.startswith("compiled gluon _gdpa_dkdv_kernel activation=0") for line in lines) == 3, lines
+    assert sum(line.startswith("compiled gluon") and "rope=1" in line for line in lines) == 1, lines
+    assert sum("_work_list_kernel" in line for line in lines) == 12, lines
     assert sum("packed=True" in line for line in lines) == 16, lines
     assert sum("floats=fp64" in line for line in lines) == 20, lines
     assert sum("causal=False" in line for line in lines) == 25, lines
@@ -334,9 +335,9 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     assert sum("_bwd_dq_from_ds_kernel" in line for line in lines) == 5, lines
     assert sum("_batch_order_kernel" in line for line in lines) == 1, lines
     assert sum("_rotary_kernel" in line for line in lines) == 5, lines
-    assert sum("rope=1" in line for line in lines) == 4, lines
+    assert sum("rope=1" in line for line in lines) == 5, lines
     assert sum("_pool_" in line for line in lines) == 4, lines
-    assert len(lines) == 83, lines
+    assert len(lines) == 85, lines
 
 
 @pytest.fixture

@@ -246,3 +246,71 @@ def test_gpu_self_attention_gem_base_shapes_eager_and_compiled(mask):
         compiled.backward(grad)
     assert torch.equal(compiled.float(), out)
     assert torch.equal(qkv.grad.float(), dqkv)
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_gluon_softmax_compiled_sends_the_unmasked_call_to_the_opaque_op(on):
+    """settings.gluon_compiled with gluon_bwd_softmax: under torch.compile an unmasked rotary
+    self-attention call goes to the opaque op, whose backward launches its kernels itself (the
+    Gluon dK/dV where it applies, on an H200); a causal call stays on the traced op. The same
+    outputs and gradients as eager."""
+    from torch._dynamo.testing import EagerAndRecordGraphs
+
+    lengths = [6, 0, 13]
+    qkv, cos, sin = _inputs(lengths, 2, 16, torch.float32)
+    offsets = torch.tensor([0, *lengths], device=DEVICE).cumsum(0)
+
+    def layer(x):
+        plain = rotary_self_attention(x, cos, sin, offsets, 13, backend="triton")
+        return plain + rotary_self_attention(x, cos, sin, offsets, 13, causal=True, backend="triton")
+
+    with testing.override(rotary_fused=True, gluon_compiled=on, gluon_bwd_softmax=on):
+        graphs = EagerAndRecordGraphs()
+        torch._dynamo.reset()
+        out = torch.compile(layer, fullgraph=True, backend=graphs)(qkv)
+        (grad,) = torch.autograd.grad(out.sum(), qkv)
+        ref = layer(qkv)
+        (ref_grad,) = torch.autograd.grad(ref.sum(), qkv)
+    assert (out - ref).norm() <= 1e-6 * ref.norm()
+    assert (grad - ref_grad).norm() <= 1e-6 * ref_grad.norm()
+    (graph,) = graphs.graphs
+    ops = [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
+    assert ops.count("gem_kernels.rotary_self_attention_fwd_eager") == on
+    assert ops.count("gem_kernels.rotary_self_attention_fwd") == 2 - on
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("mode", ["eager", "default", "reduce-overhead"])
+def test_gpu_self_attention_gluon_dkdv(mode):
+    """settings.gluon_bwd_softmax: gem_base's unmasked self-attention (4 heads of 128, bf16) with
+    its dK/dV on the Gluon kernel, dK turned back through the rotation and written into d qkv,
+    against the Triton dK/dV: eager, and compiled (gluon_compiled: the opaque op; under CUDA
+    graphs three calls, warm-up, recording, replay). Within bf16 rounding, every part of d qkv."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels need sm_90")
+    lengths = torch.randint(0, 513, (64,), generator=torch.Generator().manual_seed(3)).tolist()
+    qkv, cos, sin = _inputs(lengths, 4, 128, torch.bfloat16, device="cuda")
+    offsets = torch.tensor([0, *lengths], device="cuda").cumsum(0)
+    grad = torch.randn(qkv.shape[0], 4, 128, device="cuda", dtype=qkv.dtype)
+    ref, ref_dqkv, ref_paths = _self_attention(qkv, cos, sin, offsets, grad, "fused")
+    assert "gluon_dkdv" not in ref_paths
+
+    def layer(x):
+        return rotary_self_attention(x * 1.0, cos, sin, offsets, max(lengths), backend="triton")
+
+    with (
+        testing.override(rotary_fused=True, gluon_bwd_softmax=True, gluon_compiled=True),
+        testing.record_paths() as paths,
+    ):
+        torch._dynamo.reset()
+        run = layer if mode == "eager" else torch.compile(layer, mode=mode, fullgraph=True)
+        for _ in range(3 if mode == "reduce-overhead" else 1):
+            qkv.grad = None
+            out = run(qkv)
+            out.backward(grad)
+    assert "gluon_dkdv" in paths  # CUDA graphs replay unseen
+    assert (out.float() - ref).norm() <= 1e-2 * ref.norm()
+    for part in range(3):
+        expected = ref_dqkv[:, part]
+        assert (qkv.grad.float()[:, part] - expected).norm() <= 1e-2 * expected.norm(), part
