@@ -497,22 +497,22 @@ def _backward_op(wrap):
     return backward
 
 
+def _define_opaque_pair(name: str, forward_op, backward_op, forward, backward_kernels) -> None:
+    """``gem_kernels::<name>_fwd_eager`` / ``<name>_bwd_eager`` (settings.gluon_compiled): the
+    launchers behind ``custom_op`` s, called as they are, which torch.compile calls without looking
+    inside, so that they pick their kernels (the Gluon ones included) on the real tensors. Their
+    outputs under tracing are the Triton launchers' allocations with nothing launched; the Gluon
+    kernels allocate the same shapes (lse is a placeholder of one element without softmax)."""
+    for part, make, launcher in (("fwd", forward_op, forward), ("bwd", backward_op, backward_kernels)):
+        op = torch.library.custom_op(f"gem_kernels::{name}_{part}_eager", mutates_args=())(make(identity))
+        op.register_fake(lambda *args, launcher=launcher: launcher(*args, wrap=no_launch))
+
+
 _fwd_op = define_op("gem_kernels::jagged_attention_fwd")(_forward_op(OP_WRAP))
 _bwd_op = define_op("gem_kernels::jagged_attention_bwd")(_backward_op(OP_WRAP))
 fake_without_launch(_fwd_op, _forward)
 fake_without_launch(_bwd_op, _backward_kernels)
-
-# The opaque pair (settings.gluon_compiled): the same launchers, called as they are. Their outputs
-# under tracing are the Triton launchers' allocations with nothing launched; the Gluon kernels
-# allocate the same shapes (lse is a placeholder of one element without softmax).
-_fwd_eager_op = torch.library.custom_op("gem_kernels::jagged_attention_fwd_eager", mutates_args=())(
-    _forward_op(identity)
-)
-_bwd_eager_op = torch.library.custom_op("gem_kernels::jagged_attention_bwd_eager", mutates_args=())(
-    _backward_op(identity)
-)
-_fwd_eager_op.register_fake(lambda *args: _forward(*args, wrap=no_launch))
-_bwd_eager_op.register_fake(lambda *args: _backward_kernels(*args, wrap=no_launch))
+_define_opaque_pair("jagged_attention", _forward_op, _backward_op, _forward, _backward_kernels)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -658,16 +658,8 @@ _rope_fwd_op = define_op("gem_kernels::rotary_self_attention_fwd")(_rope_forward
 _rope_bwd_op = define_op("gem_kernels::rotary_self_attention_bwd")(_rope_backward_op(OP_WRAP))
 fake_without_launch(_rope_fwd_op, _rope_forward)
 fake_without_launch(_rope_bwd_op, _rope_backward_kernels)
-# The opaque pair (settings.gluon_compiled with gluon_bwd_softmax), as jagged attention's: under
-# torch.compile the backward launches its kernels itself, so that the Gluon dK/dV runs there too.
-_rope_fwd_eager_op = torch.library.custom_op("gem_kernels::rotary_self_attention_fwd_eager", mutates_args=())(
-    _rope_forward_op(identity)
-)
-_rope_bwd_eager_op = torch.library.custom_op("gem_kernels::rotary_self_attention_bwd_eager", mutates_args=())(
-    _rope_backward_op(identity)
-)
-_rope_fwd_eager_op.register_fake(lambda *args: _rope_forward(*args, wrap=no_launch))
-_rope_bwd_eager_op.register_fake(lambda *args: _rope_backward_kernels(*args, wrap=no_launch))
+# (with gluon_bwd_softmax too: the backward's Gluon dK/dV)
+_define_opaque_pair("rotary_self_attention", _rope_forward_op, _rope_backward_op, _rope_forward, _rope_backward_kernels)
 
 
 def _rope_setup_context(ctx, inputs, output) -> None:
