@@ -4,7 +4,8 @@ Both Gluon kernels (``gluon_fwd.py``: the GDPA forward; ``gluon_bwd.py``: the st
 backward's dK/dV) are persistent: one program per SM loops over a compact list of work tiles
 (128 rows of one example and head) built on the GPU by :func:`work_list` without a host sync,
 examples in ``batch_order`` (most work first), then row blocks, then heads. ``op.py`` decides
-when they run (:func:`applies`, ``settings.gluon`` / ``settings.gluon_bwd``).
+when they run (:func:`applies`, :func:`softmax_dkdv_applies`, ``settings.gluon`` /
+``settings.gluon_bwd`` / ``settings.gluon_bwd_softmax``).
 """
 
 from __future__ import annotations
@@ -32,10 +33,8 @@ SOFTMAX, SILU, GELU, FAST_GELU, RELU = (
 
 
 def applies(q, k, v, activation, causal, window, block_size, q_broadcast) -> bool:
-    """Whether this kernel computes the forward: real (not traced) 16-bit CUDA tensors on an sm_90
-    GPU, a pointwise activation without a causal, window or block mask, jagged queries, head dim
-    64 or 128, and non-empty ``[rows, H, D]`` tensors that a 2-D descriptor over ``[rows, H * D]``
-    can address (heads adjacent, 16-byte aligned base and row stride)."""
+    """Whether the Gluon kernels take a GDPA call: a pointwise activation without a causal,
+    window or block mask, jagged queries, and tensors as :func:`tensors_apply` asks."""
     return tc.unmasked_pointwise(activation, causal, window, block_size, q_broadcast) and tensors_apply(q, k, v)
 
 
@@ -48,7 +47,8 @@ def softmax_dkdv_applies(q, k, v, activation, causal, window, block_size, q_broa
 
 def tensors_apply(q, k, v) -> bool:
     """Real (not traced) 16-bit CUDA tensors on an sm_90 GPU, head dim 64 or 128, non-empty
-    ``[rows, H, D]`` tensors that a 2-D descriptor over ``[rows, H * D]`` can address."""
+    ``[rows, H, D]`` tensors that a 2-D descriptor over ``[rows, H * D]`` can address (heads
+    adjacent, 16-byte aligned base and row stride)."""
     if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         return False
     if torch.compiler.is_compiling() or any(is_fake(t) for t in (q, k, v)):
