@@ -565,7 +565,7 @@ def dkdv(
     ``[T, D/2]``, as ``kernels.rotary``). ``dk`` and ``dv`` may be strided views (the slices of
     a packed ``[T, 3, H, D]`` gradient), with heads adjacent and 16-byte aligned rows."""
     num_heads, head_dim = q.shape[1], q.shape[2]
-    softmax = activation_code == SOFTMAX
+    softmax = activation_code == tc.SOFTMAX
     if softmax and (lse is None or delta is None or lse.stride() != delta.stride() or lse.stride(1) != 1):
         raise ValueError("gluon_bwd.dkdv: softmax needs lse and delta, [H, rows] float32 of one layout, rows adjacent")
     cos, sin = rope if rope is not None else (dk, dk)  # (stand-ins, unread)
