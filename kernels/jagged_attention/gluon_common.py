@@ -38,11 +38,10 @@ def applies(q, k, v, activation, causal, window, block_size, q_broadcast) -> boo
     return tc.unmasked_pointwise(activation, causal, window, block_size, q_broadcast) and tensors_apply(q, k, v)
 
 
-def softmax_dkdv_applies(q, k, v, activation, causal, window, block_size, q_broadcast) -> bool:
-    """Whether the Gluon dK/dV kernel can take a softmax backward: bf16, no causal, window or
-    block mask, jagged queries, and tensors as :func:`applies` asks."""
-    unmasked = not (causal or window >= 0 or block_size > 0 or q_broadcast)
-    return activation == "softmax" and unmasked and q.dtype == torch.bfloat16 and tensors_apply(q, k, v)
+def softmax_dkdv_applies(q, k, v, causal, window, block_size, q_broadcast) -> bool:
+    """Whether the Gluon dK/dV kernel can take a softmax call's backward: bf16, no causal, window
+    or block mask, jagged queries, and tensors as :func:`tensors_apply` asks."""
+    return tc.unmasked(causal, window, block_size, q_broadcast) and q.dtype == torch.bfloat16 and tensors_apply(q, k, v)
 
 
 def tensors_apply(q, k, v) -> bool:

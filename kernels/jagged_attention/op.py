@@ -55,6 +55,7 @@ from kernels.jagged_attention.triton_common import (
     launch_meta,
     no_launch,
     packed_act,
+    unmasked,
     unmasked_pointwise,
 )
 
@@ -170,7 +171,7 @@ def store_ds_bytes(q, k, max_q_len, causal, window, block_size, q_broadcast) -> 
     """Bytes of the stored-dS buffer, ``H x (K/V rows) x store_ds_row(max_q_len)`` elements, or 0
     where the stored-dS backward does not apply (a causal, window or block mask, whose dK/dV
     kernel skips tiles; a broadcast Q)."""
-    if causal or window >= 0 or block_size > 0 or q_broadcast:
+    if not unmasked(causal, window, block_size, q_broadcast):
         return 0
     return q.shape[1] * k.shape[0] * store_ds_row(max_q_len) * q.element_size()
 
@@ -207,7 +208,7 @@ def _gluon_dkdv(
     from kernels.jagged_attention import gluon_common
 
     if activation == "softmax":
-        applies = config.gluon_bwd_softmax and gluon_common.softmax_dkdv_applies(q, k, v, activation, *mask)
+        applies = config.gluon_bwd_softmax and gluon_common.softmax_dkdv_applies(q, k, v, *mask)
     else:
         applies = config.gluon_bwd and packed and not rotated and gluon_common.applies(q, k, v, activation, *mask)
     if not applies:

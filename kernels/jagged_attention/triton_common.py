@@ -457,10 +457,15 @@ def device_capability(t: torch.Tensor) -> tuple[int, int]:
     return capability(t.device.index) if t.is_cuda else (0, 0)
 
 
+def unmasked(causal: bool, window: int, block_size: int, q_broadcast: bool) -> bool:
+    """No causal, window or block mask, and jagged queries (not one set broadcast to every example)."""
+    return not (causal or window >= 0 or block_size > 0 or q_broadcast)
+
+
 def unmasked_pointwise(activation: str, causal: bool, window: int, block_size: int, q_broadcast: bool) -> bool:
     """A call the Gluon kernels take, as far as its arguments say: a pointwise activation (GDPA),
     no causal, window or block mask, jagged queries (``gluon_common.applies`` checks the tensors)."""
-    return activation != "softmax" and not (causal or window >= 0 or block_size > 0 or q_broadcast)
+    return activation != "softmax" and unmasked(causal, window, block_size, q_broadcast)
 
 
 def packed_act(q: torch.Tensor, activation: str, config: KernelSettings, arch: tuple[int, int] | None = None) -> bool:
