@@ -13,7 +13,7 @@ import torch
 
 from gem.data.format.dataset import schema_from_files, split_files
 from gem.data.pipeline.loader import build_loader
-from gem.data.sources.seqrec import SeqRecOptions, read_s3rec, write_seqrec
+from gem.data.sources.seqrec import SeqRecOptions, item_cooccurrence, read_s3rec, write_seqrec
 from gem.models.gem import GEMModel
 from gem.models.generative import GenerativeSeqArch
 from gem.sparse.arch import SparseArch
@@ -507,6 +507,7 @@ def test_each_position_sees_only_its_past(generative_data, block, pffn, ffn):
         ["model.block=kunlun", "model.window=3"],
         ["sparse=torchrec", "model.negatives=null"],
         ["model.negatives=null", "model.attribute_loss=0.5"],  # as experiment=seqrec_gen_lastfm
+        ["model.cooccurrence=2.0"],  # the prior from the training split, set by the trainer's build_model
         pytest.param(["trainer.device=cuda"], marks=pytest.mark.gpu, id="cuda-native"),
         # the item table shared by the candidate, the history and the negatives, sharded on one GPU (FBGEMM's kernels)
         pytest.param(
@@ -606,6 +607,47 @@ def test_the_shared_ffn_and_residual_dropout(generative_data):
     assert not torch.allclose(model.dense_arch.encode(sparse), model.dense_arch.encode(sparse))
 
 
+def test_item_cooccurrence_is_the_cosine_over_the_users_holding_both_items(generative_data):
+    sequences, out = generative_data
+    num_items = schema_from_files(split_files(out, "train")).cardinality("hist_item")
+    keys, values = item_cooccurrence(split_files(out, "train"), num_items)
+    users = [set(s[:-2][-OPTIONS.max_len :].tolist()) for s in sequences]  # what the training rows hold
+    holders = {i: sum(i in u for u in users) for u in users for i in u}
+    expected = {}
+    for u in users:
+        for i in u:
+            for j in u - {i}:
+                expected[i * num_items + j] = expected.get(i * num_items + j, 0) + 1
+    expected = {k: c / math.sqrt(holders[k // num_items] * holders[k % num_items]) for k, c in expected.items()}
+    assert keys.tolist() == sorted(expected)
+    assert values.tolist() == pytest.approx([expected[k] for k in keys.tolist()], rel=1e-6)
+
+
+def test_the_cooccurrence_prior_adds_to_the_ranking_score(generative_data):
+    """model.cooccurrence: ``gamma * log(1 + sum_j S[j, c])`` over the row's last events ``j``,
+    added to the score of the same weights without it."""
+    _, out = generative_data
+    schema, batch = _batch(out, "test", batch_size=100)
+    num_items = schema.cardinality("hist_item")
+    keys, values = item_cooccurrence(split_files(out, "train"), num_items)
+    base = _model(schema).eval()
+    model = _model(schema, cooccurrence=2.0, cooccurrence_window=3).eval()
+    with pytest.raises(RuntimeError, match="co-occurrence was never set"):
+        model(batch)
+    model.dense_arch.set_cooccurrence(torch.as_tensor(keys), torch.as_tensor(values))
+    S = dict(zip(keys.tolist(), values.tolist()))
+    hist = batch.sequences.to_dict()["hist_item"]
+    starts = [0, *hist.lengths().cumsum(0).tolist()]
+    candidates = batch.sparse.to_dict()["item_id"].values().tolist()
+    expected = []
+    for b, c in enumerate(candidates):
+        recent = hist.values()[starts[b] : starts[b + 1]][-3:].tolist()
+        expected.append(2.0 * math.log1p(sum(S.get(j * num_items + c, 0.0) for j in recent)))
+    added = (model(batch) - base(batch)).squeeze(1)
+    assert sum(e > 0 for e in expected) > 20  # most candidates co-occur with a recent event
+    torch.testing.assert_close(added, torch.tensor(expected), rtol=1e-5, atol=1e-5)
+
+
 def test_generative_arch_names_what_it_needs(generative_data):
     _, out = generative_data
     schema = schema_from_files(split_files(out, "train"))
@@ -621,6 +663,10 @@ def test_generative_arch_names_what_it_needs(generative_data):
         _model(schema, ffn=-1)
     with pytest.raises(ValueError, match=r"model.residual_dropout=1.0 in \[0, 1\)"):
         _model(schema, residual_dropout=1.0)
+    with pytest.raises(ValueError, match=r"model.cooccurrence=-1.0 must be >= 0"):
+        _model(schema, cooccurrence=-1.0)
+    with pytest.raises(ValueError, match=r"model.cooccurrence_window=0 >= 1"):
+        _model(schema, cooccurrence=1.0, cooccurrence_window=0)
     with pytest.raises(ValueError, match="data.seqrec.objective='listwise'"):
         SeqRecOptions.from_config({"objective": "listwise"})
 

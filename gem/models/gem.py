@@ -15,7 +15,8 @@ class GEMModel(nn.Module):
     ``dense_arch`` is any module with ``forward(sparse_output, dense [B, num_dense], domain [B])``
     returning logits, and an ``init_weights()`` method. A dense arch that also reads the ids of
     some sequence features (a generative objective: which item is which) names them in
-    ``sequence_ids``; it then gets ``ids={feature: values [T]}`` as well. A dense arch that reads
+    ``sequence_ids`` (pooled features too, one id per row: a ranking row's candidate); it then gets
+    ``ids={feature: values [T]}`` as well. A dense arch that reads
     a teacher's outputs (knowledge transfer, ``gem.transfer.student``) sets ``teacher_inputs = True``;
     it then gets ``teacher=batch.teacher, teacher_repr=batch.teacher_repr`` as well.
 
@@ -44,6 +45,8 @@ class GEMModel(nn.Module):
         names = getattr(self.dense_arch, "sequence_ids", ())
         if names:
             ids = batch.sequences.to_dict()
+            if any(f not in ids for f in names):  # a pooled feature's ids (a ranking row's candidate)
+                ids |= batch.sparse.to_dict()
             return self.dense_arch(embeddings, batch.dense, batch.domain, ids={f: ids[f].values() for f in names})
         if self.row_bucket:
             padded = pad_examples(embeddings, batch.dense, batch.domain, self.row_bucket, self.max_lens)

@@ -149,6 +149,12 @@ class GenerativeSeqArch(nn.Module):
     attribute_loss: weight of an auxiliary loss (0: none): each position also predicts the next
         event's attributes, a softmax over the attribute vocabulary (its own output layer) averaged
         over the attributes the event carries. Needs ``item_attributes``.
+    cooccurrence / cooccurrence_window: weight ``gamma`` of an item-based collaborative-filtering
+        prior in the ranking score (0: none): ``gamma * log(1 + sum_j S[j, c])`` is added to the
+        score of candidate ``c``, over the last ``cooccurrence_window`` events ``j`` of the history,
+        with ``S`` the items' cosine of co-occurrence over the training split's users
+        (gem.data.sources.seqrec.item_cooccurrence, handed over by :meth:`set_cooccurrence`). It is
+        fixed, not trained, and the next-event and masked-item losses do not use it.
     attention_backend: ``kernels.jagged_attention`` backend.
     objective: ``next_event`` (the sampled softmax above); ``masked_item``, pretraining in the
         manner of S3-Rec's masked item prediction: attention over the whole history (not
@@ -190,6 +196,8 @@ class GenerativeSeqArch(nn.Module):
         residual_dropout: float = 0.0,
         label_smoothing: float = 0.0,
         attribute_loss: float = 0.0,
+        cooccurrence: float = 0.0,
+        cooccurrence_window: int = 10,
         attention_backend: str | None = None,
         objective: str = "next_event",
         mask_prob: float = 0.2,
@@ -239,7 +247,17 @@ class GenerativeSeqArch(nn.Module):
         if item_attributes:
             self.attr_slots = _attribute_slots(schema, tables, candidate_features, sequence, negatives)
         slots = [f for names in self.attr_slots.values() for f in names]
-        self.sequence_ids = tuple(f for f in (self.item_feature, self.negative_feature, *slots) if f is not None)
+        if cooccurrence < 0 or cooccurrence_window < 1:
+            raise ValueError(
+                f"model.cooccurrence={cooccurrence!r} must be >= 0 (0: no prior) and "
+                f"model.cooccurrence_window={cooccurrence_window!r} >= 1"
+            )
+        self.cooccurrence, self.cooccurrence_window = cooccurrence, cooccurrence_window
+        # ranking rows' candidate ids, for the co-occurrence prior (GEMModel hands over pooled ones too)
+        prior = self.candidate if cooccurrence else None
+        self.sequence_ids = tuple(
+            f for f in (self.item_feature, self.negative_feature, *slots, prior) if f is not None
+        )
         self.num_items = schema.cardinality(self.item_feature)
         self.item_dim = feature_dims[self.candidate]
         if item_bias and self.item_dim < 2:
@@ -295,6 +313,10 @@ class GenerativeSeqArch(nn.Module):
                 "set model.item_attributes=true (and data.seqrec.event_attrs >= 1), or model.attribute_loss=0"
             )
         self.attribute_loss = attribute_loss
+        # S of the co-occurrence prior as sorted keys (i * num_items + j) and values; not in checkpoints:
+        # the trainer computes it from the training split at every start (set_cooccurrence)
+        self.register_buffer("cooc_keys", torch.zeros(0, dtype=torch.int64), persistent=False)
+        self.register_buffer("cooc_values", torch.zeros(0), persistent=False)
         self.attr_head = (
             nn.Linear(query_dim, schema.cardinality(self.attr_slots[sequence][0])) if attribute_loss else None
         )
@@ -344,7 +366,38 @@ class GenerativeSeqArch(nn.Module):
         candidates = sparse.pooled[self.candidate]
         if self.attr_proj is not None:  # the bag of the candidate's attributes, summed by the SparseArch
             candidates = candidates + self.attr_proj(sparse.pooled[self.candidate_attrs])
-        return self._rows(last, candidates).unsqueeze(1)
+        scores = self._rows(last, candidates)
+        if self.cooccurrence:
+            offsets = sparse.sequences[self.sequence].offsets
+            prior = self.cooccurrence_prior(offsets, ids[self.item_feature], ids[self.candidate])
+            scores = scores + self.cooccurrence * prior
+        return scores.unsqueeze(1)
+
+    def set_cooccurrence(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """``S`` of the co-occurrence prior: sorted keys ``i * num_items + j`` and their values, as
+        gem.data.sources.seqrec.item_cooccurrence gives them for this model's item table."""
+        device = self.cooc_keys.device
+        end = torch.tensor([torch.iinfo(torch.int64).max])  # past every key: a lookup always lands on an entry
+        self.cooc_keys = torch.cat([torch.as_tensor(keys, dtype=torch.int64), end]).to(device)
+        self.cooc_values = torch.cat([torch.as_tensor(values, dtype=torch.float32), torch.zeros(1)]).to(device)
+
+    def cooccurrence_prior(self, offsets: torch.Tensor, items: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """``[B]``: ``log(1 + sum_j S[j, candidates[b]])`` over the last ``cooccurrence_window`` of
+        row ``b``'s history items ``j`` (``items``: the rows' histories, jagged by ``offsets``)."""
+        if not self.cooc_keys.numel():
+            raise RuntimeError(
+                "model.cooccurrence: the training split's co-occurrence was never set "
+                "(GenerativeSeqArch.set_cooccurrence); gem.train's build_model sets it from the data"
+            )
+        total = items.shape[0]
+        row = segment_ids(offsets, total)
+        recent = jagged_positions(offsets, total) >= offsets_to_lengths(offsets)[row] - self.cooccurrence_window
+        row = row[recent]
+        key = items[recent] * self.num_items + candidates[row]
+        at = torch.searchsorted(self.cooc_keys, key)
+        found = torch.where(self.cooc_keys[at] == key, self.cooc_values[at], 0.0)
+        sums = torch.zeros(offsets.shape[0] - 1, device=items.device).index_add_(0, row, found)
+        return torch.log1p(sums)
 
     def last_states(self, sparse: SparseOutput) -> torch.Tensor:
         """``[B, D_item]``: ``H`` after each row's last event (zeros for an empty history).

@@ -148,7 +148,7 @@ def build_model(data: Data) -> nn.Module:
     fused optimizer, or plain ones; FSDP2 on the dense arch with several ranks), on ``data.device``."""
     from gem.train.trainer import build_model as _build_model
 
-    return _build_model(data.config, data.schema, data.env)
+    return _build_model(data.config, data.schema, data.env, source=data.source)
 
 
 class Optimizers:

@@ -136,9 +136,16 @@ def parallel_dims(config: Config, env: DistEnv):
         raise ConfigError(str(e)) from None
 
 
-def build_model(config: Config, schema: FeatureSchema, env: DistEnv, timer: StartupTimer | None = None) -> GEMModel:
+def build_model(
+    config: Config,
+    schema: FeatureSchema,
+    env: DistEnv,
+    timer: StartupTimer | None = None,
+    source: DataSource | None = None,
+) -> GEMModel:
     """SparseArch (TorchRec-sharded or not) + the configured dense arch, materialized on ``env.device``,
-    then ``parallelize_gem`` (FSDP2 / HSDP on the ParallelDims mesh when ``world_size > 1``)."""
+    then ``parallelize_gem`` (FSDP2 / HSDP on the ParallelDims mesh when ``world_size > 1``). A
+    generative arch with ``model.cooccurrence`` gets its prior from ``source``'s training split."""
     from gem.distributed.parallel_dims import dtype_from_name
     from gem.distributed.parallelize import parallelize_gem
     from kernels.jagged_attention import settings as kernel_settings
@@ -201,6 +208,12 @@ def build_model(config: Config, schema: FeatureSchema, env: DistEnv, timer: Star
         raise ConfigError(f"model: could not build {config.model.get('_target_')}: {e}") from e
     dense.to_empty(device=env.device)
     dense.init_weights()  # the same on every rank (same seed): fully_shard keeps each rank's slice
+    if getattr(dense, "cooccurrence", 0):  # a seqrec ranking prior, from the training split (docs/seqrec.md)
+        if source is None:
+            raise ConfigError("model.cooccurrence needs the training split: build the model with its data source")
+        from gem.data.sources.seqrec import item_cooccurrence
+
+        dense.set_cooccurrence(*item_cooccurrence(source.files("train"), dense.num_items, dense.item_feature))
     if p.row_bucket and (getattr(dense, "teacher_inputs", False) or getattr(dense, "sequence_ids", ())):
         raise ConfigError(
             "parallelism.row_bucket pads the ranking model's inputs; this model reads sequence ids or a "
@@ -491,7 +504,7 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
     )
     logger.info(threads)
     with timer.phase("model build"):
-        model = build_model(config, schema, env, timer)
+        model = build_model(config, schema, env, timer, source)
     timer.phases["model build"] -= timer.phases.get("sharding", 0.0)
     d = config.data
     loader = lambda split, batch_size, train: split_loader(config, env, source, split, batch_size)  # noqa: E731

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
 
 from gem.data.format.dataset import make_once
 from gem.data.format.layout import write_parquet
@@ -507,6 +508,42 @@ def _eval_negatives(data: SeqRecData, seen: _Seen, rng: np.random.Generator, use
     if any(len(r) != len(rows[0]) for r in rows):
         raise ValueError("the negatives file has lines of different lengths; every user needs the same number")
     return np.stack(rows)
+
+
+def item_cooccurrence(
+    files: list[Path], num_items: int, item_feature: str = "hist_item", user_feature: str = "user_id"
+) -> tuple[np.ndarray, np.ndarray]:
+    """The item-item cosine of co-occurrence over the users of a training split, ``S[i, j] =
+    users(i, j) / sqrt(users(i) users(j))`` for ``i != j``, as sorted keys ``i * num_items + j``
+    (int64) and their values (float32); pairs no user holds are absent.
+
+    A user's items are those of ``item_feature`` in any of its rows (``user_feature``), each once
+    (generative rows: one per user, or its windows with ``train_windows``). The work
+    and memory go with the sum over users of their distinct items squared: meant for
+    sequential-recommendation sets, not for an ads catalogue."""
+    users, items = [], []
+    for f in files:
+        table = pq.read_table(f, columns=[user_feature, item_feature])
+        hist = table.column(item_feature).combine_chunks()
+        user = table.column(user_feature).combine_chunks().flatten().to_numpy()
+        lengths = np.diff(hist.offsets.to_numpy())
+        users.append(np.repeat(user, lengths))
+        items.append(hist.flatten().to_numpy())
+    pairs = np.unique(np.concatenate(users).astype(np.int64) * num_items + np.concatenate(items))
+    user, item = np.divmod(pairs, num_items)  # sorted by user: each user's distinct items in one run
+    start = np.flatnonzero(np.r_[True, user[1:] != user[:-1]])
+    size = np.diff(np.r_[start, len(user)])
+    per = np.repeat(size, size)  # each (user, item): the size of its user's run
+    first = np.repeat(start, size)
+    # every ordered pair of a user's items: element e with each item of its run
+    left = np.repeat(item, per)
+    right = item[np.repeat(first, per) + np.arange(len(left)) - np.repeat(np.cumsum(per) - per, per)]
+    keys, counts = np.unique(left * num_items + right, return_counts=True)
+    off = keys // num_items != keys % num_items
+    keys, counts = keys[off], counts[off]
+    holders = np.bincount(item, minlength=num_items).astype(np.float64)
+    values = counts / np.sqrt(holders[keys // num_items] * holders[keys % num_items])
+    return keys, values.astype(np.float32)
 
 
 def prepare_seqrec(
