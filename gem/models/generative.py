@@ -255,9 +255,7 @@ class GenerativeSeqArch(nn.Module):
         self.cooccurrence, self.cooccurrence_window = cooccurrence, cooccurrence_window
         # ranking rows' candidate ids, for the co-occurrence prior (GEMModel hands over pooled ones too)
         prior = self.candidate if cooccurrence else None
-        self.sequence_ids = tuple(
-            f for f in (self.item_feature, self.negative_feature, *slots, prior) if f is not None
-        )
+        self.sequence_ids = tuple(f for f in (self.item_feature, self.negative_feature, *slots, prior) if f is not None)
         self.num_items = schema.cardinality(self.item_feature)
         self.item_dim = feature_dims[self.candidate]
         if item_bias and self.item_dim < 2:
