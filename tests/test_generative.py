@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from gem.data.errors import DataError
 from gem.data.format.dataset import schema_from_files, split_files
 from gem.data.pipeline.loader import build_loader
 from gem.data.sources.seqrec import SeqRecOptions, item_cooccurrence, read_s3rec, write_seqrec
@@ -621,6 +622,8 @@ def test_item_cooccurrence_is_the_cosine_over_the_users_holding_both_items(gener
     expected = {k: c / math.sqrt(holders[k // num_items] * holders[k % num_items]) for k, c in expected.items()}
     assert keys.tolist() == sorted(expected)
     assert values.tolist() == pytest.approx([expected[k] for k in keys.tolist()], rel=1e-6)
+    with pytest.raises(DataError, match=r"no column \['nope'\]; use a seqrec data set"):
+        item_cooccurrence(split_files(out, "train"), num_items, user_feature="nope")
 
 
 def test_the_cooccurrence_prior_adds_to_the_ranking_score(generative_data):

@@ -44,6 +44,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from gem.data.errors import DataError
 from gem.data.format.dataset import make_once
 from gem.data.format.layout import write_parquet
 from gem.data.pipeline.schema import FeatureSchema
@@ -523,6 +524,12 @@ def item_cooccurrence(
     sequential-recommendation sets, not for an ads catalogue."""
     users, items = [], []
     for f in files:
+        missing = {user_feature, item_feature} - set(pq.read_schema(f).names)
+        if missing:
+            raise DataError(
+                f"{f}: model.cooccurrence counts the items of each user's rows, but the file has no column "
+                f"{sorted(missing)}; use a seqrec data set (data=seqrec) or set model.cooccurrence=0"
+            )
         table = pq.read_table(f, columns=[user_feature, item_feature])
         hist = table.column(item_feature).combine_chunks()
         user = table.column(user_feature).combine_chunks().flatten().to_numpy()
