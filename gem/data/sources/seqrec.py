@@ -519,7 +519,8 @@ def item_cooccurrence(
     (int64) and their values (float32); pairs no user holds are absent.
 
     A user's items are those of ``item_feature`` in any of its rows (``user_feature``), each once
-    (generative rows: one per user, or its windows with ``train_windows``). The work
+    (generative rows: one per user, or its windows with ``train_windows``; pointwise rows, prefixes,
+    leave each user's last training event out). The work
     and memory go with the sum over users of their distinct items squared: meant for
     sequential-recommendation sets, not for an ads catalogue."""
     users, items = [], []
