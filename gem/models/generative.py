@@ -376,8 +376,8 @@ class GenerativeSeqArch(nn.Module):
         gem.data.sources.seqrec.item_cooccurrence gives them for this model's item table."""
         device = self.cooc_keys.device
         end = torch.tensor([torch.iinfo(torch.int64).max])  # past every key: a lookup always lands on an entry
-        self.cooc_keys = torch.cat([torch.as_tensor(keys, dtype=torch.int64), end]).to(device)
-        self.cooc_values = torch.cat([torch.as_tensor(values, dtype=torch.float32), torch.zeros(1)]).to(device)
+        self.cooc_keys = torch.cat([keys.to(torch.int64), end]).to(device)
+        self.cooc_values = torch.cat([values.to(torch.float32), torch.zeros(1)]).to(device)
 
     def cooccurrence_prior(self, offsets: torch.Tensor, items: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         """``[B]``: ``log(1 + sum_j S[j, candidates[b]])`` over the last ``cooccurrence_window`` of

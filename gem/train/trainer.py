@@ -213,7 +213,8 @@ def build_model(
             raise ConfigError("model.cooccurrence needs the training split: build the model with its data source")
         from gem.data.sources.seqrec import item_cooccurrence
 
-        dense.set_cooccurrence(*item_cooccurrence(source.files("train"), dense.num_items, dense.item_feature))
+        keys, values = item_cooccurrence(source.files("train"), dense.num_items, dense.item_feature)
+        dense.set_cooccurrence(torch.from_numpy(keys), torch.from_numpy(values))
     if p.row_bucket and (getattr(dense, "teacher_inputs", False) or getattr(dense, "sequence_ids", ())):
         raise ConfigError(
             "parallelism.row_bucket pads the ranking model's inputs; this model reads sequence ids or a "

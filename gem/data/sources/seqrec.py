@@ -520,9 +520,8 @@ def item_cooccurrence(
 
     A user's items are those of ``item_feature`` in any of its rows (``user_feature``), each once
     (generative rows: one per user, or its windows with ``train_windows``; pointwise rows, prefixes,
-    leave each user's last training event out). The work
-    and memory go with the sum over users of their distinct items squared: meant for
-    sequential-recommendation sets, not for an ads catalogue."""
+    leave each user's last training event out). Work and memory go with the sum over users of their
+    distinct items squared: meant for sequential-recommendation sets, not for an ads catalogue."""
     users, items = [], []
     for f in files:
         missing = {user_feature, item_feature} - set(pq.read_schema(f).names)
@@ -541,11 +540,12 @@ def item_cooccurrence(
     user, item = np.divmod(pairs, num_items)  # sorted by user: each user's distinct items in one run
     start = np.flatnonzero(np.r_[True, user[1:] != user[:-1]])
     size = np.diff(np.r_[start, len(user)])
-    per = np.repeat(size, size)  # each (user, item): the size of its user's run
-    first = np.repeat(start, size)
-    # every ordered pair of a user's items: element e with each item of its run
+    # every ordered pair of a user's items: each (user, item) with every item of its user's run
+    per = np.repeat(size, size)  # the pairs of each (user, item): its run's size
+    first = np.repeat(start, size)  # where its run starts
+    within = np.arange(per.sum()) - np.repeat(np.cumsum(per) - per, per)  # 0 .. size - 1 in each one's pairs
     left = np.repeat(item, per)
-    right = item[np.repeat(first, per) + np.arange(len(left)) - np.repeat(np.cumsum(per) - per, per)]
+    right = item[np.repeat(first, per) + within]
     keys, counts = np.unique(left * num_items + right, return_counts=True)
     off = keys // num_items != keys % num_items
     keys, counts = keys[off], counts[off]
