@@ -163,8 +163,12 @@ def parallelize_gem(
         dense.compile(options=compile_options)
     if mesh is None:
         return model
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # Only the root casts its floating-point inputs to param_dtype; inside, each block's inputs are
+    # what the model made them, so the rotary tables stay float32 as the kernels require
+    # (FSDP2 would cast every floating tensor a block receives, the tables included)
+    block_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(dense, mesh=mesh, mp_policy=policy)  # the root: parameters outside the blocks, if any
+        fully_shard(block, mesh=mesh, mp_policy=block_policy, reshard_after_forward=reshard_after_forward)
+    root_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    fully_shard(dense, mesh=mesh, mp_policy=root_policy)  # the root: parameters outside the blocks, if any
     return model

@@ -110,12 +110,15 @@ def _grads(st, dpt, scale, ACTIVATION: gl.constexpr):
 
 
 @gluon.jit
-def _turned_back(g, COS, SIN, row0, num_rows, stride_cs, ROPE: gl.constexpr):
-    """With ROPE, ``R^T g`` for the gradient ``g [rows, D]`` (float32) of a rotated operand's rows
-    ``row0 ..``: the channel pairs ``(j, j + D/2)`` turned back with the tables' rows (float32
-    ``[T, D/2]``, as ``kernels.rotary``; triton_common's ``store_grad``); without, ``g``. (ROPE
-    reaches the partitions as a runtime value, as ACTIVATION does: both branches keep g's type.)"""
-    if ROPE:
+def _turned_back(g, COS, SIN, row0, num_rows, stride_cs):
+    """With tables (``COS`` and ``SIN`` not None), ``R^T g`` for the gradient ``g [rows, D]``
+    (float32) of a rotated operand's rows ``row0 ..``: the channel pairs ``(j, j + D/2)`` turned
+    back with the tables' rows (float32 ``[T, D/2]``, as ``kernels.rotary``; triton_common's
+    ``store_grad``); without, ``g``. The tables' presence is the switch because ``warp_specialize``
+    hands its partitions a bool constexpr as a runtime value and None as a constant: with a bool,
+    the rotation's ops were emitted in every build, and Triton 3.6 fails to lower them where they
+    are dead (docs/kernels-log.md)."""
+    if COS is not None:
         HALF: gl.constexpr = g.shape[1] // 2
         g1, g2 = gl.split(gl.permute(gl.reshape(g, [g.shape[0], 2, HALF]), [0, 2, 1]))
         layout: gl.constexpr = g1.type.layout
@@ -195,7 +198,6 @@ def _dkdv_consumer(
     dk_scale,
     dv_scale,
     ACTIVATION: gl.constexpr,
-    ROPE: gl.constexpr,
     HALF: gl.constexpr,
 ):
     """A 4-warp consumer: keys ``HALF * 64`` to ``HALF * 64 + 63`` of each of the program's work
@@ -273,7 +275,7 @@ def _dkdv_consumer(
             mbarrier.arrive(free.index(last), count=1)
             it += n_steps
         # every product that read this tile's K and V is complete: they take dK and dV
-        dk = _turned_back(dk * dk_scale, COS, SIN, row0, num_keys, stride_cs, ROPE)
+        dk = _turned_back(dk * dk_scale, COS, SIN, row0, num_keys, stride_cs)
         store_tile(dk.to(dtype), DK + h * HEAD_D, dk_desc, k, row0, h * HEAD_D, num_keys, stride_dkt)
         store_tile((dv * dv_scale).to(dtype), DV + h * HEAD_D, dv_desc, v, row0, h * HEAD_D, num_keys, stride_dvt)
         tma.store_wait(0)
@@ -314,7 +316,6 @@ def _dkdv_consumer0(
     dk_scale,
     dv_scale,
     ACTIVATION: gl.constexpr,
-    ROPE: gl.constexpr,
 ):
     _dkdv_consumer(
         k_smem,
@@ -348,7 +349,6 @@ def _dkdv_consumer0(
         dk_scale,
         dv_scale,
         ACTIVATION,
-        ROPE,
         0,
     )
 
@@ -386,7 +386,6 @@ def _dkdv_consumer1(
     dk_scale,
     dv_scale,
     ACTIVATION: gl.constexpr,
-    ROPE: gl.constexpr,
 ):
     _dkdv_consumer(
         k_smem,
@@ -420,7 +419,6 @@ def _dkdv_consumer1(
         dk_scale,
         dv_scale,
         ACTIVATION,
-        ROPE,
         1,
     )
 
@@ -453,7 +451,6 @@ def _gdpa_dkdv_kernel(
     dk_scale,
     dv_scale,
     ACTIVATION: gl.constexpr,
-    ROPE: gl.constexpr,
     HEAD_D: gl.constexpr,
     BLOCK_M: gl.constexpr,
     STAGES: gl.constexpr,
@@ -501,7 +498,6 @@ def _gdpa_dkdv_kernel(
         dk_scale,
         dv_scale,
         ACTIVATION,
-        ROPE,
     )
     gl.warp_specialize(
         [
@@ -568,7 +564,7 @@ def dkdv(
     softmax = activation_code == tc.SOFTMAX
     if softmax and (lse is None or delta is None or lse.stride() != delta.stride() or lse.stride(1) != 1):
         raise ValueError("gluon_bwd.dkdv: softmax needs lse and delta, [H, rows] float32 of one layout, rows adjacent")
-    cos, sin = rope if rope is not None else (dk, dk)  # (stand-ins, unread)
+    cos, sin = rope if rope is not None else (None, None)
     stride_cs = cos.stride(0) if rope is not None else 0
     # key tiles: the forward's work list with the roles of queries and keys swapped
     work, total = work_list(kv_offsets, q_offsets, batch_order, num_heads, max_kv_len, wrap)
@@ -611,7 +607,6 @@ def dkdv(
         dk_scale,
         dv_scale,
         ACTIVATION=activation_code,
-        ROPE=rope is not None,
         HEAD_D=head_dim,
         BLOCK_M=block_m,
         STAGES=stages,

@@ -69,7 +69,7 @@ def _signature(fn, args, kwargs, float_type):
     signature, constexprs, attrs = {}, {}, {}
     for index, name in enumerate(fn.arg_names):
         value = values[name]
-        if name in constexpr_names:
+        if name in constexpr_names or value is None:  # None: a constexpr, as Triton's launcher types it
             signature[name] = "constexpr"
             constexprs[(index,)] = value
             continue
@@ -153,9 +153,10 @@ def _compile(fn, args, kwargs, float_type):
         # The forward must not spill; the dK/dV kernel keeps a few registers per step in local
         # memory (16-32 bytes with Triton 3.6, docs/kernels.md), no more.
         assert stack <= (0 if "PACKED" in kwargs else GLUON_DKDV_STACK), resources
+        rope = dict(zip(fn.arg_names, args)).get("COS") is not None  # the dK/dV's tables (None: no rotation)
         print(
             f"compiled gluon {fn.__name__} activation={kwargs['ACTIVATION']} "
-            f"head_dim={kwargs['HEAD_D']} bf16x2={packed} rope={int(kwargs.get('ROPE', False))} {resources} "
+            f"head_dim={kwargs['HEAD_D']} bf16x2={packed} rope={int(rope)} {resources} "
             f"shared={compiled.metadata.shared}",
             flush=True,
         )
