@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 from torch.utils.flop_counter import register_flop_formula
 
+from kernels import fallback
 from kernels.jagged import jagged_to_padded, offsets_to_lengths
 from kernels.jagged_attention.triton_common import (
     INTERPRET,
@@ -353,9 +354,23 @@ def attention_pooling(
         raise ValueError(f"x and a dtypes differ: {x.dtype}, {a.dtype}")
     if offsets.dim() != 1 or offsets.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"offsets must be [B+1] int32 or int64, got {tuple(offsets.shape)} {offsets.dtype}")
-    if resolve_backend(backend, x) == "reference" or triton.next_power_of_2(x.shape[1]) > MAX_BLOCK_D:
+    variant = (fallback.dtype_name(x), x.shape[1], a.shape[1])
+    if triton.next_power_of_2(x.shape[1]) > MAX_BLOCK_D or (
+        resolve_backend(backend, x, "attention_pooling", variant) == "reference"
+    ):
         return attention_pooling_reference(x, a, offsets, max_len)
     x = x if x.stride(1) == 1 else x.contiguous()
     a = a.contiguous()
     out, _ = torch.ops.gem_kernels.attention_pooling_fwd(x, a, offsets, int(max_len))
     return out
+
+
+def _probe(dtype: str, width: int, num_cols: int, device: int) -> None:
+    """A tiny forward and backward of :func:`attention_pooling` on the Triton kernels (kernels.fallback)."""
+    device = torch.device("cuda", device)
+    x = torch.randn(7, width, device=device, dtype=getattr(torch, dtype), requires_grad=True)
+    a = torch.randn(width, num_cols, device=device, dtype=x.dtype, requires_grad=True)
+    attention_pooling(x, a, torch.tensor([0, 5, 7], device=device), 5, backend="triton").float().sum().backward()
+
+
+fallback.PROBES["attention_pooling"] = _probe

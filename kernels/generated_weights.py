@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import fallback
 from kernels.jagged_attention.triton_common import OP_WRAP, define_op, dot, fake_without_launch, resolve_backend
 
 BLOCK_C = 64  # gradient columns per program
@@ -169,7 +170,21 @@ def generated_weights_backward(
             f"with grad [B, N, C] = {list(grad.shape)}, mix must be [N, S] and generated [B, S, C]; got mix "
             f"{list(mix.shape)}, generated {list(generated.shape)}"
         )
-    if resolve_backend(backend, grad) == "reference":
+    variant = tuple(fallback.dtype_name(t) for t in (grad, mix, generated))
+    if resolve_backend(backend, grad, "generated_weights", variant) == "reference":
         return generated_weights_backward_reference(grad, mix, generated)
     grad, generated = (t if t.stride(-1) == 1 else t.contiguous() for t in (grad, generated))
     return torch.ops.gem_kernels.generated_weights_bwd(grad, mix, generated)
+
+
+def _probe(grad_dtype: str, mix_dtype: str, generated_dtype: str, device: int) -> None:
+    """:func:`generated_weights_backward` at a tiny shape on the Triton kernel (kernels.fallback)."""
+    device = torch.device("cuda", device)
+    grad = torch.randn(3, 16, 64, device=device, dtype=getattr(torch, grad_dtype))
+    mix = torch.randn(16, 4, device=device, dtype=getattr(torch, mix_dtype))
+    generated_weights_backward(
+        grad, mix, torch.randn(3, 4, 64, device=device, dtype=getattr(torch, generated_dtype)), "triton"
+    )
+
+
+fallback.PROBES["generated_weights"] = _probe

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import fallback
 from kernels.jagged_attention.triton_common import OP_WRAP, define_op, fake_without_launch, resolve_backend
 
 BLOCK_T = 16  # rows per program: 16 x 3 x H x D elements (24,576 at 4 heads x 128)
@@ -229,8 +230,19 @@ def rotary_qkv(
     Differentiable in ``qkv`` (the tables take no gradient).
     """
     check_inputs(qkv, cos, sin)
-    if resolve_backend(backend, qkv) == "reference":
+    if resolve_backend(backend, qkv, "rotary_qkv", (fallback.dtype_name(qkv), qkv.shape[-1])) == "reference":
         return rotary_reference(qkv, cos, sin)
     qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
     cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
     return torch.ops.gem_kernels.rotary_qkv_fwd(qkv, cos, sin)
+
+
+def _probe(dtype: str, head_dim: int, device: int) -> None:
+    """A tiny forward and backward of :func:`rotary_qkv` on the Triton kernels (kernels.fallback)."""
+    device = torch.device("cuda", device)
+    qkv = torch.randn(5, 3, 1, head_dim, device=device, dtype=getattr(torch, dtype), requires_grad=True)
+    angles = torch.randn(5, head_dim // 2, device=device)
+    sum(t.float().sum() for t in rotary_qkv(qkv, angles.cos(), angles.sin(), backend="triton")).backward()
+
+
+fallback.PROBES["rotary_qkv"] = _probe

@@ -424,3 +424,35 @@ def test_table_replicas_are_synced_after_every_step():
     step(batches)
     step(batches)
     assert Replicated.calls == [0.5, 0.0]
+
+
+def test_a_kernel_that_fails_to_build_falls_back_and_the_run_records_it(cache_dir, tmp_path, monkeypatch):
+    """kernels=triton whose attention kernels fail to build (injected: the check runs as on a GPU
+    and fails) trains on the reference with the reference run's losses, warns, and records the
+    fallback in startup.json and as a ``fallback`` row of metrics.jsonl."""
+    from kernels import fallback
+    from kernels.jagged_attention import triton_common
+
+    reference = tmp_path / "reference"
+    train(
+        _cfg(cache_dir, reference, "model=gem_tiny", "kernels=reference", "trainer.max_steps=4", "trainer.log_every=1")
+    )
+
+    def fails(*variant):
+        raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(triton_common, "INTERPRET", False)
+    monkeypatch.setitem(fallback.PROBES, "jagged_attention", fails)
+    monkeypatch.setitem(fallback.PROBES, "rotary_self_attention", fails)
+    monkeypatch.setitem(fallback.PROBES, "rotary_qkv", fails)
+    monkeypatch.setitem(fallback.PROBES, "attention_pooling", fails)
+    fallback.clear()
+    run = tmp_path / "triton"
+    with pytest.warns(RuntimeWarning, match="falls back to reference: RuntimeError: PassManager::run failed"):
+        train(_cfg(cache_dir, run, "model=gem_tiny", "kernels=triton", "trainer.max_steps=4", "trainer.log_every=1"))
+    fallback.clear()
+    assert _losses(run)[0] == _losses(reference)[0]
+    startup = json.loads((run / "startup.json").read_text())["kernel_fallbacks"]
+    rows = [r for r in _losses(run)[1] if r["kind"] == "fallback"]
+    assert startup and [r["kernel"] for r in rows] == [e["kernel"] for e in startup]
+    assert all(r["to"] == "reference" and r["setting"] == "kernels.attention_backend=reference" for r in rows)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -50,6 +51,7 @@ from gem.train.startup import (
     start_compile_workers,
 )
 from gem.train.step import OptimizerSet, TimedIterator, TrainStep, autocast
+from kernels import fallback as kernel_fallback
 
 StepHook = Callable[[int, int, Batch], None]  # (step, rank, the batch it trained on), after each training step
 
@@ -611,6 +613,7 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
     count_flops = lambda b: step_flops(model.dense_arch, b, schema)  # noqa: E731 (host lengths: no device sync)
     on_cuda = env.device.type == "cuda"
     step, window = progress.step, _Window(peak_tflops, on_cuda)
+    fallbacks = len(kernel_fallback.events())  # reported so far (the list is the process's)
     profiler = StepProfiler(t.profile, run_dir / "profile", env.rank, progress.step, on_cuda)
     bar = tqdm(
         total=total_steps, initial=step, disable=not (t.progress_bar and env.is_main), desc="train", dynamic_ncols=True
@@ -647,6 +650,7 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
                 timer.phases["first batch"] = batches.waited - waited
                 timer.compile = compile_breakdown(compile_before, compile_counters())
                 _log_startup(timer, time.perf_counter() - tick - (batches.waited - waited), metrics, run_dir, env)
+                fallbacks = _log_fallbacks(metrics, step, fallbacks)
             for hook in hooks:
                 hook(step, env.rank, train_step.last_batch)
             profiler.step()
@@ -678,6 +682,7 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
                 bar.set_postfix(loss=f"{values['loss']:.4f}")
                 logger.info("step %d %s", step, format_metrics(values))
                 metrics.write("train", step, values)
+                fallbacks = _log_fallbacks(metrics, step, fallbacks)
                 window = _Window(peak_tflops, on_cuda)
             if t.eval_every and (step % t.eval_every == 0 or step == total_steps):  # and after the last step
                 eval_start = time.perf_counter()
@@ -736,6 +741,7 @@ def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, f
         result = stream_summary(run_dir, scores) if env.is_main else {}
     result["train_seconds"] = time.perf_counter() - start
     result["steps"] = step
+    _log_fallbacks(metrics, step, fallbacks)
     metrics.write("test", step, result)
     metrics.close()
     if env.is_main:
@@ -787,8 +793,18 @@ def _log_startup(timer: StartupTimer, first_step_s: float, metrics: MetricsWrite
             "between runs (imports 15 s -> 6 s on a 2-core CPU)"
         )
     metrics.write("startup", 0, values)
-    if env.is_main:
-        (run_dir / "startup.json").write_text(json.dumps(values, indent=2))
+    if env.is_main:  # with the kernels that fell back by the end of the first step (kernels.fallback)
+        fell_back = [dataclasses.asdict(event) for event in kernel_fallback.events()]
+        (run_dir / "startup.json").write_text(json.dumps(values | {"kernel_fallbacks": fell_back}, indent=2))
+
+
+def _log_fallbacks(metrics: MetricsWriter, step: int, reported: int) -> int:
+    """A ``fallback`` row in the metrics for each kernel fallback after the first ``reported``
+    (kernels.fallback: the kernel, variant, path taken, error and setting); returns the count."""
+    events = kernel_fallback.events()
+    for event in events[reported:]:
+        metrics.write("fallback", step, dataclasses.asdict(event))
+    return len(events)
 
 
 class _Window:

@@ -17,7 +17,9 @@ import math
 
 import torch
 
+from kernels import fallback
 from kernels.jagged_attention import settings
+from kernels.jagged_attention.inputs import make_inputs
 from kernels.jagged_attention.reference import (
     ACTIVATIONS,
     jagged_attention_reference,
@@ -163,7 +165,17 @@ def jagged_attention(
     if activation != "softmax" and post_scale is None:
         post_scale = 1.0 / max(int(max_kv_len), 1)
 
-    if resolve_backend(backend, q) == "reference":
+    layout = "broadcast_q" if q_offsets is None else "dense_kv" if kv_offsets is None else "jagged"
+    variant = (
+        activation,
+        fallback.dtype_name(q),
+        head_dim,
+        bool(causal),
+        window is not None,
+        block_size is not None,
+        layout,
+    )
+    if resolve_backend(backend, q, "jagged_attention", variant) == "reference":
         return jagged_attention_reference(
             q,
             k,
@@ -251,7 +263,8 @@ def rotary_self_attention(
     _check_bound("max_len", max_len)
     check_offsets("offsets", offsets, "qkv", qkv.shape[0], "max_len", max_len, _resolve_check(check))
     head_dim = qkv.shape[-1]
-    backend = resolve_backend(backend, qkv)
+    variant = (fallback.dtype_name(qkv), head_dim, bool(causal), window is not None)
+    backend = resolve_backend(backend, qkv, "rotary_self_attention", variant)
     fused = backend == "triton" and head_dim >= 16 and not head_dim & (head_dim - 1)
     if not (fused and settings.current().rotary_fused):
         q, k, v = rotary_qkv(qkv, cos, sin, backend=backend)
@@ -315,7 +328,7 @@ def packed_kv_attention(
         raise ValueError(f"offsets must be int32 or int64, got {offsets.dtype}")
     _check_bound("max_len", max_len)
     check_offsets("offsets", offsets, "kv", kv.shape[0], "max_len", max_len, _resolve_check(check))
-    backend = resolve_backend(backend, kv)
+    backend = resolve_backend(backend, kv, "packed_kv_attention", (fallback.dtype_name(kv), kv.shape[-1]))
     if backend != "triton":
         k, v = kv.unbind(1)
         return jagged_attention(q, k, v, None, offsets, None, max_len, scale=scale, backend=backend, check=False)
@@ -326,6 +339,51 @@ def packed_kv_attention(
         q, kv, _equal_offsets(num_batches, q.shape[0], q.device), offsets, int(max_len), scale
     )
     return out.view(num_batches, *q.shape)
+
+
+def _probe_jagged_attention(activation, dtype, head_dim, causal, windowed, blocked, layout, device) -> None:
+    """A tiny forward and backward of one variant of :func:`jagged_attention` on the Triton kernels."""
+    inputs = make_inputs(
+        [5, 2], [4, 3], num_heads=1, head_dim=head_dim, layout=layout, num_dense_kv=4, num_queries=3,
+        dtype=getattr(torch, dtype), device=torch.device("cuda", device),
+    )  # fmt: skip
+    out = jagged_attention(
+        *inputs.args(),
+        activation=activation,
+        causal=causal,
+        window=1 if windowed else None,
+        block_size=2 if blocked else None,
+        backend="triton",
+    )
+    out.float().sum().backward()
+
+
+def _probe_rotary_self_attention(dtype, head_dim, causal, windowed, device) -> None:
+    """A tiny forward and backward of :func:`rotary_self_attention` on the Triton kernels."""
+    device = torch.device("cuda", device)
+    qkv = torch.randn(7, 3, 1, head_dim, device=device, dtype=getattr(torch, dtype), requires_grad=True)
+    angles = torch.randn(7, head_dim // 2, device=device)
+    offsets = torch.tensor([0, 5, 7], device=device)
+    out = rotary_self_attention(
+        qkv, angles.cos(), angles.sin(), offsets, 5, causal=causal, window=1 if windowed else None, backend="triton"
+    )
+    out.float().sum().backward()
+
+
+def _probe_packed_kv_attention(dtype, head_dim, device) -> None:
+    """A tiny forward and backward of :func:`packed_kv_attention` on the Triton kernels."""
+    device = torch.device("cuda", device)
+    q = torch.randn(3, 1, head_dim, device=device, dtype=getattr(torch, dtype), requires_grad=True)
+    kv = torch.randn(7, 2, 1, head_dim, device=device, dtype=q.dtype, requires_grad=True)
+    out = packed_kv_attention(q, kv, torch.tensor([0, 5, 7], device=device), 5, backend="triton")
+    out.float().sum().backward()
+
+
+fallback.PROBES |= {
+    "jagged_attention": _probe_jagged_attention,
+    "rotary_self_attention": _probe_rotary_self_attention,
+    "packed_kv_attention": _probe_packed_kv_attention,
+}
 
 
 def _equal_offsets(num_batches: int, rows: int, device) -> torch.Tensor:

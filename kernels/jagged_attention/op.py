@@ -32,13 +32,15 @@ validate, normalize layouts and call :func:`jagged_attention_triton` /
 
 from __future__ import annotations
 
+import functools
+import logging
 import warnings
 
 import torch
 import triton
 from torch.utils.flop_counter import register_flop_formula
 
-from kernels import rotary  # (a module: kernels.rotary imports this package's triton_common)
+from kernels import fallback, rotary  # (modules: kernels.rotary imports this package's triton_common)
 from kernels.jagged_attention import triton_bwd, triton_fwd
 from kernels.jagged_attention.batch_order import batch_order
 from kernels.jagged_attention.reference import num_visible_pairs
@@ -74,12 +76,43 @@ def _took(path: str) -> None:
 # ---------------------------------------------------------------------------------------
 
 
+# The Triton releases (major.minor) on which each Gluon kernel passed the GPU gate
+# (tools/gpu_gate.sh, benchmarks/results/gpu-gate.json); on any other the Triton kernels run, with
+# one info line. A release joins a kernel's list only with a passing gate on it.
+GLUON_VERIFIED = {"gluon_fwd": ("3.6",), "gluon_dkdv": ("3.6",), "gluon_dkdv_softmax": ()}
+_allow_unverified = False  # testing.unverified_gluon(): a new release's GPU tests run the kernels
+
+
+def gluon_verified(kernel: str) -> bool:
+    """Whether this Triton release is in ``GLUON_VERIFIED[kernel]``."""
+    return _allow_unverified or _release_verified(kernel, ".".join(triton.__version__.split(".")[:2]))
+
+
+@functools.cache
+def _release_verified(kernel: str, release: str) -> bool:
+    if release in GLUON_VERIFIED[kernel]:
+        return True
+    logging.getLogger(__name__).info(
+        "the Gluon kernel %s has not passed the GPU gate on Triton %s (only on %s): the Triton kernels run instead",
+        kernel,
+        release,
+        ", ".join(GLUON_VERIFIED[kernel]) or "none yet",
+    )
+    return False
+
+
 def _gluon_applies(q, k, v, activation, causal, window, block_size, q_broadcast) -> bool:
-    if INTERPRET or not q.is_cuda:
+    """Whether the Gluon forward can take the call (``gluon_common.applies``), on a verified Triton."""
+    if INTERPRET or not q.is_cuda or not gluon_verified("gluon_fwd"):
         return False
     from kernels.jagged_attention import gluon_common
 
     return gluon_common.applies(q, k, v, activation, causal, window, block_size, q_broadcast)
+
+
+def _variant(q, activation: str, rotated: bool = False) -> str:
+    """A Gluon launch's kernel variant, as its fallback is recorded: what its build depends on."""
+    return f"{activation} {fallback.dtype_name(q)} D={q.shape[-1]}" + (" rotary" if rotated else "")
 
 
 def launch_forward(
@@ -118,27 +151,31 @@ def launch_forward(
         and activation != "softmax"
         and max_q_len > config.gluon_min_q_len
         and _gluon_applies(q, k, v, activation, causal, window, block_size, q_broadcast)
+        and not fallback.failed("gluon_fwd", _variant(q, activation))
     ):
-        from kernels.jagged_attention import gluon_fwd
-
-        _took("gluon_fwd")
         out = q.new_empty(q.shape)
-        lse = q.new_empty((1,), dtype=torch.float32)
-        gluon_fwd.forward(
-            q,
-            k,
-            v,
-            out,
-            q_offsets,
-            kv_offsets,
-            batch_order,
-            max_q_len,
-            meta["ACTIVATION"],
-            scale,
-            triton_fwd.output_scale(activation, scale, post_scale),
-            packed,
-        )
-        return out, lse
+
+        def gluon():
+            from kernels.jagged_attention import gluon_fwd
+
+            gluon_fwd.forward(
+                q,
+                k,
+                v,
+                out,
+                q_offsets,
+                kv_offsets,
+                batch_order,
+                max_q_len,
+                meta["ACTIVATION"],
+                scale,
+                triton_fwd.output_scale(activation, scale, post_scale),
+                packed,
+            )
+
+        if fallback.guarded("gluon_fwd", _variant(q, activation), "triton", "kernels.gluon=false", gluon):
+            _took("gluon_fwd")
+            return out, q.new_empty((1,), dtype=torch.float32)  # (lse: a placeholder, unread by GDPA)
     _took("triton_fwd")
     return triton_fwd.forward(
         q,
@@ -203,15 +240,19 @@ def _gluon_dkdv(
     can be addressed as q. ``mask``: (causal, window, block_size, q_broadcast). A packed
     gradient's dK and dV are its slices (views: this path runs on real tensors only, never
     traced by torch.compile)."""
-    if not store_ds or INTERPRET or not q.is_cuda:
+    softmax = activation == "softmax"
+    wanted = config.gluon_bwd_softmax if softmax else config.gluon_bwd and packed and not rotated
+    if not (wanted and store_ds and not INTERPRET and q.is_cuda):
+        return None
+    if not gluon_verified("gluon_dkdv_softmax" if softmax else "gluon_dkdv"):
         return None
     from kernels.jagged_attention import gluon_common
 
-    if activation == "softmax":
-        applies = config.gluon_bwd_softmax and gluon_common.softmax_dkdv_applies(q, k, v, *mask)
+    if softmax:
+        applies = gluon_common.softmax_dkdv_applies(q, k, v, *mask)
     else:
-        applies = config.gluon_bwd and packed and not rotated and gluon_common.applies(q, k, v, activation, *mask)
-    if not applies:
+        applies = gluon_common.applies(q, k, v, activation, *mask)
+    if not applies or fallback.failed("gluon_dkdv", _variant(q, activation, rotated)):
         return None
     if packed_grad is not None:
         dk, dv = packed_grad.unbind(1)[-2:]
@@ -316,28 +357,36 @@ def launch_backward(
         q, k, v, grad_out, dk, dv, packed_grad, activation, mask, store_ds, packed, rope is not None, config
     )
     if gluon_grads is not None:
-        from kernels.jagged_attention import gluon_bwd
 
+        def gluon():
+            from kernels.jagged_attention import gluon_bwd
+
+            gluon_bwd.dkdv(
+                q,
+                k,
+                v,
+                grad_out,
+                *gluon_grads,
+                ds,
+                q_offsets,
+                kv_offsets,
+                batch_order,
+                max_kv_len,
+                meta["ACTIVATION"],
+                qk_scale,
+                grad_scale,
+                dv_scale,
+                lse=lse,
+                delta=delta,
+                rope=rope,
+            )
+
+        setting = "kernels.gluon_bwd_softmax=false" if activation == "softmax" else "kernels.gluon_bwd=false"
+        variant = _variant(q, activation, rope is not None)
+        if not fallback.guarded("gluon_dkdv", variant, "triton", setting, gluon):
+            gluon_grads = None
+    if gluon_grads is not None:
         _took("gluon_dkdv")
-        gluon_bwd.dkdv(
-            q,
-            k,
-            v,
-            grad_out,
-            *gluon_grads,
-            ds,
-            q_offsets,
-            kv_offsets,
-            batch_order,
-            max_kv_len,
-            meta["ACTIVATION"],
-            qk_scale,
-            grad_scale,
-            dv_scale,
-            lse=lse,
-            delta=delta,
-            rope=rope,
-        )
     else:
         _took("triton_dkdv")
         triton_bwd.dkdv(

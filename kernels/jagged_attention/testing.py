@@ -9,6 +9,8 @@ through documented names, so tests and benchmarks need no private ones:
   "triton_dkdv", "dq_from_ds"]`` (names in ``op.py``).
 * :func:`forced_config`: launch-config entries that replace the per-head-dim defaults (autotuning
   off), e.g. ``forced_config("fwd", LATE_PV=1)`` for the forward's LATE_PV loop.
+* :func:`unverified_gluon`: the Gluon kernels run on a Triton release that ``op.GLUON_VERIFIED``
+  does not list, so that their GPU tests can verify a new release.
 
 Launch-level entry points without autograd, for tools that compile or inspect the kernels:
 ``op.launch_forward`` / ``op.launch_backward`` (``wrap=``, ``config=``, ``arch=``),
@@ -33,6 +35,7 @@ __all__ = [
     "preserved",
     "record_paths",
     "store_ds_row",
+    "unverified_gluon",
 ]
 
 
@@ -81,3 +84,13 @@ def forced_config(kind: str, **entries):
     finally:
         autotune._FORCED.clear()
         autotune._FORCED.update(saved)
+
+
+@contextlib.contextmanager
+def unverified_gluon():
+    """Inside the block the Gluon kernels run on any Triton release (``op.GLUON_VERIFIED`` aside)."""
+    saved, op._allow_unverified = op._allow_unverified, True
+    try:
+        yield
+    finally:
+        op._allow_unverified = saved

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
+from kernels import fallback
 from kernels.jagged_attention.reference import ACTIVATIONS
 from kernels.jagged_attention.settings import KernelSettings
 
@@ -36,13 +37,22 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 BACKENDS = ("triton", "reference")
 
 
-def resolve_backend(backend: str | None, t: torch.Tensor) -> str:
+def resolve_backend(backend: str | None, t: torch.Tensor, kernel: str | None = None, variant: tuple = ()) -> str:
     """An op's ``backend`` argument: None picks Triton for a CUDA tensor ``t`` and the reference
-    elsewhere; anything but :data:`BACKENDS` is a ValueError naming them."""
+    elsewhere; anything but :data:`BACKENDS` is a ValueError naming them. Given the op's name
+    ``kernel`` (a key of ``kernels.fallback.PROBES``) and the call's ``variant`` (constants), a
+    Triton choice turns into the reference where those kernels fail to build or run on ``t``'s
+    device (``kernels.fallback.triton_usable``: checked once per variant)."""
     if backend is None:
-        return "triton" if t.is_cuda else "reference"
+        backend = "triton" if t.is_cuda else "reference"
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; expected one of {BACKENDS} or None")
+    if (
+        backend == "triton"
+        and kernel is not None
+        and not fallback.triton_usable(kernel, (*variant, t.device.index or 0))
+    ):
+        return "reference"
     return backend
 
 

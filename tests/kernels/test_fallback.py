@@ -1,0 +1,219 @@
+"""A fast path that cannot build here falls back (Gluon -> Triton -> the reference) instead of
+crashing: the same result, one warning naming the kernel, the error and the setting, a record of
+it, and no second attempt. Build failures are injected: on the CPU the Triton kernels run in the
+interpreter and the Gluon kernels not at all; the GPU tests fail the real kernels' builds."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import triton
+
+from kernels import fallback, jagged_attention
+from kernels.jagged_attention import gluon_bwd, gluon_fwd, op, testing, triton_common
+from kernels.jagged_attention.inputs import make_inputs
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+gpu = pytest.mark.gpu
+BUILD_ERROR = "PassManager::run failed"
+
+
+def _fail(*args, **kwargs):
+    raise RuntimeError(f"{BUILD_ERROR}\n(the rest of the compiler's message)")
+
+
+def _gdpa(inputs, **kwargs):
+    """fast_gelu GDPA forward and its gradients on the Triton backend."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in inputs.tensors())
+    out = jagged_attention(q, k, v, *inputs.args()[3:], activation="fast_gelu", backend="triton", **kwargs)
+    out.float().square().sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.fixture
+def events():
+    """The fallbacks a test provokes, forgotten after it (the kernel tests fail on any left)."""
+    fallback.clear()
+    yield fallback.events
+    fallback.clear()
+
+
+@pytest.fixture
+def gluon_everywhere(monkeypatch):
+    """The Gluon kernels 'apply' to every unmasked GDPA call, also on the CPU (where they fail)."""
+
+    def dkdv_targets(q, k, v, grad_out, dk, dv, packed_grad, activation, mask, store_ds, packed, rotated, config):
+        return (dk, dv) if config.gluon_bwd and packed_grad is None else None
+
+    monkeypatch.setattr(op, "_gluon_applies", lambda *args: True)
+    monkeypatch.setattr(op, "_gluon_dkdv", dkdv_targets)
+
+
+def test_gluon_forward_that_fails_to_build_falls_back_to_triton_once(events, gluon_everywhere, monkeypatch):
+    inputs = make_inputs([9, 0, 4], [5, 3, 8], dtype=torch.float32, device=DEVICE)
+    with testing.override(gluon=False, gluon_bwd=False):
+        expected = _gdpa(inputs)
+    calls = []
+    monkeypatch.setattr(gluon_fwd, "forward", lambda *args, **kwargs: calls.append(1) or _fail())
+    monkeypatch.setattr(gluon_bwd, "dkdv", _fail)
+    with testing.override(gluon_min_q_len=0), testing.record_paths() as paths:
+        with pytest.warns(RuntimeWarning) as warned:
+            got = _gdpa(inputs)
+        again = _gdpa(inputs)
+    for a, b, c in zip(expected, got, again):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert len(calls) == 1, "a variant that failed is not tried again"
+    messages = [str(w.message) for w in warned if "falls back" in str(w.message)]
+    assert len(messages) == 2, messages  # the forward, then the backward's dK/dV, once each
+    assert "gluon_fwd (fast_gelu float32 D=32)" in messages[0] and BUILD_ERROR in messages[0]
+    assert "kernels.gluon=false" in messages[0] and "(the rest" not in messages[0]
+    assert "gluon_dkdv" in messages[1] and "kernels.gluon_bwd=false" in messages[1]
+    assert [(e.kernel, e.to) for e in events()] == [("gluon_fwd", "triton"), ("gluon_dkdv", "triton")]
+    assert "gluon_fwd" not in paths and paths.count("triton_fwd") == 2 and paths.count("triton_dkdv") == 2
+
+
+def test_an_error_that_is_not_the_environments_propagates(events, gluon_everywhere, monkeypatch):
+    def bug(*args, **kwargs):
+        raise ValueError("a bug in the launcher")
+
+    monkeypatch.setattr(gluon_fwd, "forward", bug)
+    with testing.override(gluon_min_q_len=0), pytest.raises(ValueError, match="a bug in the launcher"):
+        _gdpa(make_inputs([9, 4], dtype=torch.float32, device=DEVICE))
+    assert not events()
+
+
+@pytest.mark.parametrize(
+    "error, environment",
+    [
+        (triton.runtime.errors.OutOfResources(300000, 232448, "shared memory"), True),
+        (triton.compiler.errors.CompilationError("src", None, "unsupported"), True),
+        (RuntimeError(BUILD_ERROR), True),
+        (ImportError("cannot import name 'warp_specialize'"), True),
+        (torch.OutOfMemoryError("CUDA out of memory"), False),
+        (ValueError("bad input"), False),
+        (triton.runtime.errors.InterpreterError("interpreter"), False),
+    ],
+)
+def test_what_counts_as_the_environments_failure(error, environment):
+    assert fallback.environment_error(error) == environment
+
+
+def test_gluon_runs_only_on_a_verified_triton_release(monkeypatch, caplog):
+    release = ".".join(triton.__version__.split(".")[:2])
+    monkeypatch.setitem(op.GLUON_VERIFIED, "gluon_fwd", ("0.1",))
+    op._release_verified.cache_clear()
+    with testing.unverified_gluon():
+        assert op.gluon_verified("gluon_fwd")
+    monkeypatch.setattr(op, "_allow_unverified", False)
+    with caplog.at_level("INFO", logger=op.__name__):
+        assert not op.gluon_verified("gluon_fwd") and not op.gluon_verified("gluon_fwd")
+    lines = [r.getMessage() for r in caplog.records if "gluon_fwd" in r.getMessage()]
+    assert len(lines) == 1 and f"Triton {release}" in lines[0] and "0.1" in lines[0]
+    op._release_verified.cache_clear()
+
+
+def _triton_fails_to_build(monkeypatch):
+    """The Triton kernels' check runs (as on a GPU, not in the interpreter) and fails to build."""
+    monkeypatch.setattr(triton_common, "INTERPRET", False)
+    monkeypatch.setitem(fallback.PROBES, "jagged_attention", _fail)
+
+
+def test_triton_kernels_that_fail_to_build_fall_back_to_the_reference(events, monkeypatch):
+    inputs = make_inputs([6, 2, 0], [4, 5, 3], dtype=torch.float32, device=DEVICE)
+    expected = _gdpa_reference(inputs)
+    _triton_fails_to_build(monkeypatch)
+    with pytest.warns(RuntimeWarning, match=f"jagged_attention .*falls back to reference: RuntimeError: {BUILD_ERROR}"):
+        got = _gdpa(inputs)
+    again = _gdpa(inputs)
+    for a, b, c in zip(expected, got, again):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    [event] = events()
+    assert event.to == "reference" and event.setting == "kernels.attention_backend=reference"
+    assert event.variant.startswith("fast_gelu float32 32 False False False jagged")
+
+
+def test_triton_fallback_under_torch_compile_keeps_one_graph(events, monkeypatch):
+    """Dynamo takes the check's answer as a constant: the reference is traced into the graph."""
+    inputs = make_inputs([6, 2, 0], [4, 5, 3], dtype=torch.float32, device=DEVICE)
+    _triton_fails_to_build(monkeypatch)
+    q, k, v = inputs.tensors()
+
+    def gdpa(q, k, v):
+        return jagged_attention(q, k, v, *inputs.args()[3:], activation="fast_gelu", backend="triton")
+
+    with pytest.warns(RuntimeWarning, match="falls back to reference"):
+        got = torch.compile(gdpa, fullgraph=True, backend="aot_eager")(q, k, v)
+    torch.testing.assert_close(got, _gdpa_reference(inputs)[0])
+    assert [e.kernel for e in events()] == ["jagged_attention"]
+
+
+def _gdpa_reference(inputs):
+    q, k, v = (t.detach().clone().requires_grad_() for t in inputs.tensors())
+    out = jagged_attention(q, k, v, *inputs.args()[3:], activation="fast_gelu", backend="reference")
+    out.float().square().sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the real kernels' builds fail
+# ---------------------------------------------------------------------------------------------
+
+
+def _compiled(mode: str, fn):
+    """``fn`` as is (``eager``), under torch.compile (``default``) or with CUDA graphs
+    (``reduce-overhead``, called three times by the tests: warm-up, recording, replay)."""
+    if mode == "eager":
+        return fn
+    torch._dynamo.reset()
+    return torch.compile(fn, mode=mode, fullgraph=True)
+
+
+def _gpu_gdpa_inputs():
+    """Long enough for the Gluon kernels (queries past 128 rows), bf16 at head dim 128."""
+    gen = torch.Generator().manual_seed(5)
+    return make_inputs([300, 0, 200], [250, 3, 400], num_heads=2, head_dim=128, dtype=torch.bfloat16,
+                       device="cuda", generator=gen)  # fmt: skip
+
+
+@gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["eager", "default", "reduce-overhead"])
+def test_gpu_gluon_kernels_that_fail_to_build_fall_back_to_triton(mode, events, monkeypatch):
+    """The Gluon kernels built with 16 pipeline stages need more shared memory than the GPU has
+    (OutOfResources at launch); the calls run the Triton kernels instead (under compile through the
+    opaque op, which launches them eagerly before the CUDA graph's capture) with the Triton path's
+    results, bit for bit."""
+    inputs = _gpu_gdpa_inputs()
+    with testing.override(gluon=False, gluon_bwd=False):
+        expected = _gdpa(inputs)
+    monkeypatch.setattr(gluon_fwd, "STAGES", 16)
+    monkeypatch.setattr(gluon_bwd, "dkdv", functools.partial(gluon_bwd.dkdv, stages=16))
+    attention = _compiled(mode, lambda inputs: _gdpa(inputs))
+    with testing.override(gluon_compiled=True), pytest.warns(RuntimeWarning, match="gluon_fwd .*falls back to triton"):
+        for _ in range(3 if mode == "reduce-overhead" else 1):
+            got = attention(inputs)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), expected, got):
+        assert torch.equal(a, b), name
+    assert [(e.kernel, e.to) for e in events()] == [("gluon_fwd", "triton"), ("gluon_dkdv", "triton")]
+
+
+@gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["eager", "default", "reduce-overhead"])
+def test_gpu_triton_kernels_that_fail_to_build_fall_back_to_the_reference(mode, events):
+    """A forward launch config that needs more shared memory than the GPU has (OutOfResources):
+    the variant's check fails before its first call and the calls run the reference, compiled
+    into the graph (and its CUDA graph) under torch.compile."""
+    inputs = _gpu_gdpa_inputs()
+    expected = _gdpa_reference(inputs)
+    attention = _compiled(mode, lambda inputs: _gdpa(inputs))
+    with testing.forced_config("fwd", BLOCK_M=256, BLOCK_N=256, num_stages=4):
+        with pytest.warns(RuntimeWarning, match="jagged_attention .*falls back to reference: OutOfResources"):
+            for _ in range(3 if mode == "reduce-overhead" else 1):
+                got = attention(inputs)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), expected, got):
+        torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2, msg=name)
+    assert [(e.kernel, e.to) for e in events()] == [("jagged_attention", "reference")]
