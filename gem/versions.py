@@ -47,6 +47,15 @@ class Combination:
     cpu_where: str  # where each was run
     cuda_where: str
 
+    @property
+    def triton_pin(self) -> str:
+        """The exact Triton release of the CPU install string (``"3.6.0"``), which the sm_90
+        compile check builds the kernels with (Makefile, tests/kernels/test_jagged_attention.py)."""
+        pin = re.search(r"\btriton==(\S+)", self.cpu)
+        if pin is None or release(pin[1]) != self.triton:
+            raise ValueError(f"no triton=={self.triton[0]}.{self.triton[1]}.* in {self.cpu!r}")
+        return pin[1]
+
     def matches(self, v: dict[str, tuple[int, int] | None]) -> bool:
         return (v["torch"], v["fbgemm"], v["torchrec"], v["triton"]) == (
             self.torch,

@@ -11,6 +11,7 @@ import os
 import pathlib
 import subprocess
 import sys
+from importlib import metadata
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
+from gem.versions import KNOWN_GOOD
 from kernels import jagged_attention
 from kernels.jagged_attention import ACTIVATIONS, check_offsets, num_visible_pairs, testing
 from kernels.jagged_attention import settings as kernel_config
@@ -43,6 +45,11 @@ requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+# The sm_90 compile check runs with each Triton release of gem.versions.KNOWN_GOOD: the venv's, and
+# every other one from the folder that `make install` puts it in (Makefile).
+TRITON_PINS = sorted({combo.triton_pin for combo in KNOWN_GOOD})
+
+
 @pytest.fixture
 def kernel_settings():
     """``kernel_settings(store_ds=False, ...)`` changes the kernels' settings for the rest of the
@@ -58,11 +65,11 @@ def paths():
         yield chosen
 
 
-def _run_python(args: list[str], timeout: int, drop=(), **env) -> subprocess.CompletedProcess:
-    """``python *args`` from the repository root with it on PYTHONPATH: this environment, less
-    the variables in ``drop``, plus ``env``."""
+def _run_python(args: list[str], timeout: int, drop=(), path=(), **env) -> subprocess.CompletedProcess:
+    """``python *args`` from the repository root with ``path`` and it first on PYTHONPATH: this
+    environment, less the variables in ``drop``, plus ``env``."""
     environ = {k: v for k, v in os.environ.items() if k not in drop} | env
-    environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    environ["PYTHONPATH"] = os.pathsep.join([*map(str, path), str(ROOT), os.environ.get("PYTHONPATH", "")])
     return subprocess.run(
         [sys.executable, *args], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=timeout
     )
@@ -299,14 +306,32 @@ def test_inductor_counts_only_the_kernels_outputs_as_written():
     assert "every kernel writes only its outputs" in result.stdout, result.stdout[-2000:]
 
 
-def test_kernels_compile_for_hopper_without_a_gpu():
+@pytest.mark.parametrize("pin", TRITON_PINS, ids=lambda pin: f"triton-{pin}")
+def test_kernels_compile_for_hopper_without_a_gpu(pin):
     """Every kernel, including the bf16x2 activation path (inline PTX that the interpreter never
     runs), compiles to an sm_90 cubin: tests/kernels/sm90_compile.py in a subprocess. Also with
     fp64 scale arguments, as torch.compile (Inductor) launches them: float32 kernels once failed
-    there (a float64 accumulator) or ran their activations in float64."""
-    result = _run_python([str(ROOT / "tests/kernels/sm90_compile.py")], timeout=600, drop=("TRITON_INTERPRET",))
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = result.stdout.splitlines()
+    there (a float64 accumulator) or ran their activations in float64.
+
+    With each Triton of gem.versions.KNOWN_GOOD (a Gluon kernel that compiled with 3.7 once failed
+    with 3.6): the venv's, and each other one from .venv/triton-<version>/ (`make install`), first
+    on PYTHONPATH, with its own cache directory and without gem's version check."""
+    path, env = [], {}
+    if pin != metadata.version("triton"):
+        folder = ROOT / ".venv" / f"triton-{pin}"
+        assert (folder / "triton").is_dir(), (
+            f"triton {pin} (gem.versions.KNOWN_GOOD) is not installed in {folder}: run `make install`"
+        )
+        home = os.environ.get("TRITON_HOME", os.path.expanduser("~"))
+        cache = os.environ.get("TRITON_CACHE_DIR") or os.path.join(home, ".triton", "cache")
+        path, env = [folder], {"TRITON_CACHE_DIR": f"{cache}-{pin}", "GEM_SKIP_VERSION_CHECK": "1"}
+    script = str(ROOT / "tests/kernels/sm90_compile.py")
+    code = f"import runpy, triton; print('triton', triton.__version__); runpy.run_path({script!r}, run_name='__main__')"
+    result = _run_python(["-c", code], timeout=600, drop=("TRITON_INTERPRET",), path=path, **env)
+    assert result.returncode == 0, f"the sm_90 compile check failed with triton {pin}:\n{result.stderr[-3000:]}"
+    used, *lines = result.stdout.splitlines()
+    assert used == f"triton {pin}", f"the sm_90 compile check for triton {pin} ran with {used}"
+    where = f"with triton {pin}: {lines}"
     # fast_gelu (fp32 scalars, and fp64 ones as Inductor passes them) and silu: fwd, dK/dV, dQ on
     # the bf16x2 path; gelu (float32 activations; fp32 and fp64 scalars): fwd, dK/dV, dQ; softmax
     # (fp32 and fp64 scalars): fwd, preprocess, dK/dV, dQ.
@@ -322,22 +347,22 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     # rotary self-attention (Q and K rotated, then the softmax forward and a backward turning dK and
     # dQ back, once storing dS without a mask and once recomputing dQ, causal); and
     # kernels.attention_pooling's two kernels at 16 and 128 columns.
-    assert sum(line.startswith("compiled gluon") for line in lines) == 12, lines
-    assert sum("bf16x2=True" in line for line in lines) == 5, lines
-    assert sum(line.startswith("compiled gluon _gdpa_dkdv_kernel activation=0") for line in lines) == 3, lines
-    assert sum(line.startswith("compiled gluon") and "rope=1" in line for line in lines) == 1, lines
-    assert sum("_work_list_kernel" in line for line in lines) == 12, lines
-    assert sum("packed=True" in line for line in lines) == 16, lines
-    assert sum("floats=fp64" in line for line in lines) == 20, lines
-    assert sum("causal=False" in line for line in lines) == 25, lines
-    assert sum("late_pv=1" in line for line in lines) == 5, lines
-    assert sum("store_ds=1" in line for line in lines) == 5, lines
-    assert sum("_bwd_dq_from_ds_kernel" in line for line in lines) == 5, lines
-    assert sum("_batch_order_kernel" in line for line in lines) == 1, lines
-    assert sum("_rotary_kernel" in line for line in lines) == 5, lines
-    assert sum("rope=1" in line for line in lines) == 5, lines
-    assert sum("_pool_" in line for line in lines) == 4, lines
-    assert len(lines) == 85, lines
+    assert sum(line.startswith("compiled gluon") for line in lines) == 12, where
+    assert sum("bf16x2=True" in line for line in lines) == 5, where
+    assert sum(line.startswith("compiled gluon _gdpa_dkdv_kernel activation=0") for line in lines) == 3, where
+    assert sum(line.startswith("compiled gluon") and "rope=1" in line for line in lines) == 1, where
+    assert sum("_work_list_kernel" in line for line in lines) == 12, where
+    assert sum("packed=True" in line for line in lines) == 16, where
+    assert sum("floats=fp64" in line for line in lines) == 20, where
+    assert sum("causal=False" in line for line in lines) == 25, where
+    assert sum("late_pv=1" in line for line in lines) == 5, where
+    assert sum("store_ds=1" in line for line in lines) == 5, where
+    assert sum("_bwd_dq_from_ds_kernel" in line for line in lines) == 5, where
+    assert sum("_batch_order_kernel" in line for line in lines) == 1, where
+    assert sum("_rotary_kernel" in line for line in lines) == 5, where
+    assert sum("rope=1" in line for line in lines) == 5, where
+    assert sum("_pool_" in line for line in lines) == 4, where
+    assert len(lines) == 85, where
 
 
 @pytest.fixture
