@@ -223,7 +223,7 @@ VARIANTS = {
     # Inductor's coordinate-descent tuning of its own kernels at their first launch (a cold first step
     # of minutes; the tuned configs are cached beside the kernels). Without the static launcher, whose
     # cache check drops the tuned mark before pytorch#172819's fix; in torch 2.11 a warm start still
-    # tuned again (2026-12-05: 63 s to the first step, docs/e2e-log.md)
+    # tuned again (2026-12-05: 63 s to the first step, docs/log/e2e.md)
     "cdt": [
         "+parallelism.inductor.coordinate_descent_tuning=true",
         "+parallelism.inductor.use_static_cuda_launcher=false",
@@ -235,7 +235,7 @@ VARIANTS = {
     # not by cuBLAS's addmm after a copy of the residual (gem.distributed.inductor_passes)
     "mmadd": ["parallelism.residual_addmm=false"],
     # the self-attention's softmax dK/dV on the Gluon kernel, through the opaque rotary op under
-    # compile (kernels.gluon_compiled is on in the flagship; docs/kernels-log.md, 2026-12-05)
+    # compile (kernels.gluon_compiled is on in the flagship; docs/log/kernels.md, 2026-12-05)
     "gluonsm": ["kernels.gluon_bwd_softmax=true"],
 }
 

@@ -3,7 +3,7 @@
 A kernel file asks :func:`kernel_and_config` for what to launch: the kernel under
 ``triton.autotune`` (``settings.autotune``; its key bucketed, see ``triton_common.bucket``)
 or the plain kernel with its default config. The measurements behind the lists are in
-docs/kernels-log.md.
+docs/log/kernels.md.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def _default_tiles(kind: str, block_d: int, elem_bytes: int) -> dict:
 # 128: the configs the wide search below picked on an H200 for the benchmark's shapes (bf16,
 # D=128; benchmarks/results/attention-h200.json, "tuned_configs"), and the forward's LATE_PV
 # loop (_fwd_gdpa_late_pv): forced, it was faster than the plain loop on the benchmark's rows of
-# up to 1024 and 2048 keys, slower on those of 256 and up to 512 (docs/kernels-log.md); the
+# up to 1024 and 2048 keys, slower on those of 256 and up to 512 (docs/log/kernels.md); the
 # benchmark's tuning chose it at 2048.
 _TUNE_SPACE = {
     "fwd": [(128, 32, 4, 4), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4, 1)],

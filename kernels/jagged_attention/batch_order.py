@@ -2,7 +2,7 @@
 
 Longest example first, so the short and empty examples fill the tail of the grid instead of
 leaving long ones to run alone. Up to ``COUNTING_ORDER_MAX_BATCHES`` examples the order comes from
-a counting kernel, above it from ``torch.argsort`` (measurements in docs/kernels-log.md).
+a counting kernel, above it from ``torch.argsort`` (measurements in docs/log/kernels.md).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import triton.language as tl
 
 from kernels.jagged_attention.triton_common import identity
 
-# Up to here the counting kernel beat computing the work and argsorting it (docs/kernels-log.md).
+# Up to here the counting kernel beat computing the work and argsorting it (docs/log/kernels.md).
 COUNTING_ORDER_MAX_BATCHES = 8192
 
 

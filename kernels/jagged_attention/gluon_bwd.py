@@ -117,7 +117,7 @@ def _turned_back(g, COS, SIN, row0, num_rows, stride_cs):
     ``store_grad``); without, ``g``. The tables' presence is the switch because ``warp_specialize``
     hands its partitions a bool constexpr as a runtime value and None as a constant: with a bool,
     the rotation's ops were emitted in every build, and Triton 3.6 fails to lower them where they
-    are dead (docs/kernels-log.md)."""
+    are dead (docs/log/kernels.md)."""
     if COS is not None:
         HALF: gl.constexpr = g.shape[1] // 2
         g1, g2 = gl.split(gl.permute(gl.reshape(g, [g.shape[0], 2, HALF]), [0, 2, 1]))

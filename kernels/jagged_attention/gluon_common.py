@@ -85,7 +85,7 @@ def _work_list_kernel(
     """Program (m, h) writes the work tiles of query block m and head h of every example:
     ``WORK[e]`` = (first Q row, valid rows, head, K/V start, K/V length, 0, 0, 0) for tile
     ``e`` = (blocks of the examples before it in ``batch_order`` + m) * heads + h, one 32-byte
-    row store per tile (faster than a store per field; docs/kernels-log.md). Program (0, 0)
+    row store per tile (faster than a store per field; docs/log/kernels.md). Program (0, 0)
     writes their number to ``TOTAL``."""
     m = tl.program_id(0)
     h = tl.program_id(1)
@@ -141,7 +141,7 @@ def store_tile(tile, X, desc, buf, row0, col0, num_rows, stride_row):
     flight; the next call, and the caller before it reuses ``buf`` or ends, wait for it.
 
     (Straight from the accumulator's registers, 4-byte pieces per thread, the stores cost the
-    short rows much of their time; docs/kernels-log.md.)"""
+    short rows much of their time; docs/log/kernels.md.)"""
     BLOCK_C: gl.constexpr = tile.shape[1]
     tma.store_wait(0)
     buf.store(tile)

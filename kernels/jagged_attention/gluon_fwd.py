@@ -25,7 +25,7 @@ Structure (FlashAttention-3's forward, for a pointwise activation):
   past the tensor's end are zero-filled by the TMA unit.
 
 Faster than the Triton forward above 128 rows (``benchmarks/attention.py --lengths``; the
-figures in docs/kernels-log.md); tested on the GPU by ``test_gpu_gluon_forward*``.
+figures in docs/log/kernels.md); tested on the GPU by ``test_gpu_gluon_forward*``.
 """
 
 from __future__ import annotations

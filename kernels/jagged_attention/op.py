@@ -474,7 +474,7 @@ def launch_backward(
 
 # The ops take their scalars packed: sizes = [max_q_len, max_kv_len, causal, window, block_size,
 # q_broadcast] and scales = [scale, post_scale] (fewer schema arguments cost less per call in
-# PyTorch's custom-op autograd path; measured in docs/kernels-log.md).
+# PyTorch's custom-op autograd path; measured in docs/log/kernels.md).
 def _unpack(sizes: list[int], activation: str, scales: list[float]) -> tuple:
     """The launchers' scalar arguments (``max_q_len`` to ``q_broadcast``) from the packed ones."""
     max_q_len, max_kv_len, causal, window, block_size, q_broadcast = sizes

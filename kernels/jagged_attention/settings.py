@@ -4,7 +4,7 @@ Every switch has one default (the dataclass below), may be set by the run's conf
 (``configs/kernels/*.yaml`` -> :func:`configure`, called once before the model is built) and may
 be overridden by its ``GEM_KERNELS_*`` environment variable (:data:`ENV`), which wins over the
 config. Without a :func:`configure` call, the first :func:`current` call builds the defaults
-plus the environment. The measurements behind each default are in docs/kernels-log.md.
+plus the environment. The measurements behind each default are in docs/log/kernels.md.
 
     from kernels.jagged_attention import settings
     settings.configure(store_ds=False)     # GEM_KERNELS_STORE_DS=1 would still win

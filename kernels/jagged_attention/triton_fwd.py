@@ -132,7 +132,7 @@ def _fwd_gdpa_late_pv(
     never overlaps a product of its own program. The price is one extra step: the first ``P V``
     multiplies zeros, the last ``Q K^T`` reads zero keys. The autotuner chooses between this loop
     and the plain one (``LATE_PV``): on an H200 it is faster for long sequences and slower for
-    short ones (docs/kernels-log.md)."""
+    short ones (docs/log/kernels.md)."""
     offs_n = tl.arange(0, BLOCK_N)
     p = tl.zeros([acc.shape[0], BLOCK_N], dtype=V.dtype.element_ty)
     for n0 in range(0, kv_len + BLOCK_N, BLOCK_N):
