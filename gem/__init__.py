@@ -16,6 +16,7 @@ __all__ = list(_API)
 
 def __getattr__(name):
     if name in _API:
+        import gem.transfer  # noqa: F401  (registers its component with the trainer)
         from gem.train import api
 
         return getattr(api, name)

@@ -120,7 +120,7 @@ def test_an_eager_first_step_has_no_compile_entry():
 def test_the_compile_workers_start_before_the_data_and_model_build(monkeypatch, tmp_path, compile):
     """With parallelism.compile, Inductor's worker pool starts first, so that its workers boot while
     the data and the model are built instead of inside the first step; without it, never."""
-    from gem.train import trainer
+    from gem.train import setup, trainer
 
     calls = []
 
@@ -132,7 +132,7 @@ def test_the_compile_workers_start_before_the_data_and_model_build(monkeypatch, 
         raise Stop
 
     monkeypatch.setattr(trainer, "start_compile_workers", lambda: calls.append("workers"))
-    monkeypatch.setattr(trainer, "build_source", build_source)
+    monkeypatch.setattr(setup, "build_source", build_source)
     overrides = ["debug=tiny", f"trainer.run_dir={tmp_path}", f"parallelism.compile={str(compile).lower()}"]
     with pytest.raises(Stop):
         trainer.train(compose(overrides))

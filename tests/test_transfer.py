@@ -67,7 +67,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("backend", ["torchrec", "native"])
 def test_shared_tables_load_bit_exact_from_the_teacher(tiny_dataset, teacher_ckpt, backend):
-    from gem.transfer.params import init_from_checkpoint, model_state
+    from gem.train.initialize import init_from_checkpoint, model_state
     from gem.transfer.teacher import load_teacher
 
     data, model = _student(tiny_dataset, f"sparse={backend}", "model=dlrm")
@@ -91,7 +91,7 @@ def test_shared_tables_load_bit_exact_from_the_teacher(tiny_dataset, teacher_ckp
 
 
 def test_init_from_of_another_shape_or_a_missing_key_names_it(tiny_dataset, teacher_ckpt):
-    from gem.transfer.params import init_from_checkpoint
+    from gem.train.initialize import init_from_checkpoint
 
     _, model = _student(tiny_dataset, "sparse.embedding_dim=8")
     with pytest.raises(
@@ -110,7 +110,7 @@ def test_init_from_of_another_shape_or_a_missing_key_names_it(tiny_dataset, teac
 @pytest.mark.parametrize("backend", ["torchrec", "native"])
 def test_frozen_parameters_are_unchanged_after_steps(tiny_dataset, backend):
     import gem
-    from gem.transfer.params import freeze, model_state
+    from gem.train.initialize import freeze, model_state
 
     frozen_prefixes = ["sparse_arch.ebc.embedding_bags.t_ad_id", "dense_arch.bottom"]
     # the config gives the sharding the frozen tables: a fused one trains at learning rate 0 in a kernel
@@ -250,7 +250,7 @@ def test_non_finite_teacher_columns_are_a_data_error(tiny_dataset, tmp_path):
 
 
 def test_a_fused_table_frozen_without_its_own_kernel_group_is_refused(tiny_dataset):
-    from gem.transfer.params import freeze
+    from gem.train.initialize import freeze
 
     _, model = _student(tiny_dataset)  # built without checkpoint.init_frozen: t_ad_id shares its FBGEMM kernel
     with pytest.raises(CheckpointError, match="share one FBGEMM kernel"):
@@ -281,7 +281,7 @@ def test_train_a_student_with_shared_frozen_tables_and_an_online_teacher(tiny_da
     import torch.distributed.checkpoint as dcp
 
     def table(path, name):
-        from gem.transfer.params import manifest_shapes
+        from gem.train.initialize import manifest_shapes
 
         shape = manifest_shapes(path)[f"model.sparse.{name}"][0]
         out = {f"model.sparse.{name}": torch.zeros(shape)}
@@ -325,8 +325,8 @@ def test_synthetic_drift_moves_the_world_and_zero_is_the_default(tiny_schema):
 
 
 def test_resuming_the_runs_own_checkpoint_takes_precedence_over_init_from(tiny_dataset, teacher_ckpt, tmp_path):
+    from gem.train.initialize import model_state
     from gem.train.trainer import apply_transfer
-    from gem.transfer.params import model_state
 
     data, model = _student(
         tiny_dataset,

@@ -7,6 +7,7 @@ from importlib import import_module
 
 _EXPORTS = {
     "GEMModel": "gem.models.gem",
+    "Capabilities": "gem.models.capabilities",
     "GEMDenseArch": "gem.models.gem_arch",
     "GenerativeSeqArch": "gem.models.generative",
     "DLRM": "gem.models.dlrm",

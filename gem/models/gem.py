@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from gem.data.pipeline.batch import Batch
+from gem.models.capabilities import capabilities
 from gem.sparse.arch import JaggedEmbeddings, SparseArch, SparseOutput
 
 
@@ -13,12 +14,11 @@ class GEMModel(nn.Module):
     """``forward(batch) -> logits [B, num_tasks]``.
 
     ``dense_arch`` is any module with ``forward(sparse_output, dense [B, num_dense], domain [B])``
-    returning logits, and an ``init_weights()`` method. A dense arch that also reads the ids of
-    some sequence features (a generative objective: which item is which) names them in
-    ``sequence_ids`` (pooled features too, one id per row: a ranking row's candidate); it then gets
-    ``ids={feature: values [T]}`` as well. A dense arch that reads
-    a teacher's outputs (knowledge transfer, ``gem.transfer.student``) sets ``teacher_inputs = True``;
-    it then gets ``teacher=batch.teacher, teacher_repr=batch.teacher_repr`` as well.
+    returning logits, and an ``init_weights()`` method. What else it reads it declares in its
+    ``capabilities`` (:class:`gem.models.capabilities.Capabilities`): the ids of some features
+    (``sequence_ids``: a generative objective's items, a ranking row's candidate), passed as
+    ``ids={feature: values [T]}``; or a teacher's outputs (``teacher_inputs``: gem.transfer's
+    students), passed as ``teacher=batch.teacher, teacher_repr=batch.teacher_repr``.
 
     ``row_bucket`` (``parallelism.row_bucket``; 0: off) pads what the dense arch sees to few
     shapes: see :func:`pad_examples`, whose ``max_lens`` (each sequence group's cap) it also needs.
@@ -34,15 +34,16 @@ class GEMModel(nn.Module):
         super().__init__()
         self.sparse_arch = sparse_arch
         self.dense_arch = dense_arch
+        self.capabilities = capabilities(dense_arch)
         self.row_bucket, self.max_lens = row_bucket, dict(max_lens or {})
 
     def forward(self, batch: Batch) -> torch.Tensor:
         embeddings = self.sparse_arch(batch.sparse, batch.sequences, batch.max_seq_len)
-        if getattr(self.dense_arch, "teacher_inputs", False):
+        if self.capabilities.teacher_inputs:
             return self.dense_arch(
                 embeddings, batch.dense, batch.domain, teacher=batch.teacher, teacher_repr=batch.teacher_repr
             )
-        names = getattr(self.dense_arch, "sequence_ids", ())
+        names = self.capabilities.sequence_ids
         if names:
             ids = batch.sequences.to_dict()
             if any(f not in ids for f in names):  # a pooled feature's ids (a ranking row's candidate)

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gem.data.pipeline.schema import FeatureSchema
+from gem.models.capabilities import Capabilities
 from gem.models.interformer import NonSequenceSummary
 from gem.models.layers import init_module_tree
 from gem.models.sequence import JaggedSelfAttention, PersonalizedFFN, linear_flops, rotary_tables
@@ -256,6 +257,9 @@ class GenerativeSeqArch(nn.Module):
         # ranking rows' candidate ids, for the co-occurrence prior (GEMModel hands over pooled ones too)
         prior = self.candidate if cooccurrence else None
         self.sequence_ids = tuple(f for f in (self.item_feature, self.negative_feature, *slots, prior) if f is not None)
+        self.capabilities = Capabilities(
+            returns_loss=self.returns_loss, sequence_ids=self.sequence_ids, item_cooccurrence=cooccurrence > 0
+        )
         self.num_items = schema.cardinality(self.item_feature)
         self.item_dim = feature_dims[self.candidate]
         if item_bias and self.item_dim < 2:

@@ -33,6 +33,7 @@ import hydra  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+import gem.transfer  # noqa: E402, F401  (the program registers gem.transfer's component with the trainer)
 from gem.data.errors import DataError  # noqa: E402
 from gem.train.api import config_dir  # noqa: E402
 from gem.train.checkpoint import CheckpointError  # noqa: E402

@@ -22,7 +22,6 @@ The runnable version is ``examples/custom_loop.py``.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +36,7 @@ if TYPE_CHECKING:  # imported lazily: `import gem` stays cheap
     from gem.data.pipeline.schema import FeatureSchema
     from gem.data.sources import DataSource
     from gem.train.config import Config
-    from gem.train.trainer import DistEnv
+    from gem.train.setup import DistEnv, Optimizers
 
 __all__ = ["Data", "Optimizers", "build_data", "build_model", "build_optimizers", "compose", "config_dir", "evaluate"]
 
@@ -97,7 +96,7 @@ class Data:
         """This rank's loader over ``split`` as the trainer builds it (``train``: shuffled, balanced,
         whole batches of ``data.batch_size``; ``val`` / ``test``: in order, ``data.eval_batch_size``).
         Iterating it yields one epoch of :class:`gem.data.Batch` on the host."""
-        from gem.train.trainer import split_loader
+        from gem.train.setup import split_loader
 
         return split_loader(self.config, self.env, self.source, split, batch_size)
 
@@ -118,70 +117,39 @@ def build_data(cfg: DictConfig | dict | Config) -> Data:
     """Validate ``cfg`` (a :class:`gem.train.config.ConfigError` names a bad key), pick the device,
     start a process group when TorchRec sharding or torchrun needs one, seed every generator
     (``trainer.seed``), and prepare the data set (generating the synthetic one into
-    ``data.cache_dir`` on first use)."""
+    ``data.cache_dir`` on first use): the first two stages of the trainer's set-up
+    (gem.train.setup)."""
     import torch
 
-    from gem.data.sources import build_source
-    from gem.train.config import Config, check_schema_refs, validate
+    from gem.train import setup
+    from gem.train.config import Config, validate
     from gem.train.logging import logger
-    from gem.train.startup import configure_threads
-    from gem.train.trainer import init_distributed, parallel_dims, seed_everything
 
     config = cfg if isinstance(cfg, Config) else validate(cfg)
-    t = config.trainer
-    env = init_distributed(
-        t.device,
-        need_process_group=(config.sparse.backend == "torchrec" and config.sparse.shard)
-        or bool(config.parallelism.fully_shard),
-    )
-    parallel_dims(config, env)
-    logger.info(configure_threads(t.num_threads, config.data.num_workers, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    seed_everything(t.seed, t.deterministic)
-    source = build_source(config.data, is_writer=env.is_main)
-    check_schema_refs(config, source.schema)
-    weights = torch.tensor([t.task_weights.get(k, 1.0) for k in source.schema.tasks], device=env.device)
+    env = setup.environment(config)
+    logger.info(env.threads)
+    source = setup.data(config, env)
+    weights = torch.tensor([config.trainer.task_weights.get(k, 1.0) for k in source.schema.tasks], device=env.device)
     return Data(config, env, source, weights)
 
 
 def build_model(data: Data) -> nn.Module:
     """The :class:`gem.models.gem.GEMModel` the config describes (TorchRec-sharded tables with their
-    fused optimizer, or plain ones; FSDP2 on the dense arch with several ranks), on ``data.device``."""
-    from gem.train.trainer import build_model as _build_model
+    fused optimizer, or plain ones; FSDP2 on the dense arch with several ranks), on ``data.device``,
+    its dense arch wrapped as the registered components ask (gem.transfer's students)."""
+    from gem.train.components import outside_components
+    from gem.train.setup import build_model as _build_model
 
-    return _build_model(data.config, data.schema, data.env, source=data.source)
-
-
-class Optimizers:
-    """Every optimizer of a model behind ``zero_grad()`` / ``step()``: AdamW for the dense
-    parameters (with ``optim.grad_clip``), Adagrad for the tables that are not fused into backward,
-    TorchRec's fused table optimizer (updated inside ``loss.backward()``; ``step()`` hands it the
-    scheduled learning rate), and the learning-rate schedule, stepped after them."""
-
-    def __init__(self, model: nn.Module, config: Config, total_steps: int) -> None:
-        from gem.train.optim import build_optimizers as _build_optimizers
-        from gem.train.step import OptimizerSet
-
-        self.dense, self.sparse, self.schedule = _build_optimizers(model, config.optim, total_steps)
-        self.fused = getattr(model.sparse_arch, "fused_optimizer", None)
-        self._set = OptimizerSet(
-            (self.dense, self.sparse, self.fused), list(model.dense_arch.parameters()), config.optim.grad_clip
-        )
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._set.zero_grad(set_to_none)
-
-    def step(self) -> None:
-        self._set.step()
-        self.schedule.step()
-
-    @property
-    def lr(self) -> float:
-        """The dense learning rate the next step uses."""
-        return self.schedule.get_last_lr()[0]
+    builders = [b for c in outside_components(data.config) if (b := c.dense_builder()) is not None]
+    return _build_model(
+        data.config, data.schema, data.env, source=data.source, dense_builder=next(iter(builders), None)
+    )
 
 
 def build_optimizers(model: nn.Module, data: Data, total_steps: int) -> Optimizers:
     """The trainer's optimizers for ``model`` (``optim.*``); ``total_steps`` sets the cosine schedule's length."""
+    from gem.train.setup import Optimizers
+
     return Optimizers(model, data.config, total_steps)
 
 
@@ -190,7 +158,7 @@ def evaluate(model: nn.Module, data: Data, split: str = "val", max_batches: int 
     gathered over every rank; the model goes back to training mode afterwards."""
     import torch
 
-    from gem.train.trainer import evaluate as _evaluate
+    from gem.train.evaluation import evaluate as _evaluate
 
     t = data.config.trainer
     return _evaluate(
@@ -201,3 +169,11 @@ def evaluate(model: nn.Module, data: Data, split: str = "val", max_batches: int 
         max_batches,
         getattr(torch, t.autocast) if t.autocast else None,
     )
+
+
+def __getattr__(name):
+    if name == "Optimizers":  # (defined here before gem.train.setup)
+        from gem.train.setup import Optimizers
+
+        return Optimizers
+    raise AttributeError(f"module 'gem.train.api' has no attribute {name!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -10,7 +11,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
+
+from gem.train.flops import mfu
+from kernels import fallback as kernel_fallback
 
 logger = logging.getLogger("gem")
 
@@ -174,3 +179,57 @@ def _clean(v: Any) -> Any:
 
 def format_metrics(values: dict[str, Any]) -> str:
     return " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
+
+
+class LogWindow:
+    """Sums between two log lines, kept on the device so that a step never waits for the GPU;
+    ``summary()`` synchronizes once and measures wall time since the window opened."""
+
+    def __init__(self, peak_tflops: float | None = None, cuda: bool = False) -> None:
+        self.start = time.perf_counter()
+        self.cuda = cuda  # also log the peak device memory
+        self.steps, self.examples, self.waited = 0, 0, 0.0
+        self.flops: int | None = 0  # this rank's analytic FLOPs (None: the dense arch cannot count them)
+        self.peak_tflops = peak_tflops
+        self.loss: torch.Tensor | None = None
+        self.per_task: torch.Tensor | None = None
+
+    def add(
+        self, loss: torch.Tensor, per_task: torch.Tensor, examples: int, waited: float, flops: int | None = None
+    ) -> None:
+        self.steps += 1
+        self.flops = None if flops is None or self.flops is None else self.flops + flops
+        self.examples += examples
+        self.waited += waited
+        self.loss = loss.detach() if self.loss is None else self.loss + loss.detach()
+        self.per_task = per_task if self.per_task is None else self.per_task + per_task
+
+    def summary(self, tasks: tuple[str, ...], step: int) -> dict[str, float]:
+        loss = self.loss.item() / self.steps
+        if not math.isfinite(loss):
+            raise FloatingPointError(
+                f"steps {step - self.steps + 1}..{step}: mean loss is {loss}; lower optim.dense.lr "
+                "or set optim.grad_clip"
+            )
+        seconds = time.perf_counter() - self.start
+        out = {"loss": loss}
+        out |= {f"{k}/loss": v / self.steps for k, v in zip(tasks, self.per_task.tolist())}
+        out |= {
+            "examples_per_s": self.examples / seconds,
+            "step_ms": 1000 * seconds / self.steps,
+            "data_wait_frac": min(1.0, self.waited / seconds),
+        }
+        if self.flops is not None:  # per rank: TFLOP/s on the true jagged lengths, MFU against the peak
+            out |= {"tflops": self.flops / seconds / 1e12, "mfu": mfu(self.flops, seconds, self.peak_tflops)}
+        if self.cuda:  # this rank's, since the start
+            out["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        return out
+
+
+def log_fallbacks(metrics: MetricsWriter, step: int, reported: int) -> int:
+    """A ``fallback`` row in the metrics for each kernel fallback after the first ``reported``
+    (kernels.fallback: the kernel, variant, path taken, error and setting); returns the count."""
+    events = kernel_fallback.events()
+    for event in events[reported:]:
+        metrics.write("fallback", step, dataclasses.asdict(event))
+    return len(events)

@@ -1,7 +1,7 @@
 """Knowledge transfer from a large model (GEM) to smaller ones (docs/transfer.md).
 
-- :mod:`gem.transfer.params`: parameter sharing, ``checkpoint.init_from`` / ``init_modules`` /
-  ``init_frozen`` (load some tensors of another run's checkpoint, freeze some);
+- parameter sharing, ``checkpoint.init_from`` / ``init_modules`` / ``init_frozen`` (load some
+  tensors of another run's checkpoint, freeze some), is the trainer's: :mod:`gem.train.initialize`;
 - :mod:`gem.transfer.teacher`: a checkpoint rebuilt as a frozen teacher (per-task logits, the
   representation its heads read, a history representation from a pass without the candidate),
   for online distillation;
@@ -14,3 +14,7 @@
 
 The distillation loss itself is :func:`gem.train.losses.multitask_bce` with ``teacher=``.
 """
+
+from gem.train.registry import register
+
+register("trainer.distill", "gem.transfer.components:distillation")  # the trainer imports it for such a run

@@ -34,6 +34,7 @@ from torch import nn
 
 from gem.data.errors import DataError
 from gem.data.pipeline.schema import FeatureSchema
+from gem.models.capabilities import Capabilities
 from gem.sparse.arch import SparseOutput
 from gem.train.checkpoint import CheckpointError
 
@@ -52,7 +53,7 @@ class TransferStudent(nn.Module):
         adapter: the logits are ``a * teacher + g * student`` (module docstring).
     """
 
-    teacher_inputs = True  # GEMModel passes teacher= / teacher_repr=
+    capabilities = Capabilities(teacher_inputs=True)  # GEMModel passes teacher= / teacher_repr=
 
     def __init__(
         self,
@@ -204,7 +205,7 @@ def teacher_representation_dim(checkpoint: str, student: FeatureSchema) -> int:
     from omegaconf import OmegaConf
 
     from gem.sparse.arch import SparseArch
-    from gem.transfer.params import resolve_checkpoint
+    from gem.train.initialize import resolve_checkpoint
     from gem.transfer.teacher import checkpoint_config, teacher_schema
 
     path = resolve_checkpoint(checkpoint, "trainer.distill.checkpoint")

@@ -24,7 +24,7 @@ from gem.data.pipeline.batch import Batch
 from gem.data.pipeline.schema import FeatureSchema
 from gem.sparse.arch import SparseOutput
 from gem.train.checkpoint import CheckpointError
-from gem.transfer.params import resolve_checkpoint
+from gem.train.initialize import resolve_checkpoint
 
 
 def checkpoint_config(path: Path):
@@ -268,7 +268,7 @@ def load_teacher(
     model = GEMModel(sparse, dense)
     state = {f"model.sparse.{k}": v for k, v in sparse.state_dict().items()}
     state |= {f"model.dense.{k}": v for k, v in dense.state_dict().items()}
-    from gem.transfer.params import manifest_shapes
+    from gem.train.initialize import manifest_shapes
 
     check_shapes(state, manifest_shapes(path), f"{key}={path}")
     try:
