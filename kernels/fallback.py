@@ -16,7 +16,8 @@ Two places fall back:
   forward and backward through the op on the device, outside any trace (Dynamo calls the check
   as a constant). A variant that fails runs on the op's reference.
 
-Triton's interpreter (``TRITON_INTERPRET=1``) compiles nothing, so no check runs there.
+Triton's interpreter (``TRITON_INTERPRET=1``) compiles nothing, so no check runs there
+(``triton_common.resolve_backend`` asks for none).
 """
 
 from __future__ import annotations
@@ -104,12 +105,8 @@ def guarded(kernel: str, variant: str, to: str, setting: str, launch: Callable[[
 def triton_usable(kernel: str, variant: tuple) -> bool:
     """Whether ``kernel``'s Triton kernels build and run here for ``variant`` (constants: dtype
     and sizes as strings and ints), checked once per variant by ``PROBES[kernel](*variant)``;
-    a failure is recorded (next path: the reference) and answers False. Always True under
-    Triton's interpreter. Dynamo calls this while tracing and takes the answer as a constant."""
-    from kernels.jagged_attention.triton_common import INTERPRET  # (that package imports this module)
-
-    if INTERPRET:
-        return True
+    a failure is recorded (next path: the reference) and answers False. Dynamo calls this while
+    tracing and takes the answer as a constant."""
     key = (kernel, *variant)
     if key not in _probed:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():

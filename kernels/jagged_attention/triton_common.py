@@ -47,12 +47,9 @@ def resolve_backend(backend: str | None, t: torch.Tensor, kernel: str | None = N
         backend = "triton" if t.is_cuda else "reference"
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; expected one of {BACKENDS} or None")
-    if (
-        backend == "triton"
-        and kernel is not None
-        and not fallback.triton_usable(kernel, (*variant, t.device.index or 0))
-    ):
-        return "reference"
+    if backend == "triton" and kernel is not None and not INTERPRET:  # the interpreter compiles nothing
+        if not fallback.triton_usable(kernel, (*variant, t.device.index or 0)):
+            return "reference"
     return backend
 
 
