@@ -366,8 +366,9 @@ def attention_pooling(
 
 
 def _probe(dtype: str, width: int, num_cols: int, device: int) -> None:
-    """A tiny forward and backward of :func:`attention_pooling` on the Triton kernels (kernels.fallback)."""
-    device = torch.device("cuda", device)
+    """A tiny forward and backward of :func:`attention_pooling` on the Triton kernels (kernels.fallback;
+    sizes None: gem_base's, width 512 and 16 columns)."""
+    device, width, num_cols = torch.device("cuda", device), width or 512, num_cols or 16
     x = torch.randn(7, width, device=device, dtype=getattr(torch, dtype), requires_grad=True)
     a = torch.randn(width, num_cols, device=device, dtype=x.dtype, requires_grad=True)
     attention_pooling(x, a, torch.tensor([0, 5, 7], device=device), 5, backend="triton").float().sum().backward()

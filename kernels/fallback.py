@@ -61,8 +61,9 @@ def dtype_name(t: torch.Tensor) -> str:
 def environment_error(error: BaseException) -> bool:
     """Whether ``error`` says the kernel cannot build or launch here (Triton's compile, resource
     and PTX errors, a compiler pass failing, a Gluon module missing from this Triton), as opposed
-    to bad input, a bug that Triton's interpreter finds, or a device out of memory."""
-    if isinstance(error, (torch.OutOfMemoryError, InterpreterError)):
+    to bad input, a bug that Triton's interpreter finds, or a device out of memory (torch's, or
+    Triton's ``Triton Error [CUDA]: out of memory`` at a launch)."""
+    if isinstance(error, (torch.OutOfMemoryError, InterpreterError)) or "out of memory" in str(error):
         return False
     return isinstance(error, (TritonError, RuntimeError, ImportError))
 

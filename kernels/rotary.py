@@ -238,8 +238,9 @@ def rotary_qkv(
 
 
 def _probe(dtype: str, head_dim: int, device: int) -> None:
-    """A tiny forward and backward of :func:`rotary_qkv` on the Triton kernels (kernels.fallback)."""
-    device = torch.device("cuda", device)
+    """A tiny forward and backward of :func:`rotary_qkv` on the Triton kernels (kernels.fallback;
+    head dim None: 128)."""
+    device, head_dim = torch.device("cuda", device), head_dim or 128
     qkv = torch.randn(5, 3, 1, head_dim, device=device, dtype=getattr(torch, dtype), requires_grad=True)
     angles = torch.randn(5, head_dim // 2, device=device)
     sum(t.float().sum() for t in rotary_qkv(qkv, angles.cos(), angles.sin(), backend="triton")).backward()

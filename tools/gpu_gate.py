@@ -1,10 +1,13 @@
-"""The GPU gate's report: ``python tools/gpu_gate.py summarize OUT`` reads what ``tools/gpu_gate.sh``
-left in ``OUT`` and writes ``OUT/gpu-gate.json``; copy it to ``benchmarks/results/gpu-gate.json``.
+"""The GPU gate's report (tools/gpu_gate.sh runs it in two parts, each in a device call):
 
-``OUT`` holds, per test phase, ``<phase>.xml`` (pytest's JUnit XML) and ``<phase>.rc`` (its exit
-status), and per flagship run ``runs/<block>/`` (the run folder) and ``<block>.rc``. The gate passes
-when every phase exited 0 with at least one test passed and none failed, and every flagship run
-exited 0, trained its steps, wrote test metrics and fell back to no slower kernel.
+    python tools/gpu_gate.py summarize WORK --part tests|flagship -o OUT/gpu-gate-<part>.json
+    python tools/gpu_gate.py merge tests.json flagship.json -o benchmarks/results/gpu-gate.json
+
+``WORK`` holds, per test phase, ``<phase>.xml`` (pytest's JUnit XML) and ``<phase>.rc`` (its exit
+status), and per flagship run ``runs/<block>/`` (the run folder) and ``<block>.rc``. A part passes
+when every test phase exited 0 with at least one test passed and none failed, or every flagship
+run exited 0, trained its steps, wrote test metrics and fell back to no slower kernel; the gate
+passes when both parts of one commit do.
 """
 
 from __future__ import annotations
@@ -65,8 +68,8 @@ def flagship(run_dir: Path, rc: int | None, warmup_windows: int = 1) -> dict:
     return result
 
 
-def summarize(out: Path, environment: dict | None = None) -> dict:
-    """The gate's record from the folder ``out`` (see the module docstring)."""
+def summarize(work: Path, part: str, environment: dict | None = None) -> dict:
+    """One part's record (``tests`` or ``flagship``) from the folder ``work``."""
     if environment is None:
         sys.path.insert(0, str(ROOT))
         from benchmarks.scaling import environment as read_environment
@@ -74,41 +77,74 @@ def summarize(out: Path, environment: dict | None = None) -> dict:
         environment = read_environment()
     report: dict = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     report |= environment
-    report["tests"] = {
-        phase: {"rc": _exit_code(out / f"{phase}.rc"), **tests(out / f"{phase}.xml")} for phase in TEST_PHASES
-    }
-    report["flagship"] = {block: flagship(out / "runs" / block, _exit_code(out / f"{block}.rc")) for block in BLOCKS}
     problems = []
-    for phase, record in report["tests"].items():
-        if record["rc"] != 0 or record["failed"] or not record["passed"]:
-            problems.append(
-                f"{phase}: rc {record['rc']}, {len(record['failed'])} failed, {len(record['passed'])} passed"
-            )
-    for block, record in report["flagship"].items():
-        if record["rc"] != 0 or record["test_click_auc"] is None or record["fallbacks"]:
-            problems.append(
-                f"flagship {block}: rc {record['rc']}, test AUC {record['test_click_auc']}, "
-                f"{len(record['fallbacks'])} fallback(s)"
-            )
+    if part == "tests":
+        report["tests"] = {
+            phase: {"rc": _exit_code(work / f"{phase}.rc"), **tests(work / f"{phase}.xml")} for phase in TEST_PHASES
+        }
+        for phase, record in report["tests"].items():
+            if record["rc"] != 0 or record["failed"] or not record["passed"]:
+                problems.append(
+                    f"{phase}: rc {record['rc']}, {len(record['failed'])} failed, {len(record['passed'])} passed"
+                )
+    else:
+        report["flagship"] = {
+            block: flagship(work / "runs" / block, _exit_code(work / f"{block}.rc")) for block in BLOCKS
+        }
+        for block, record in report["flagship"].items():
+            if record["rc"] != 0 or record["test_click_auc"] is None or record["fallbacks"]:
+                problems.append(
+                    f"flagship {block}: rc {record['rc']}, test AUC {record['test_click_auc']}, "
+                    f"{len(record['fallbacks'])} fallback(s)"
+                )
     report["passed"] = not problems
     report["problems"] = problems
     return report
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["summarize"])
-    parser.add_argument("out", type=Path, help="the folder tools/gpu_gate.sh wrote")
-    args = parser.parse_args()
-    report = summarize(args.out)
-    (args.out / "gpu-gate.json").write_text(json.dumps(report, indent=1) + "\n")
+def merge(parts: list[dict]) -> dict:
+    """The gate's record from its parts' (one commit): each part's sections, and passed when all did."""
+    commits = {p.get("commit") for p in parts}
+    if len(commits) != 1:
+        raise SystemExit(f"the parts ran at different commits: {sorted(map(str, commits))}")
+    report = {k: v for k, v in parts[0].items() if k not in ("tests", "flagship", "passed", "problems")}
+    for p in parts:
+        report |= {k: p[k] for k in ("tests", "flagship") if k in p}
+    missing = [k for k in ("tests", "flagship") if k not in report]
+    report["problems"] = [x for p in parts for x in p["problems"]] + [f"no {k} part" for k in missing]
+    report["passed"] = not report["problems"]
+    report["hardware_by_part"] = {("tests" if "tests" in p else "flagship"): p.get("hardware") for p in parts}
+    return report
+
+
+def _verdict(report: dict) -> str:
     verdict = "PASSED" if report["passed"] else "FAILED: " + "; ".join(report["problems"])
-    print(f"GPU gate at {report.get('commit')}: {verdict}")
-    for block, record in report["flagship"].items():
-        print(
+    lines = [f"GPU gate at {report.get('commit')}: {verdict}"]
+    for block, record in report.get("flagship", {}).items():
+        lines.append(
             f"  {block}: rc {record['rc']}, {record['steps']} steps, {record['examples_per_s']} examples/s, "
             f"MFU {record['mfu']}, test click AUC {record['test_click_auc']}"
         )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    one = sub.add_parser("summarize", help="one part's record from the folder tools/gpu_gate.sh wrote")
+    one.add_argument("work", type=Path)
+    one.add_argument("--part", choices=["tests", "flagship"], required=True)
+    one.add_argument("-o", "--out", type=Path, required=True)
+    both = sub.add_parser("merge", help="the gate's record from its parts' JSON files")
+    both.add_argument("parts", type=Path, nargs="+")
+    both.add_argument("-o", "--out", type=Path, required=True)
+    args = parser.parse_args()
+    if args.command == "summarize":
+        report = summarize(args.work, args.part)
+    else:
+        report = merge([json.loads(p.read_text()) for p in args.parts])
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(_verdict(report))
 
 
 if __name__ == "__main__":

@@ -1,41 +1,56 @@
 #!/usr/bin/env bash
 # The GPU gate (docs/kernels.md, "The GPU gate"): a kernel or a default setting changes only with a
 # passing gate on its commit. On a lent GPU, from the repository root, the wheels of
-# tools/gpu_env.sh in .whl/, a clean tree at the commit named:
-#   GIT_COMMIT=<sha> bash tools/gpu_gate.sh        (about 9 minutes; results under $OUT)
-# 1. the kernel GPU tests and torch.compile on CUDA (pytest tests/kernels, -n 8) and, at the same
-#    time, the rest of the GPU tier (pytest -m gpu tests --ignore=tests/kernels, -n 4): correctness
-#    only, so they may share the GPU;
-# 2. then, alone on the GPU, the flagship for each block with its defaults: 60 steps, its compiled
-#    evaluation and test metrics (python -m gem.train experiment=gem_base_h200 model.block=...);
-# 3. tools/gpu_gate.py summarize: $OUT/gpu-gate.json (commit, versions, hardware, tests by name and
-#    outcome, each run's exit code, examples/s, MFU, test AUC, kernel fallbacks) and a verdict.
-# Copy $OUT/gpu-gate.json to benchmarks/results/gpu-gate.json and name the commit in README's status.
+# tools/gpu_env.sh in .whl/, a clean tree at the commit named, in two device calls of under 10
+# minutes each (a fresh machine compiles everything cold):
+#   GIT_COMMIT=<sha> bash tools/gpu_gate.sh tests      # -> $OUT/gpu-gate-tests.json
+#   GIT_COMMIT=<sha> bash tools/gpu_gate.sh flagship   # -> $OUT/gpu-gate-flagship.json
+# then, here: python tools/gpu_gate.py merge <tests.json> <flagship.json> -o benchmarks/results/gpu-gate.json
+# tests:    the kernel GPU tests with torch.compile on CUDA (pytest tests/kernels, -n 6: more workers ran out of GPU memory on an H100) and, at the
+#           same time, the rest of the GPU tier (pytest -m gpu tests --ignore=tests/kernels, -n 2):
+#           correctness only, so they may share the GPU;
+# flagship: alone on the GPU, the flagship for each block with its defaults: 60 steps, its compiled
+#           evaluation and test metrics (python -m gem.train experiment=gem_base_h200 model.block=...).
+# Each part's JSON: commit, versions, hardware, the tests by name and outcome / each run's exit code,
+# examples/s, MFU, test AUC and kernel fallbacks, and its verdict.
 set -u
+PART=${1:?say which part: tests or flagship}
 OUT=${OUT:-/tmp/gpu_gate}
-mkdir -p "$OUT/runs"
+WORK=/tmp/gpu_gate_work  # the runs' folders and logs (only the summaries and log tails go to $OUT)
+mkdir -p "$OUT" "$WORK/runs"
 . tools/gpu_env.sh || exit 1
 : "${GIT_COMMIT:?set GIT_COMMIT to the commit under test (the device copy has no .git)}"
 export GIT_COMMIT
-nvidia-smi --query-gpu=name,clocks.sm,power.draw,memory.used --format=csv > "$OUT/gpu.txt" 2>&1
 
-phase() {  # phase NAME LIMIT_S pytest-args...: JUnit XML, log and exit status under $OUT
+phase() {  # phase NAME LIMIT_S pytest-args...: JUnit XML, log and exit status under $WORK
   local name=$1 limit=$2
   shift 2
-  timeout -k 10 "$limit" python -m pytest -p no:cacheprovider -q --junitxml="$OUT/$name.xml" "$@" > "$OUT/$name.txt" 2>&1
-  echo $? > "$OUT/$name.rc"
-  echo "$name: rc $(cat "$OUT/$name.rc"); $(tail -1 "$OUT/$name.txt")"
+  timeout -k 10 "$limit" python -m pytest -p no:cacheprovider -q -rf --junitxml="$WORK/$name.xml" "$@" \
+    > "$WORK/$name.txt" 2>&1
+  echo $? > "$WORK/$name.rc"
+  echo "$name: rc $(cat "$WORK/$name.rc"); $(tail -1 "$WORK/$name.txt")"
+  grep -E "^(FAILED|ERROR)" "$WORK/$name.txt" | head -40 > "$OUT/$name-failures.txt"
 }
 
-phase kernels 270 tests/kernels -n 8 -k "test_gpu or fullgraph or flop_counter or backend_none" &
-phase gpu_tier 270 tests -m gpu --ignore=tests/kernels -n 4 &
-wait
-
-for block in interformer kunlun; do
-  timeout -k 10 150 python -m gem.train experiment=gem_base_h200 model.block=$block trainer.max_steps=60 \
-    data.num_examples.train=70000 trainer.run_dir="$OUT/runs/$block" > "$OUT/$block.txt" 2>&1
-  echo $? > "$OUT/$block.rc"
-  echo "flagship $block: rc $(cat "$OUT/$block.rc")"
-done
-
-python tools/gpu_gate.py summarize "$OUT"
+case "$PART" in
+  tests)
+    phase kernels 500 tests/kernels -n 6 -k "test_gpu or fullgraph or flop_counter or backend_none" &
+    phase gpu_tier 500 tests -m gpu --ignore=tests/kernels -n 2 &
+    wait
+    ;;
+  flagship)
+    for block in interformer kunlun; do
+      timeout -k 10 270 python -m gem.train experiment=gem_base_h200 model.block=$block trainer.max_steps=60 \
+        data.num_examples.train=70000 trainer.progress_bar=false trainer.run_dir="$WORK/runs/$block" \
+        > "$WORK/$block.txt" 2>&1
+      echo $? > "$WORK/$block.rc"
+      echo "flagship $block: rc $(cat "$WORK/$block.rc")"
+      tail -c 4000 "$WORK/$block.txt" > "$OUT/$block-tail.txt"
+    done
+    ;;
+  *)
+    echo "unknown part $PART: tests or flagship" >&2
+    exit 2
+    ;;
+esac
+python tools/gpu_gate.py summarize "$WORK" --part "$PART" -o "$OUT/gpu-gate-$PART.json"

@@ -342,7 +342,9 @@ def packed_kv_attention(
 
 
 def _probe_jagged_attention(activation, dtype, head_dim, causal, windowed, blocked, layout, device) -> None:
-    """A tiny forward and backward of one variant of :func:`jagged_attention` on the Triton kernels."""
+    """A tiny forward and backward of one variant of :func:`jagged_attention` on the Triton kernels
+    (head dim None: 128)."""
+    head_dim = head_dim or 128
     inputs = make_inputs(
         [5, 2], [4, 3], num_heads=1, head_dim=head_dim, layout=layout, num_dense_kv=4, num_queries=3,
         dtype=getattr(torch, dtype), device=torch.device("cuda", device),
@@ -359,8 +361,8 @@ def _probe_jagged_attention(activation, dtype, head_dim, causal, windowed, block
 
 
 def _probe_rotary_self_attention(dtype, head_dim, causal, windowed, device) -> None:
-    """A tiny forward and backward of :func:`rotary_self_attention` on the Triton kernels."""
-    device = torch.device("cuda", device)
+    """A tiny forward and backward of :func:`rotary_self_attention` on the Triton kernels (head dim None: 128)."""
+    device, head_dim = torch.device("cuda", device), head_dim or 128
     qkv = torch.randn(7, 3, 1, head_dim, device=device, dtype=getattr(torch, dtype), requires_grad=True)
     angles = torch.randn(7, head_dim // 2, device=device)
     offsets = torch.tensor([0, 5, 7], device=device)
@@ -371,18 +373,28 @@ def _probe_rotary_self_attention(dtype, head_dim, causal, windowed, device) -> N
 
 
 def _probe_packed_kv_attention(dtype, head_dim, device) -> None:
-    """A tiny forward and backward of :func:`packed_kv_attention` on the Triton kernels."""
-    device = torch.device("cuda", device)
+    """A tiny forward and backward of :func:`packed_kv_attention` on the Triton kernels (head dim None: 128)."""
+    device, head_dim = torch.device("cuda", device), head_dim or 128
     q = torch.randn(3, 1, head_dim, device=device, dtype=getattr(torch, dtype), requires_grad=True)
     kv = torch.randn(7, 2, 1, head_dim, device=device, dtype=q.dtype, requires_grad=True)
     out = packed_kv_attention(q, kv, torch.tensor([0, 5, 7], device=device), 5, backend="triton")
     out.float().sum().backward()
 
 
+def _quietly(probe):
+    """``probe`` inside ``op.probing()``: the Triton kernels only, no launch recorded."""
+
+    def run(*variant) -> None:
+        with op.probing():
+            probe(*variant)
+
+    return run
+
+
 fallback.PROBES |= {
-    "jagged_attention": _probe_jagged_attention,
-    "rotary_self_attention": _probe_rotary_self_attention,
-    "packed_kv_attention": _probe_packed_kv_attention,
+    "jagged_attention": _quietly(_probe_jagged_attention),
+    "rotary_self_attention": _quietly(_probe_rotary_self_attention),
+    "packed_kv_attention": _quietly(_probe_packed_kv_attention),
 }
 
 

@@ -32,6 +32,7 @@ validate, normalize layouts and call :func:`jagged_attention_triton` /
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import warnings
@@ -41,6 +42,7 @@ import triton
 from torch.utils.flop_counter import register_flop_formula
 
 from kernels import fallback, rotary  # (modules: kernels.rotary imports this package's triton_common)
+from kernels.jagged_attention import settings as kernel_settings
 from kernels.jagged_attention import triton_bwd, triton_fwd
 from kernels.jagged_attention.batch_order import batch_order
 from kernels.jagged_attention.reference import num_visible_pairs
@@ -69,6 +71,21 @@ _paths: list | None = None
 def _took(path: str) -> None:
     if _paths is not None:
         _paths.append(path)
+
+
+@contextlib.contextmanager
+def probing():
+    """Around a build check's tiny calls (``kernels.fallback.triton_usable``): the Triton kernels
+    only (the Gluon ones fall back where they run), and no launch recorded in ``_paths``."""
+    global _paths
+    saved_paths, saved = _paths, current_settings()
+    _paths = None
+    kernel_settings._set(saved.replace(gluon=False, gluon_bwd=False, gluon_bwd_softmax=False))
+    try:
+        yield
+    finally:
+        _paths = saved_paths
+        kernel_settings._set(saved)
 
 
 # ---------------------------------------------------------------------------------------

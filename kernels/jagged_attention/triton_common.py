@@ -40,14 +40,18 @@ BACKENDS = ("triton", "reference")
 def resolve_backend(backend: str | None, t: torch.Tensor, kernel: str | None = None, variant: tuple = ()) -> str:
     """An op's ``backend`` argument: None picks Triton for a CUDA tensor ``t`` and the reference
     elsewhere; anything but :data:`BACKENDS` is a ValueError naming them. Given the op's name
-    ``kernel`` (a key of ``kernels.fallback.PROBES``) and the call's ``variant`` (constants), a
-    Triton choice turns into the reference where those kernels fail to build or run on ``t``'s
-    device (``kernels.fallback.triton_usable``: checked once per variant)."""
+    ``kernel`` (a key of ``kernels.fallback.PROBES``) and the call's ``variant`` (flags, dtype and
+    sizes), a Triton choice turns into the reference where those kernels fail to build or run on
+    ``t``'s device (``kernels.fallback.triton_usable``: checked once per variant). Under
+    ``torch.compile`` the sizes are left out (None: the check uses gem_base's), since Dynamo may
+    trace them as symbols and takes the check's arguments as constants."""
     if backend is None:
         backend = "triton" if t.is_cuda else "reference"
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; expected one of {BACKENDS} or None")
     if backend == "triton" and kernel is not None and not INTERPRET:  # the interpreter compiles nothing
+        if torch.compiler.is_compiling():  # sizes may be traced as symbols: the check takes its own
+            variant = tuple(v if isinstance(v, (str, bool)) else None for v in variant)
         if not fallback.triton_usable(kernel, (*variant, t.device.index or 0)):
             return "reference"
     return backend

@@ -25,10 +25,16 @@ def _fail(*args, **kwargs):
     raise RuntimeError(f"{BUILD_ERROR}\n(the rest of the compiler's message)")
 
 
-def _gdpa(inputs, **kwargs):
-    """fast_gelu GDPA forward and its gradients on the Triton backend."""
+def _gdpa(inputs, compiled=None):
+    """fast_gelu GDPA forward and its gradients on the Triton backend (the attention call through
+    ``compiled(attention)`` where given, e.g. torch.compile)."""
+    rest = inputs.args()[3:]
+
+    def attention(q, k, v):
+        return jagged_attention(q, k, v, *rest, activation="fast_gelu", backend="triton")
+
     q, k, v = (t.detach().clone().requires_grad_() for t in inputs.tensors())
-    out = jagged_attention(q, k, v, *inputs.args()[3:], activation="fast_gelu", backend="triton", **kwargs)
+    out = (compiled(attention) if compiled else attention)(q, k, v)
     out.float().square().sum().backward()
     return out.detach(), q.grad, k.grad, v.grad
 
@@ -93,6 +99,7 @@ def test_an_error_that_is_not_the_environments_propagates(events, gluon_everywhe
         (RuntimeError(BUILD_ERROR), True),
         (ImportError("cannot import name 'warp_specialize'"), True),
         (torch.OutOfMemoryError("CUDA out of memory"), False),
+        (RuntimeError("Triton Error [CUDA]: out of memory"), False),
         (ValueError("bad input"), False),
         (triton.runtime.errors.InterpreterError("interpreter"), False),
     ],
@@ -150,6 +157,36 @@ def test_triton_fallback_under_torch_compile_keeps_one_graph(events, monkeypatch
     assert [e.kernel for e in events()] == ["jagged_attention"]
 
 
+def test_triton_fallback_under_torch_compile_with_dynamic_sizes(events, monkeypatch):
+    """Sizes traced as symbols (here the head dim) are specialized for the check, not a graph break."""
+    inputs = make_inputs([6, 2, 0], [4, 5, 3], dtype=torch.float32, device=DEVICE)
+    _triton_fails_to_build(monkeypatch)
+    q, k, v = inputs.tensors()
+    for t in (q, k, v):
+        torch._dynamo.mark_dynamic(t, 2)
+
+    def gdpa(q, k, v):
+        return jagged_attention(q, k, v, *inputs.args()[3:], activation="fast_gelu", backend="triton")
+
+    torch._dynamo.reset()
+    with pytest.warns(RuntimeWarning, match="falls back to reference"):
+        got = torch.compile(gdpa, fullgraph=True, backend="aot_eager")(q, k, v)
+    torch.testing.assert_close(got, _gdpa_reference(inputs)[0])
+
+
+def test_a_build_check_runs_the_triton_kernels_unrecorded():
+    """The check's tiny calls run with the Gluon kernels off and leave no trace in record_paths."""
+    inputs = make_inputs([9, 4], dtype=torch.float32, device=DEVICE)
+    with testing.override(gluon=True, gluon_bwd=True), testing.record_paths() as paths:
+        with op.probing():
+            settings = op.current_settings()
+            assert not (settings.gluon or settings.gluon_bwd or settings.gluon_bwd_softmax)
+            _gdpa(inputs)
+        assert op.current_settings().gluon and paths == []
+        _gdpa(inputs)
+    assert paths == ["triton_fwd", "triton_dkdv", "dq_from_ds"]
+
+
 def _gdpa_reference(inputs):
     q, k, v = (t.detach().clone().requires_grad_() for t in inputs.tensors())
     out = jagged_attention(q, k, v, *inputs.args()[3:], activation="fast_gelu", backend="reference")
@@ -162,13 +199,13 @@ def _gdpa_reference(inputs):
 # ---------------------------------------------------------------------------------------------
 
 
-def _compiled(mode: str, fn):
-    """``fn`` as is (``eager``), under torch.compile (``default``) or with CUDA graphs
-    (``reduce-overhead``, called three times by the tests: warm-up, recording, replay)."""
+def _compiler(mode: str):
+    """None (``eager``), or torch.compile (``default``) or with CUDA graphs (``reduce-overhead``,
+    called three times by the tests: warm-up, recording, replay)."""
     if mode == "eager":
-        return fn
+        return None
     torch._dynamo.reset()
-    return torch.compile(fn, mode=mode, fullgraph=True)
+    return lambda fn: torch.compile(fn, mode=mode, fullgraph=True)
 
 
 def _gpu_gdpa_inputs():
@@ -191,10 +228,10 @@ def test_gpu_gluon_kernels_that_fail_to_build_fall_back_to_triton(mode, events, 
         expected = _gdpa(inputs)
     monkeypatch.setattr(gluon_fwd, "STAGES", 16)
     monkeypatch.setattr(gluon_bwd, "dkdv", functools.partial(gluon_bwd.dkdv, stages=16))
-    attention = _compiled(mode, lambda inputs: _gdpa(inputs))
+    compiled = _compiler(mode)
     with testing.override(gluon_compiled=True), pytest.warns(RuntimeWarning, match="gluon_fwd .*falls back to triton"):
         for _ in range(3 if mode == "reduce-overhead" else 1):
-            got = attention(inputs)
+            got = _gdpa(inputs, compiled)
     for name, a, b in zip(("out", "dq", "dk", "dv"), expected, got):
         assert torch.equal(a, b), name
     assert [(e.kernel, e.to) for e in events()] == [("gluon_fwd", "triton"), ("gluon_dkdv", "triton")]
@@ -209,11 +246,11 @@ def test_gpu_triton_kernels_that_fail_to_build_fall_back_to_the_reference(mode, 
     into the graph (and its CUDA graph) under torch.compile."""
     inputs = _gpu_gdpa_inputs()
     expected = _gdpa_reference(inputs)
-    attention = _compiled(mode, lambda inputs: _gdpa(inputs))
+    compiled = _compiler(mode)
     with testing.forced_config("fwd", BLOCK_M=256, BLOCK_N=256, num_stages=4):
         with pytest.warns(RuntimeWarning, match="jagged_attention .*falls back to reference: OutOfResources"):
             for _ in range(3 if mode == "reduce-overhead" else 1):
-                got = attention(inputs)
+                got = _gdpa(inputs, compiled)
     for name, a, b in zip(("out", "dq", "dk", "dv"), expected, got):
         torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2, msg=name)
     assert [(e.kernel, e.to) for e in events()] == [("jagged_attention", "reference")]
