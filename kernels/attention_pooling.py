@@ -38,6 +38,7 @@ from kernels.jagged_attention.triton_common import (
     define_op,
     dot,
     fake_without_launch,
+    identity,
     resolve_backend,
 )
 
@@ -366,12 +367,16 @@ def attention_pooling(
 
 
 def _probe(dtype: str, width: int, num_cols: int, device: int) -> None:
-    """A tiny forward and backward of :func:`attention_pooling` on the Triton kernels (kernels.fallback;
-    sizes None: gem_base's, width 512 and 16 columns)."""
-    device, width, num_cols = torch.device("cuda", device), width or 512, num_cols or 16
-    x = torch.randn(7, width, device=device, dtype=getattr(torch, dtype), requires_grad=True)
-    a = torch.randn(width, num_cols, device=device, dtype=x.dtype, requires_grad=True)
-    attention_pooling(x, a, torch.tensor([0, 5, 7], device=device), 5, backend="triton").float().sum().backward()
+    """Both pooling kernels of a variant, launched once on tiny inputs (kernels.fallback; sizes
+    None: gem_base's, width 512 and 16 columns)."""
+    from kernels.jagged_attention.probes import device_of
+
+    width, num_cols = width or 512, num_cols or 16
+    x = torch.randn(7, width, device=device_of(device), dtype=getattr(torch, dtype))
+    a = torch.randn(width, num_cols, device=x.device, dtype=x.dtype)
+    offsets = torch.tensor([0, 5, 7], device=x.device)
+    out, lse = _forward(x, a, offsets, 5, identity)
+    _backward(torch.randn_like(out), x, a, out, lse, offsets, 5, identity)
 
 
 fallback.PROBES["attention_pooling"] = _probe

@@ -29,7 +29,14 @@ import triton
 import triton.language as tl
 
 from kernels import fallback
-from kernels.jagged_attention.triton_common import OP_WRAP, define_op, dot, fake_without_launch, resolve_backend
+from kernels.jagged_attention.triton_common import (
+    OP_WRAP,
+    define_op,
+    dot,
+    fake_without_launch,
+    identity,
+    resolve_backend,
+)
 
 BLOCK_C = 64  # gradient columns per program
 MAX_BLOCK_N = 256  # gradient rows per program (N up to this in one block: no partial sums of d_gen)
@@ -178,13 +185,13 @@ def generated_weights_backward(
 
 
 def _probe(grad_dtype: str, mix_dtype: str, generated_dtype: str, device: int) -> None:
-    """:func:`generated_weights_backward` at a tiny shape on the Triton kernel (kernels.fallback)."""
-    device = torch.device("cuda", device)
-    grad = torch.randn(3, 16, 64, device=device, dtype=getattr(torch, grad_dtype))
-    mix = torch.randn(16, 4, device=device, dtype=getattr(torch, mix_dtype))
-    generated_weights_backward(
-        grad, mix, torch.randn(3, 4, 64, device=device, dtype=getattr(torch, generated_dtype)), "triton"
-    )
+    """The kernel of a variant, launched once on tiny inputs (kernels.fallback)."""
+    from kernels.jagged_attention.probes import device_of
+
+    grad = torch.randn(3, 16, 64, device=device_of(device), dtype=getattr(torch, grad_dtype))
+    mix = torch.randn(16, 4, device=grad.device, dtype=getattr(torch, mix_dtype))
+    generated = torch.randn(3, 4, 64, device=grad.device, dtype=getattr(torch, generated_dtype))
+    _backward(grad, mix, generated, identity)
 
 
 fallback.PROBES["generated_weights"] = _probe

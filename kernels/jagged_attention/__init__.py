@@ -19,7 +19,6 @@ import torch
 
 from kernels import fallback
 from kernels.jagged_attention import settings
-from kernels.jagged_attention.inputs import make_inputs
 from kernels.jagged_attention.reference import (
     ACTIVATIONS,
     jagged_attention_reference,
@@ -263,10 +262,13 @@ def rotary_self_attention(
     _check_bound("max_len", max_len)
     check_offsets("offsets", offsets, "qkv", qkv.shape[0], "max_len", max_len, _resolve_check(check))
     head_dim = qkv.shape[-1]
-    variant = (fallback.dtype_name(qkv), head_dim, bool(causal), window is not None)
-    backend = resolve_backend(backend, qkv, "rotary_self_attention", variant)
-    fused = backend == "triton" and head_dim >= 16 and not head_dim & (head_dim - 1)
-    if not (fused and settings.current().rotary_fused):
+    backend = resolve_backend(backend, qkv)
+    fused = backend == "triton" and head_dim >= 16 and not head_dim & (head_dim - 1) and settings.current().rotary_fused
+    if fused:  # its own kernels, checked as such (the two calls below check theirs)
+        variant = (fallback.dtype_name(qkv), head_dim, bool(causal), window is not None)
+        backend = resolve_backend(backend, qkv, "rotary_self_attention", variant)
+        fused = backend == "triton"
+    if not fused:
         q, k, v = rotary_qkv(qkv, cos, sin, backend=backend)
         return jagged_attention(
             q,
@@ -341,63 +343,6 @@ def packed_kv_attention(
     return out.view(num_batches, *q.shape)
 
 
-def _probe_jagged_attention(activation, dtype, head_dim, causal, windowed, blocked, layout, device) -> None:
-    """A tiny forward and backward of one variant of :func:`jagged_attention` on the Triton kernels
-    (head dim None: 128)."""
-    head_dim = head_dim or 128
-    inputs = make_inputs(
-        [5, 2], [4, 3], num_heads=1, head_dim=head_dim, layout=layout, num_dense_kv=4, num_queries=3,
-        dtype=getattr(torch, dtype), device=torch.device("cuda", device),
-    )  # fmt: skip
-    out = jagged_attention(
-        *inputs.args(),
-        activation=activation,
-        causal=causal,
-        window=1 if windowed else None,
-        block_size=2 if blocked else None,
-        backend="triton",
-    )
-    out.float().sum().backward()
-
-
-def _probe_rotary_self_attention(dtype, head_dim, causal, windowed, device) -> None:
-    """A tiny forward and backward of :func:`rotary_self_attention` on the Triton kernels (head dim None: 128)."""
-    device, head_dim = torch.device("cuda", device), head_dim or 128
-    qkv = torch.randn(7, 3, 1, head_dim, device=device, dtype=getattr(torch, dtype), requires_grad=True)
-    angles = torch.randn(7, head_dim // 2, device=device)
-    offsets = torch.tensor([0, 5, 7], device=device)
-    out = rotary_self_attention(
-        qkv, angles.cos(), angles.sin(), offsets, 5, causal=causal, window=1 if windowed else None, backend="triton"
-    )
-    out.float().sum().backward()
-
-
-def _probe_packed_kv_attention(dtype, head_dim, device) -> None:
-    """A tiny forward and backward of :func:`packed_kv_attention` on the Triton kernels (head dim None: 128)."""
-    device, head_dim = torch.device("cuda", device), head_dim or 128
-    q = torch.randn(3, 1, head_dim, device=device, dtype=getattr(torch, dtype), requires_grad=True)
-    kv = torch.randn(7, 2, 1, head_dim, device=device, dtype=q.dtype, requires_grad=True)
-    out = packed_kv_attention(q, kv, torch.tensor([0, 5, 7], device=device), 5, backend="triton")
-    out.float().sum().backward()
-
-
-def _quietly(probe):
-    """``probe`` inside ``op.probing()``: the Triton kernels only, no launch recorded."""
-
-    def run(*variant) -> None:
-        with op.probing():
-            probe(*variant)
-
-    return run
-
-
-fallback.PROBES |= {
-    "jagged_attention": _quietly(_probe_jagged_attention),
-    "rotary_self_attention": _quietly(_probe_rotary_self_attention),
-    "packed_kv_attention": _quietly(_probe_packed_kv_attention),
-}
-
-
 def _equal_offsets(num_batches: int, rows: int, device) -> torch.Tensor:
     """``[B+1]`` int32 offsets of ``num_batches`` examples of ``rows`` rows each (dense K/V viewed as
     jagged rows; broadcast queries, the same ``rows`` for every example)."""
@@ -457,4 +402,10 @@ def check_offsets(
 
 # Registers the ops and their FLOP formulas at import: a FlopCounterMode copies the formula
 # registry when it is created, so one opened before a lazy import would count zero.
-from kernels.jagged_attention import op  # noqa: E402
+from kernels.jagged_attention import op, probes  # noqa: E402
+
+fallback.PROBES |= {  # each builds and launches every kernel of a variant once (probes.py)
+    "jagged_attention": probes.jagged_attention,
+    "rotary_self_attention": probes.rotary_self_attention,
+    "packed_kv_attention": probes.packed_kv_attention,
+}

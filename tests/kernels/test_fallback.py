@@ -25,18 +25,18 @@ def _fail(*args, **kwargs):
     raise RuntimeError(f"{BUILD_ERROR}\n(the rest of the compiler's message)")
 
 
-def _gdpa(inputs, compiled=None):
-    """fast_gelu GDPA forward and its gradients on the Triton backend (the attention call through
-    ``compiled(attention)`` where given, e.g. torch.compile)."""
+def _attention(inputs):
+    """``attention(q, k, v)``: fast_gelu GDPA of ``inputs``' layout on the Triton backend."""
     rest = inputs.args()[3:]
+    return lambda q, k, v: jagged_attention(q, k, v, *rest, activation="fast_gelu", backend="triton")
 
-    def attention(q, k, v):
-        return jagged_attention(q, k, v, *rest, activation="fast_gelu", backend="triton")
 
+def _gdpa(inputs, attention=None):
+    """Output and gradients of ``attention`` (default :func:`_attention`; e.g. a compiled one)."""
     q, k, v = (t.detach().clone().requires_grad_() for t in inputs.tensors())
-    out = (compiled(attention) if compiled else attention)(q, k, v)
+    out = (attention or _attention(inputs))(q, k, v)
     out.float().square().sum().backward()
-    return out.detach(), q.grad, k.grad, v.grad
+    return out.detach().clone(), q.grad, k.grad, v.grad
 
 
 @pytest.fixture
@@ -187,6 +187,32 @@ def test_a_build_check_runs_the_triton_kernels_unrecorded():
     assert paths == ["triton_fwd", "triton_dkdv", "dq_from_ds"]
 
 
+@pytest.mark.parametrize(
+    "kernel, variant",
+    [
+        ("jagged_attention", ("fast_gelu", "float32", 32, False, False, False, "jagged", 0)),
+        ("jagged_attention", ("silu", "float32", 32, False, False, False, "dense_kv", 0)),
+        ("jagged_attention", ("softmax", "float32", 32, False, False, False, "broadcast_q", 0)),
+        ("jagged_attention", ("softmax", "float32", None, True, True, True, "jagged", 0)),
+        ("rotary_self_attention", ("float32", 32, False, False, 0)),
+        ("rotary_self_attention", ("float32", None, True, True, 0)),
+        ("packed_kv_attention", ("float32", 32, 0)),
+        ("rotary_qkv", ("float32", 32, 0)),
+        ("attention_pooling", ("float32", 64, 16, 0)),
+        ("generated_weights", ("float32", "float32", "float32", 0)),
+    ],
+)
+def test_every_build_check_launches_its_kernels(kernel, variant):
+    """Each op's check (kernels.fallback.PROBES) runs its launchers through, here in Triton's
+    interpreter (on a GPU: compiled and launched), unrecorded and with the Gluon kernels off."""
+    import kernels.attention_pooling  # noqa: F401  (registers their checks)
+    import kernels.generated_weights  # noqa: F401
+
+    with testing.override(gluon=True, gluon_bwd=True), testing.record_paths() as paths:
+        fallback.PROBES[kernel](*variant)
+    assert paths == []
+
+
 def _gdpa_reference(inputs):
     q, k, v = (t.detach().clone().requires_grad_() for t in inputs.tensors())
     out = jagged_attention(q, k, v, *inputs.args()[3:], activation="fast_gelu", backend="reference")
@@ -199,13 +225,13 @@ def _gdpa_reference(inputs):
 # ---------------------------------------------------------------------------------------------
 
 
-def _compiler(mode: str):
-    """None (``eager``), or torch.compile (``default``) or with CUDA graphs (``reduce-overhead``,
-    called three times by the tests: warm-up, recording, replay)."""
+def _compiled(mode: str, attention):
+    """``attention`` as is (``eager``), under torch.compile (``default``) or with CUDA graphs
+    (``reduce-overhead``, called three times by the tests: warm-up, recording, replay)."""
     if mode == "eager":
-        return None
+        return attention
     torch._dynamo.reset()
-    return lambda fn: torch.compile(fn, mode=mode, fullgraph=True)
+    return torch.compile(attention, mode=mode, fullgraph=True)
 
 
 def _gpu_gdpa_inputs():
@@ -228,10 +254,10 @@ def test_gpu_gluon_kernels_that_fail_to_build_fall_back_to_triton(mode, events, 
         expected = _gdpa(inputs)
     monkeypatch.setattr(gluon_fwd, "STAGES", 16)
     monkeypatch.setattr(gluon_bwd, "dkdv", functools.partial(gluon_bwd.dkdv, stages=16))
-    compiled = _compiler(mode)
+    attention = _compiled(mode, _attention(inputs))
     with testing.override(gluon_compiled=True), pytest.warns(RuntimeWarning, match="gluon_fwd .*falls back to triton"):
         for _ in range(3 if mode == "reduce-overhead" else 1):
-            got = _gdpa(inputs, compiled)
+            got = _gdpa(inputs, attention)
     for name, a, b in zip(("out", "dq", "dk", "dv"), expected, got):
         assert torch.equal(a, b), name
     assert [(e.kernel, e.to) for e in events()] == [("gluon_fwd", "triton"), ("gluon_dkdv", "triton")]
@@ -246,11 +272,11 @@ def test_gpu_triton_kernels_that_fail_to_build_fall_back_to_the_reference(mode, 
     into the graph (and its CUDA graph) under torch.compile."""
     inputs = _gpu_gdpa_inputs()
     expected = _gdpa_reference(inputs)
-    compiled = _compiler(mode)
+    attention = _compiled(mode, _attention(inputs))
     with testing.forced_config("fwd", BLOCK_M=256, BLOCK_N=256, num_stages=4):
         with pytest.warns(RuntimeWarning, match="jagged_attention .*falls back to reference: OutOfResources"):
             for _ in range(3 if mode == "reduce-overhead" else 1):
-                got = _gdpa(inputs, compiled)
+                got = _gdpa(inputs, attention)
     for name, a, b in zip(("out", "dq", "dk", "dv"), expected, got):
         torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2, msg=name)
     assert [(e.kernel, e.to) for e in events()] == [("jagged_attention", "reference")]

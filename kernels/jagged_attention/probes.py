@@ -1,0 +1,94 @@
+"""Build checks (``kernels.fallback.triton_usable``): each builds and launches every Triton kernel
+of one variant of an op once, on tiny inputs, through the launchers themselves (no dispatcher, no
+autograd, no tracing: it runs as it would eagerly, also when Dynamo calls it while it traces), with
+the Gluon kernels off and no launch recorded (``op.probing``). A size given as None (the check
+under ``torch.compile``) takes gem_base's: head dim 128. Without a GPU the kernels run on the CPU
+(in Triton's interpreter, or failing to launch without it, which is a fallback too)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernels.jagged_attention import op
+from kernels.jagged_attention.inputs import make_inputs
+from kernels.jagged_attention.triton_common import identity
+
+
+def device_of(index: int) -> torch.device:
+    """The checked device: GPU ``index``, or the CPU (Triton's interpreter) on a machine without one."""
+    return torch.device("cuda", index) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _equal_offsets(num_batches: int, rows: int, device) -> torch.Tensor:
+    return torch.arange(num_batches + 1, device=device, dtype=torch.int32) * rows
+
+
+def _forward_backward(q, k, v, q_offsets, kv_offsets, sizes, activation, scales) -> None:
+    """``op``'s forward and backward launchers, as the registered ops call them."""
+    with op.probing():
+        out, lse, order = op._forward(q, k, v, q_offsets, kv_offsets, sizes, activation, scales, identity)
+        grad_out = torch.randn_like(out)
+        op._backward_kernels(
+            grad_out, q, k, v, out, lse, q_offsets, kv_offsets, order, sizes, activation, scales, identity
+        )
+
+
+def jagged_attention(activation, dtype, head_dim, causal, windowed, blocked, layout, device) -> None:
+    """Every kernel of one variant of ``kernels.jagged_attention`` (its layout as the entry point
+    hands it to the ops: dense K/V as jagged rows of equal lengths, a broadcast Q's offsets)."""
+    head_dim = head_dim or 128
+    inputs = make_inputs(
+        [5, 2], [4, 3], num_heads=1, head_dim=head_dim, layout=layout, num_dense_kv=4, num_queries=3,
+        dtype=getattr(torch, dtype), device=device_of(device), requires_grad=False,
+    )  # fmt: skip
+    q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len = inputs.args()
+    num_batches = k.shape[0] if kv_offsets is None else kv_offsets.numel() - 1
+    if kv_offsets is None:
+        max_kv_len = k.shape[1]
+        kv_offsets = _equal_offsets(num_batches, max_kv_len, q.device)
+        k, v = k.flatten(0, 1), v.flatten(0, 1)
+    if q_offsets is None:
+        max_q_len = q.shape[0]
+        q_offsets = _equal_offsets(num_batches, max_q_len, q.device)
+    sizes = [
+        max_q_len,
+        max_kv_len,
+        int(causal),
+        1 if windowed else -1,
+        2 if blocked else 0,
+        int(layout == "broadcast_q"),
+    ]
+    scales = [1 / math.sqrt(head_dim), 1.0 if activation == "softmax" else 0.25]
+    _forward_backward(q, k, v, q_offsets, kv_offsets, sizes, activation, scales)
+
+
+def rotary_self_attention(dtype, head_dim, causal, windowed, device) -> None:
+    """The fused rotary self-attention's kernels (Q and K rotated on load, d qkv written whole)."""
+    device, head_dim = device_of(device), head_dim or 128
+    qkv = torch.randn(7, 3, 1, head_dim, device=device, dtype=getattr(torch, dtype))
+    angles = torch.randn(7, head_dim // 2, device=device)
+    cos, sin = angles.cos(), angles.sin()
+    offsets = torch.tensor([0, 5, 7], device=device)
+    sizes, scales = [5, 5, int(causal), 1 if windowed else -1, 0, 0], [1 / math.sqrt(head_dim), 1.0]
+    with op.probing():
+        out, lse, order, q, k = op._rope_forward(qkv, cos, sin, offsets, sizes, "softmax", scales, identity)
+        op._rope_backward_kernels(
+            torch.randn_like(out), q, k, qkv, out, lse, cos, sin, offsets, order, sizes, "softmax", scales, identity
+        )
+
+
+def packed_kv_attention(dtype, head_dim, device) -> None:
+    """Softmax attention of broadcast queries over a packed K/V projection."""
+    device, head_dim = device_of(device), head_dim or 128
+    q = torch.randn(3, 1, head_dim, device=device, dtype=getattr(torch, dtype))
+    kv = torch.randn(7, 2, 1, head_dim, device=device, dtype=q.dtype)
+    kv_offsets, q_offsets = torch.tensor([0, 5, 7], device=device), _equal_offsets(2, 3, device)
+    sizes, scales = [3, 5, 0, -1, 0, 1], [1 / math.sqrt(head_dim), 1.0]
+    with op.probing():
+        out, lse, order = op._kv_forward(q, kv, q_offsets, kv_offsets, sizes, "softmax", scales, identity)
+        grad_out = torch.randn_like(out)
+        op._kv_backward_kernels(
+            grad_out, q, kv, out, lse, q_offsets, kv_offsets, order, sizes, "softmax", scales, identity
+        )
