@@ -1,0 +1,98 @@
+"""tools/gpu_gate.py reads what tools/gpu_gate.sh leaves (JUnit XML, exit codes, run folders) and
+decides: the parsing and the verdict, on the CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tools.gpu_gate import merge, summarize
+
+ENV = {"commit": "abc", "hardware": "1x NVIDIA H100 80GB HBM3", "torch": "2.11.0", "triton": "3.6.0"}
+
+
+def _junit(path, cases):
+    """cases: (classname, name, outcome) with outcome passed | failure | error | skipped."""
+    body = "".join(
+        f'<testcase classname="{c}" name="{n}" time="1.0">'
+        + ("" if o == "passed" else f'<{o} message="why">x</{o}>')
+        + "</testcase>"
+        for c, n, o in cases
+    )
+    path.write_text(f'<?xml version="1.0"?><testsuites><testsuite name="pytest">{body}</testsuite></testsuites>')
+
+
+def _tests_work(tmp_path, kernel_outcome="passed", rc=0):
+    _junit(
+        tmp_path / "kernels.xml",
+        [
+            ("tests.kernels.test_jagged_attention", "test_gpu_gluon_forward[silu-jagged]", kernel_outcome),
+            ("tests.kernels.test_jagged_attention", "test_gpu_real_shapes[silu-64]", "passed"),
+            ("tests.kernels.test_rotary", "test_gpu_rotary", "skipped"),
+        ],
+    )
+    _junit(tmp_path / "gpu_tier.xml", [("tests.test_train", "test_trainer_on_cuda[sparse=native]", "passed")])
+    (tmp_path / "kernels.rc").write_text(f"{rc}\n")
+    (tmp_path / "gpu_tier.rc").write_text("0\n")
+    return tmp_path
+
+
+def _flagship_work(tmp_path, fallback=False):
+    for block, rc in (("interformer", 0), ("kunlun", 0)):
+        run = tmp_path / "runs" / block
+        run.mkdir(parents=True)
+        rows = [{"kind": "startup", "step": 0}]
+        rows += [{"kind": "train", "step": s, "examples_per_s": 100.0 * s, "mfu": 0.01 * s} for s in (20, 40, 60)]
+        if fallback and block == "kunlun":
+            rows.append({"kind": "fallback", "step": 1, "kernel": "gluon_fwd", "to": "triton"})
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (run / "test_metrics.json").write_text(json.dumps({"click/auc": 0.8}))
+        (tmp_path / f"{block}.rc").write_text(f"{rc}\n")
+    return tmp_path
+
+
+def test_the_tests_part_lists_every_test_by_outcome(tmp_path):
+    report = summarize(_tests_work(tmp_path), "tests", ENV)
+    kernels = report["tests"]["kernels"]
+    assert kernels["passed"] == [
+        "tests/kernels/test_jagged_attention.py::test_gpu_gluon_forward[silu-jagged]",
+        "tests/kernels/test_jagged_attention.py::test_gpu_real_shapes[silu-64]",
+    ]
+    assert kernels["skipped"] == ["tests/kernels/test_rotary.py::test_gpu_rotary"] and kernels["rc"] == 0
+    assert report["passed"] and report["commit"] == "abc" and report["hardware"].startswith("1x NVIDIA")
+
+
+@pytest.mark.parametrize("outcome, rc", [("failure", 1), ("error", 1), ("passed", 124)])
+def test_a_failed_test_or_a_cut_phase_fails_the_part(tmp_path, outcome, rc):
+    report = summarize(_tests_work(tmp_path, outcome, rc), "tests", ENV)
+    assert not report["passed"] and report["problems"][0].startswith(f"kernels: rc {rc}")
+
+
+def test_a_missing_junit_file_fails_the_part(tmp_path):
+    (tmp_path / "kernels.rc").write_text("124\n")
+    report = summarize(tmp_path, "tests", ENV)
+    assert not report["passed"] and report["tests"]["kernels"].get("missing")
+
+
+def test_flagship_part_takes_the_windows_after_the_first(tmp_path):
+    report = summarize(_flagship_work(tmp_path), "flagship", ENV)
+    run = report["flagship"]["interformer"]
+    assert run["steps"] == 60 and run["examples_per_s"] == 5000.0 and run["mfu"] == pytest.approx(0.5)
+    assert run["test_click_auc"] == 0.8 and run["fallbacks"] == [] and report["passed"]
+
+
+def test_a_kernel_fallback_fails_the_flagship_part(tmp_path):
+    report = summarize(_flagship_work(tmp_path, fallback=True), "flagship", ENV)
+    assert not report["passed"] and "flagship kunlun" in report["problems"][0]
+
+
+def test_merge_needs_both_parts_of_one_commit(tmp_path):
+    (tmp_path / "t").mkdir()
+    tests = summarize(_tests_work(tmp_path / "t"), "tests", ENV)
+    flagship = summarize(_flagship_work(tmp_path / "f"), "flagship", ENV)
+    gate = merge([tests, flagship])
+    assert gate["passed"] and set(gate) >= {"tests", "flagship", "commit", "hardware"}
+    assert not merge([tests])["passed"] and merge([tests])["problems"] == ["no flagship part"]
+    with pytest.raises(SystemExit, match="different commits"):
+        merge([tests, flagship | {"commit": "def"}])
