@@ -369,10 +369,9 @@ def attention_pooling(
 def _probe(dtype: str, width: int, num_cols: int, device: int) -> None:
     """Both pooling kernels of a variant, launched once on tiny inputs (kernels.fallback; sizes
     None: gem_base's, width 512 and 16 columns)."""
-    from kernels.jagged_attention.probes import device_of
 
     width, num_cols = width or 512, num_cols or 16
-    x = torch.randn(7, width, device=device_of(device), dtype=getattr(torch, dtype))
+    x = torch.randn(7, width, device=fallback.device_of(device), dtype=getattr(torch, dtype))
     a = torch.randn(width, num_cols, device=x.device, dtype=x.dtype)
     offsets = torch.tensor([0, 5, 7], device=x.device)
     out, lse = _forward(x, a, offsets, 5, identity)

@@ -53,6 +53,11 @@ _probed: dict[tuple, bool] = {}  # triton_usable's answers; True while a probe r
 PROBES: dict[str, Callable[..., None]] = {}  # kernel -> probe(*variant): a tiny forward and backward
 
 
+def device_of(index: int) -> torch.device:
+    """A check's device: GPU ``index``, or the CPU (Triton's interpreter) on a machine without one."""
+    return torch.device("cuda", index) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def dtype_name(t: torch.Tensor) -> str:
     """``"bfloat16"`` for a bf16 tensor: how a variant names its dtype."""
     return str(t.dtype).removeprefix("torch.")

@@ -186,9 +186,8 @@ def generated_weights_backward(
 
 def _probe(grad_dtype: str, mix_dtype: str, generated_dtype: str, device: int) -> None:
     """The kernel of a variant, launched once on tiny inputs (kernels.fallback)."""
-    from kernels.jagged_attention.probes import device_of
 
-    grad = torch.randn(3, 16, 64, device=device_of(device), dtype=getattr(torch, grad_dtype))
+    grad = torch.randn(3, 16, 64, device=fallback.device_of(device), dtype=getattr(torch, grad_dtype))
     mix = torch.randn(16, 4, device=grad.device, dtype=getattr(torch, mix_dtype))
     generated = torch.randn(3, 4, 64, device=grad.device, dtype=getattr(torch, generated_dtype))
     _backward(grad, mix, generated, identity)

@@ -239,11 +239,10 @@ def rotary_qkv(
 
 def _probe(dtype: str, head_dim: int, device: int) -> None:
     """Both rotary kernels of a variant, launched once on tiny inputs (kernels.fallback; head dim None: 128)."""
-    from kernels.jagged_attention.probes import device_of
     from kernels.jagged_attention.triton_common import identity
 
     head_dim = head_dim or 128
-    qkv = torch.randn(5, 3, 1, head_dim, device=device_of(device), dtype=getattr(torch, dtype))
+    qkv = torch.randn(5, 3, 1, head_dim, device=fallback.device_of(device), dtype=getattr(torch, dtype))
     angles = torch.randn(5, head_dim // 2, device=qkv.device)
     cos, sin = angles.cos(), angles.sin()
     _backward(*_forward(qkv, cos, sin, identity), cos, sin, identity)

@@ -11,14 +11,10 @@ import math
 
 import torch
 
+from kernels.fallback import device_of
 from kernels.jagged_attention import op
 from kernels.jagged_attention.inputs import make_inputs
 from kernels.jagged_attention.triton_common import identity
-
-
-def device_of(index: int) -> torch.device:
-    """The checked device: GPU ``index``, or the CPU (Triton's interpreter) on a machine without one."""
-    return torch.device("cuda", index) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _equal_offsets(num_batches: int, rows: int, device) -> torch.Tensor:
