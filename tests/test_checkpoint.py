@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -150,6 +151,16 @@ def test_resume_two_ranks_is_bit_identical(cache_dir, two_rank_run, tmp_path):
     _torchrun(cache_dir, tmp_path / "run")
     expected, resumed = _losses(two_rank_run), _losses(tmp_path / "run")
     assert [resumed[s] for s in range(11, 21)] == [expected[s] for s in range(11, 21)]
+
+
+def test_sigterm_on_one_rank_stops_both_after_the_step_and_the_restart_loses_nothing(cache_dir, two_rank_run, tmp_path):
+    """Rank 1 receives SIGTERM during step 12: both ranks finish it, checkpoint step 12 and exit 143;
+    torchrun's restart resumes at step 13 with the uninterrupted run's losses."""
+    proc = _torchrun(cache_dir, tmp_path / "run", faults=["--signal-at", "12:1"], max_restarts=1)
+    assert "stopped by SIGTERM after step 12" in proc.stderr
+    assert (tmp_path / "run" / "checkpoints" / "step_000000012").is_dir()
+    expected, resumed = _losses(two_rank_run), _losses(tmp_path / "run")
+    assert [resumed[s] for s in range(1, 21)] == [expected[s] for s in range(1, 21)]
 
 
 def test_sigkilled_rank_restarts_and_resumes_with_no_example_lost_or_repeated(cache_dir, two_rank_run, tmp_path):
@@ -419,3 +430,54 @@ def test_resume_two_gpus_nccl_is_bit_identical(cache_dir, tmp_path):
 def test_checkpoint_config_is_validated(override, match):
     with pytest.raises(ConfigError, match=re.escape(match)):
         validate(compose([override]))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_checkpoints_the_step_and_the_rerun_loses_nothing(cache_dir, single_run, tmp_path, signum):
+    """SIGTERM (a scheduler's preemption) or SIGINT arriving during step 7 of the uninterrupted run's
+    command (checkpoints every 5): the step finishes, step_7 is written, train() raises Preempted
+    (exit status 128 + the signal from ``python -m gem.train``); the rerun resumes at step 8 and
+    steps 8-20 give the uninterrupted run's losses, bit for bit."""
+    from gem.train.stopping import Preempted
+
+    run_dir = tmp_path / "run"
+    overrides = _overrides(cache_dir, run_dir, "optim.schedule=cosine", "optim.warmup_steps=3", "data.num_workers=1")
+
+    def signal_at_7(step, rank, batch):
+        if step == 7:
+            os.kill(os.getpid(), signum)
+
+    handler = signal.getsignal(signum)
+    with pytest.raises(Preempted) as stopped:
+        train(compose(overrides), hooks=[signal_at_7])
+    assert stopped.value.step == 7 and stopped.value.exit_code == 128 + signum
+    assert stopped.value.checkpoint == str(run_dir / "checkpoints" / "step_000000007")
+    assert json.loads((run_dir / "checkpoints" / "step_000000007" / "gem_checkpoint.json").read_text())["step"] == 7
+    assert signal.getsignal(signum) == handler and max(_losses(run_dir)) == 7  # handler back; step 7 logged
+    train(compose(overrides))
+    expected, resumed = _losses(single_run), _losses(run_dir)
+    assert sorted(resumed) == list(range(1, 21))
+    assert [resumed[s] for s in range(8, 21)] == [expected[s] for s in range(8, 21)]
+
+
+def test_a_run_folder_holds_one_run_at_a_time(cache_dir, tmp_path):
+    """A second run on a held trainer.run_dir stops at once with one line naming the folder and the
+    holder; a lock file left by a dead run is taken over with a warning."""
+    from gem.train.rundir import LOCK, RunDirInUse, RunDirLock
+
+    run_dir = tmp_path / "run"
+    with RunDirLock(run_dir):
+        with pytest.raises(RunDirInUse, match=rf"trainer.run_dir='{run_dir}' is in use by another run \(pid \d+ on "):
+            train(compose(_overrides(cache_dir, run_dir, "trainer.max_steps=2")))
+    assert (run_dir / LOCK).read_text() == ""  # released
+    assert not (run_dir / "metrics.jsonl").exists()  # nothing of the refused run written
+    (run_dir / LOCK).write_text(json.dumps({"pid": 999999, "host": "gone", "time": 0.0, "argv": []}))
+    train(compose(_overrides(cache_dir, run_dir, "trainer.max_steps=2")))
+    assert (
+        "took over the lock of a run that ended without releasing it (pid 999999 on gone"
+        in (run_dir / "train.log").read_text()
+    )
+    file = tmp_path / "a_file"
+    file.write_text("")
+    with pytest.raises(ConfigError, match="is a file, or lies under one"):
+        train(compose(_overrides(cache_dir, file, "trainer.max_steps=2")))

@@ -42,6 +42,8 @@ def test_every_option_composes_and_validates(group, option):
     [
         ("trainer.devcie=cpu", "trainer.devcie"),
         ("trainer.max_steps=ten", "trainer.max_steps"),
+        ("trainer.max_steps=-5", "trainer.max_steps=-5: give a number of steps >= 1, or -1 for trainer.epochs"),
+        ("trainer.max_steps=0", "trainer.max_steps=0: give a number of steps >= 1"),
         ("sparse.backend=fbgemm", "sparse.backend='fbgemm' is not one of"),
         ("optim.dense.lr=-1", "optim.dense.lr=-1.0 must be > 0"),
         ("data.batch_size=0", "data.batch_size=0 must be > 0"),

@@ -456,3 +456,26 @@ def test_a_kernel_that_fails_to_build_falls_back_and_the_run_records_it(cache_di
     rows = [r for r in _losses(run)[1] if r["kind"] == "fallback"]
     assert startup and [r["kernel"] for r in rows] == [e["kernel"] for e in startup]
     assert all(r["to"] == "reference" and r["setting"] == "kernels.attention_backend=reference" for r in rows)
+
+
+def test_a_missing_val_split_warns_once_and_an_empty_train_split_names_itself(tiny_dataset, cache_dir, tmp_path):
+    """data=parquet without val/: the run trains and says once that it validates nothing; a train
+    split whose files hold no rows fails naming the split (a smaller batch cannot help)."""
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    from gem.data.errors import DataError
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_dataset, data)
+    shutil.rmtree(data / "val")
+    parquet = ["data=parquet", f"data.dir={data}", "data.schema={}", "trainer.max_steps=2"]
+    train(_cfg(cache_dir, tmp_path / "run", *parquet, "trainer.eval_every=0"))
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert log.count("this run validates nothing") == 1 and f"{data / 'val'} is missing" in log
+    for path in (data / "train").glob("*.parquet"):
+        table = pq.read_table(path)
+        pq.write_table(table.slice(0, 0).replace_schema_metadata(table.schema.metadata), path)
+    with pytest.raises(DataError, match=f"the training split {data / 'train'} holds no rows"):
+        train(_cfg(cache_dir, tmp_path / "empty", *parquet))

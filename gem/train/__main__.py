@@ -38,6 +38,7 @@ from gem.data.errors import DataError  # noqa: E402
 from gem.train.api import config_dir  # noqa: E402
 from gem.train.checkpoint import CheckpointError  # noqa: E402
 from gem.train.config import ConfigError  # noqa: E402
+from gem.train.stopping import Preempted  # noqa: E402
 from gem.train.trainer import train  # noqa: E402
 
 CONFIG_DIR = config_dir()  # the checkout's configs/, or gem/configs in an installed wheel
@@ -64,6 +65,10 @@ def user_message(e: BaseException) -> str:
 def main(cfg: DictConfig) -> None:
     try:
         train(cfg)
+    except Preempted as e:  # SIGTERM / SIGINT: checkpointed after the step it finished
+        rank = f"[rank{os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
+        print(f"{rank}{e}", file=sys.stderr)
+        sys.exit(e.exit_code)
     except tuple(cls for cls, _ in USER_ERRORS) as e:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise

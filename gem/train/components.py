@@ -12,6 +12,7 @@ gem.transfer's distillation, which gem.train never imports:
     each step   step_end(trainer)          after the step, before the checkpoint, logs, validation
     validation  validated(trainer, values) after each validation
     the end     fit_end(trainer)           training done: may set trainer.result (the final metrics)
+    a signal    stopped(trainer)           SIGTERM / SIGINT: the run stops after this step, checkpointed
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ class Component:
         pass
 
     def fit_end(self, trainer) -> None:
+        pass
+
+    def stopped(self, trainer) -> None:
+        """The run stops on a signal after this step (gem.train.stopping), checkpointed."""
         pass
 
 
@@ -110,6 +115,9 @@ class Profiling(Component):
     def step_end(self, trainer) -> None:
         self.profiler.step()
 
+    def stopped(self, trainer) -> None:
+        self.profiler.close()
+
     def fit_end(self, trainer) -> None:
         self.profiler.close()
         result = self.profiler.result
@@ -155,6 +163,8 @@ class DeltaExport(Component):
     def fit_end(self, trainer) -> None:
         if self.deltas is not None:
             self.deltas.close()
+
+    stopped = fit_end
 
 
 class KeepBest(Component):

@@ -148,7 +148,7 @@ class DeltaExportConfig:
 class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda
     epochs: int = 1
-    max_steps: int = -1  # > 0 stops early
+    max_steps: int = -1  # >= 1 stops there; -1: trainer.epochs decides
     # > 0: a training split too small for this many steps in trainer.epochs trains the fewest whole
     # epochs that reach it (a small data set's run; trainer.max_steps and streams ignore it); 0: off
     min_steps: int = 0
@@ -369,6 +369,8 @@ def validate(cfg: DictConfig | dict) -> Config:
     _one_of("optim.schedule", o.schedule, ("constant", "cosine"))
     _one_of("trainer.device", t.device, ("auto", "cpu", "cuda"))
     _positive("trainer.epochs", t.epochs)
+    if t.max_steps != -1 and t.max_steps < 1:
+        raise ConfigError(f"trainer.max_steps={t.max_steps}: give a number of steps >= 1, or -1 for trainer.epochs")
     _positive("trainer.min_steps", t.min_steps, allow_zero=True)
     _positive("trainer.log_every", t.log_every)
     if t.eval_every < -1:

@@ -421,6 +421,8 @@ def plan(
     rather than after training, unless ``trainer.test`` is off."""
     d, t = config.data, config.trainer
     steps_per_epoch = loader.steps_per_epoch
+    if steps_per_epoch == 0 and loader.num_rows() == 0:
+        raise DataError(f"the training split {data_dir / 'train'} holds no rows: write examples into its files")
     if steps_per_epoch == 0:
         raise ConfigError(
             f"data.batch_size={d.batch_size} x {world_size} ranks exceeds the training split "
@@ -463,6 +465,10 @@ def plan(
                 why,
             )
             eval_every = 0
+    if not t.eval_every:  # no validation asked for: a missing split is only worth a word
+        rows, why = eval_rows("val")
+        if rows == 0:
+            logger.warning("the validation split %s %s: this run validates nothing", data_dir / "val", why)
     if t.test:
         rows, why = eval_rows("test")
         if rows == 0:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from gem.train import pretrain
+from gem.train import pretrain, rundir
 from gem.train.checkpoint import Checkpointer, Progress
 from gem.train.components import Component, StepHook, builtin_components, outside_components
 from gem.train.config import Config, validate
@@ -56,6 +55,7 @@ from gem.train.startup import (
     start_compile_workers,
 )
 from gem.train.step import TimedIterator, TrainStep
+from gem.train.stopping import Preempted, StopSignals
 from kernels import fallback as kernel_fallback
 
 __all__ = [
@@ -102,15 +102,17 @@ def fit(config: Config, hooks: Sequence[StepHook] = (), timer: StartupTimer | No
     timer = timer or StartupTimer()
     if config.parallelism.compile:
         start_compile_workers()
-    run_dir, rank = Path(config.trainer.run_dir), int(os.environ.get("RANK", 0))
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(config)))
-    setup_logging(run_dir if rank == 0 else None, rank)
+    run_dir = Path(config.trainer.run_dir)
     env = environment(config, timer)
-    components = [*builtin_components(hooks), *outside_components(config)]
-    run = build(config, env, run_dir, timer, [b for c in components if (b := c.dense_builder()) is not None])
-    return Trainer(run, components).fit()
+    with rundir.hold(run_dir, env.rank, env.world_size) as took_over, StopSignals(env.world_size) as stop:
+        if env.is_main:
+            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(config)))
+        setup_logging(run_dir if env.is_main else None, env.rank)
+        if took_over:
+            logger.warning(took_over)
+        components = [*builtin_components(hooks), *outside_components(config)]
+        run = build(config, env, run_dir, timer, [b for c in components if (b := c.dense_builder()) is not None])
+        return Trainer(run, components, stop).fit()
 
 
 class Trainer:
@@ -120,8 +122,8 @@ class Trainer:
     started), ``position`` (where it is, as a checkpoint records it), ``checkpointer``,
     ``metrics``, ``train_step``, ``autocast``, ``result`` (the final metrics)."""
 
-    def __init__(self, run: Run, components: Sequence[Component]) -> None:
-        self.run, self.components = run, list(components)
+    def __init__(self, run: Run, components: Sequence[Component], stop: StopSignals | None = None) -> None:
+        self.run, self.components, self.stop = run, list(components), stop
         config, env, t = run.config, run.env, run.config.trainer
         self.start = run.timer.start
         self.total_steps = run.plan.total_steps
@@ -221,7 +223,7 @@ class Trainer:
 
     def train_one(self, batches: TimedIterator) -> None:
         """One training step and what follows it: the components' step_end, the checkpoint, the
-        log window, the validation."""
+        log window, the validation, a stop signal."""
         run, t = self.run, self.run.config.trainer
         first = self.step == self.progress.step
         compile_before = compile_counters() if first else {}
@@ -255,6 +257,9 @@ class Trainer:
             self.log()
         if run.plan.eval_every and (self.step % run.plan.eval_every == 0 or self.step == self.total_steps):
             self.validate()
+        signum = self.stop.requested() if self.stop is not None else None
+        if signum:
+            self.preempt(signum)
 
     def log(self) -> None:
         """The log window's line: losses, throughput, MFU, the learning rate, data and id counts."""
@@ -282,6 +287,22 @@ class Trainer:
         for component in self.components:
             component.validated(self, values)
         self.window.start += time.perf_counter() - eval_start  # throughput counts training time only
+
+    def preempt(self, signum: int) -> None:
+        """A stop signal after this step: log and checkpoint it, close the components, raise Preempted."""
+        if self.window.steps:
+            self.log()
+        self.train_step.detach()
+        self.bar.close()
+        where = None
+        if self.checkpointer is not None:
+            self.checkpointer.save(self.position)
+            self.checkpointer.wait()
+            where = str(self.run.checkpoint_dir / f"step_{self.step:09d}")
+        for component in self.components:
+            component.stopped(self)
+        self.metrics.close()
+        raise Preempted(signum, self.step, where)
 
     def finish(self) -> dict[str, float]:
         """The components' fit_end, the test evaluation (unless one of them set the result), the
