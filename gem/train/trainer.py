@@ -156,9 +156,18 @@ class Trainer:
         self.autocast = getattr(torch, t.autocast) if t.autocast else None  # validated: "bfloat16"
         weights = [t.task_weights.get(k, 1.0) for k in run.source.schema.tasks]  # 1 where unset
         self.task_weights = torch.tensor(weights, device=env.device)
-        self.train_step = TrainStep(
-            run.model, self._loss(), run.optimizers.set, env.device, self._pipelined(), self.autocast
+        fused = run.optimizers.fused  # present when TorchRec sharded the tables
+        num_dense = sum(p.numel() for n, p in run.model.named_parameters() if not n.startswith("sparse_arch."))
+        logger.info(
+            "model: %s, %.2fM dense parameters; sparse backend %s, %d tables with the fused optimizer; %d steps",
+            config.model["_target_"],
+            num_dense / 1e6,
+            config.sparse.backend,
+            len(fused.params) if fused is not None else 0,
+            self.total_steps,
         )
+        loss = self._loss()
+        self.train_step = TrainStep(run.model, loss, run.optimizers.set, env.device, self._pipelined(), self.autocast)
         self.peak_tflops = t.peak_tflops if t.peak_tflops is not None else default_peak_tflops(env.device)
         self.fallbacks = len(kernel_fallback.events())  # reported so far (the list is the process's)
 
@@ -180,15 +189,6 @@ class Trainer:
         """Whether TorchRec's sparse-dist pipeline runs the steps (logged either way)."""
         run = self.run
         fused = run.optimizers.fused  # present when TorchRec sharded the tables
-        num_dense = sum(p.numel() for n, p in run.model.named_parameters() if not n.startswith("sparse_arch."))
-        logger.info(
-            "model: %s, %.2fM dense parameters; sparse backend %s, %d tables with the fused optimizer; %d steps",
-            run.config.model["_target_"],
-            num_dense / 1e6,
-            run.config.sparse.backend,
-            len(fused.params) if fused is not None else 0,
-            self.total_steps,
-        )
         want = run.config.sparse.pipeline if run.config.sparse.pipeline is not None else run.env.device.type == "cuda"
         shared = bool(getattr(run.model.sparse_arch, "module", run.model.sparse_arch).routed_id_features)
         pipelined = want and fused is not None and not shared
