@@ -16,6 +16,9 @@ Two places fall back:
   forward and backward through the op on the device, outside any trace (Dynamo calls the check
   as a constant). A variant that fails runs on the op's reference.
 
+Under ``torch.compile`` the Gluon launches of a variant also run once on tiny inputs while Dynamo
+traces (:func:`gluon_checked`), so that a failure falls back before the graph's first run.
+
 Triton's interpreter (``TRITON_INTERPRET=1``) compiles nothing, so no check runs there
 (``triton_common.resolve_backend`` asks for none).
 """
@@ -131,6 +134,23 @@ def triton_usable(kernel: str, variant: tuple) -> bool:
             record(kernel, " ".join(map(str, variant)), "reference", error, "kernels.attention_backend=reference")
             _probed[key] = False
     return _probed[key]
+
+
+@torch.compiler.assume_constant_result
+def gluon_checked(kernel: str, variant: tuple) -> bool:
+    """Launches the Gluon kernels of ``kernel``'s ``variant`` once, by ``PROBES[kernel](*variant)``
+    on tiny inputs, before a ``torch.compile`` graph calls them through its opaque ops: a build
+    failure then falls back there (:func:`guarded`, recorded), not inside the graph's first run:
+    one there, in a CUDA graph tree's warm-up, failed the tree's memory-pool check (H100, torch
+    2.11). True, a constant for Dynamo, which calls this while it traces."""
+    key = ("gluon", kernel, *variant)
+    if key not in _probed and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        _probed[key] = True
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily(), torch.enable_grad():
+            PROBES[kernel](*variant)
+    return True
 
 
 def clear() -> None:

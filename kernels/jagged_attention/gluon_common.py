@@ -10,6 +10,7 @@ when they run (:func:`applies`, :func:`softmax_dkdv_applies`, ``settings.gluon``
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -32,6 +33,21 @@ SOFTMAX, SILU, GELU, FAST_GELU, RELU = (
 )
 
 
+_checking = False  # real tensors while Dynamo traces: a build check's (``real_tensors``)
+
+
+@contextlib.contextmanager
+def real_tensors():
+    """Around a build check that Dynamo calls while it traces (``kernels.fallback.gluon_checked``):
+    its tensors are real, so :func:`tensors_apply` judges them as in an eager call."""
+    global _checking
+    saved, _checking = _checking, True
+    try:
+        yield
+    finally:
+        _checking = saved
+
+
 def applies(q, k, v, activation, causal, window, block_size, q_broadcast) -> bool:
     """Whether the Gluon kernels take a GDPA call: a pointwise activation without a causal,
     window or block mask, jagged queries, and tensors as :func:`tensors_apply` asks."""
@@ -50,7 +66,7 @@ def tensors_apply(q, k, v) -> bool:
     adjacent, 16-byte aligned base and row stride)."""
     if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if torch.compiler.is_compiling() or any(is_fake(t) for t in (q, k, v)):
+    if (torch.compiler.is_compiling() and not _checking) or any(is_fake(t) for t in (q, k, v)):
         return False
     if tc.capability(q.device.index)[0] != 9:
         return False

@@ -74,13 +74,15 @@ def _took(path: str) -> None:
 
 
 @contextlib.contextmanager
-def probing():
-    """Around a build check's tiny calls (``kernels.fallback.triton_usable``): the Triton kernels
-    only (the Gluon ones fall back where they run), and no launch recorded in ``_paths``."""
+def probing(gluon: bool = False):
+    """Around a build check's tiny calls, with no launch recorded in ``_paths``: the Triton
+    kernels only (``kernels.fallback.triton_usable``; the Gluon ones fall back where they run), or
+    with ``gluon`` the kernels the settings in force choose (``kernels.fallback.gluon_checked``)."""
     global _paths
     saved_paths, saved = _paths, current_settings()
     _paths = None
-    kernel_settings._set(saved.replace(gluon=False, gluon_bwd=False, gluon_bwd_softmax=False))
+    if not gluon:
+        kernel_settings._set(saved.replace(gluon=False, gluon_bwd=False, gluon_bwd_softmax=False))
     try:
         yield
     finally:
@@ -919,12 +921,15 @@ def jagged_attention_triton(
     """Calls the registered forward op (differentiable); arguments as in ``triton_fwd.forward``.
     Under ``torch.compile`` with ``settings.gluon_compiled``, a call the Gluon kernels may take (a
     pointwise activation, no mask, jagged queries) goes to the opaque op instead, which decides
-    on the real tensors, as an eager call does."""
+    on the real tensors, as an eager call does; its Gluon kernels are launched once while Dynamo
+    traces (``fallback.gluon_checked``), so that one that fails to build falls back there."""
     opaque = (
         unmasked_pointwise(activation, causal, window, block_size, q_broadcast)
         and torch.compiler.is_compiling()
         and current_settings().gluon_compiled
     )
+    if opaque and q.is_cuda and isinstance(q.shape[-1], int):
+        fallback.gluon_checked("gluon_gdpa", (activation, fallback.dtype_name(q), q.shape[-1], q.device.index or 0))
     fwd_op = torch.ops.gem_kernels.jagged_attention_fwd_eager if opaque else torch.ops.gem_kernels.jagged_attention_fwd
     out, _, _ = fwd_op(
         q,

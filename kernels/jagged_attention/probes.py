@@ -21,9 +21,9 @@ def _equal_offsets(num_batches: int, rows: int, device) -> torch.Tensor:
     return torch.arange(num_batches + 1, device=device, dtype=torch.int32) * rows
 
 
-def _forward_backward(q, k, v, q_offsets, kv_offsets, sizes, activation, scales) -> None:
-    """``op``'s forward and backward launchers, as the registered ops call them."""
-    with op.probing():
+def _forward_backward(q, k, v, q_offsets, kv_offsets, sizes, activation, scales, gluon=False) -> None:
+    """``op``'s forward and backward launchers, as the registered ops call them (``op.probing``)."""
+    with op.probing(gluon):
         out, lse, order = op._forward(q, k, v, q_offsets, kv_offsets, sizes, activation, scales, identity)
         grad_out = torch.randn_like(out)
         op._backward_kernels(
@@ -58,6 +58,24 @@ def jagged_attention(activation, dtype, head_dim, causal, windowed, blocked, lay
     ]
     scales = [1 / math.sqrt(head_dim), 1.0 if activation == "softmax" else 0.25]
     _forward_backward(q, k, v, q_offsets, kv_offsets, sizes, activation, scales)
+
+
+def gluon_gdpa(activation, dtype, head_dim, device) -> None:
+    """The Gluon kernels that a GDPA variant's opaque ops may launch (the forward, the stored-dS
+    dK/dV), on one example and head of ``settings.gluon_min_q_len + 1`` rows, which they take
+    where they apply; on real tensors while Dynamo traces (``gluon_common.real_tensors``). Each
+    launch falls back where it fails (``op.launch_forward`` / ``launch_backward``)."""
+    if not torch.cuda.is_available():
+        return  # the Gluon kernels run on sm_90 GPUs only
+    from kernels.jagged_attention import gluon_common
+
+    rows = op.current_settings().gluon_min_q_len + 1
+    inputs = make_inputs([rows], [rows], num_heads=1, head_dim=head_dim, dtype=getattr(torch, dtype),
+                         device=device_of(device), requires_grad=False)  # fmt: skip
+    q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len = inputs.args()
+    sizes, scales = [max_q_len, max_kv_len, 0, -1, 0, 0], [1 / math.sqrt(head_dim), 0.25]
+    with gluon_common.real_tensors():
+        _forward_backward(q, k, v, q_offsets, kv_offsets, sizes, activation, scales, gluon=True)
 
 
 def rotary_self_attention(dtype, head_dim, causal, windowed, device) -> None:

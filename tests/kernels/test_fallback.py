@@ -10,6 +10,7 @@ import functools
 import pytest
 import torch
 import triton
+from torch._subclasses.fake_tensor import is_fake
 
 from kernels import fallback, jagged_attention
 from kernels.jagged_attention import gluon_bwd, gluon_fwd, op, testing, triton_common
@@ -185,6 +186,22 @@ def test_a_build_check_runs_the_triton_kernels_unrecorded():
         assert op.current_settings().gluon and paths == []
         _gdpa(inputs)
     assert paths == ["triton_fwd", "triton_dkdv", "dq_from_ds"]
+
+
+def test_the_gluon_check_runs_once_a_variant_on_real_tensors_while_dynamo_traces(events, monkeypatch):
+    """Dynamo calls the check as it traces; its probe runs eagerly, once a variant, and the graph
+    gets no break (the GPU test below has it fail a real Gluon build under CUDA graphs)."""
+    seen = []
+    monkeypatch.setitem(fallback.PROBES, "gluon_gdpa", lambda *variant: seen.append((variant, is_fake(torch.ones(1)))))
+
+    def step(x):
+        for head_dim in (128, 128, 64):
+            fallback.gluon_checked("gluon_gdpa", ("fast_gelu", "bfloat16", head_dim, 0))
+        return x + 1
+
+    torch._dynamo.reset()
+    torch.compile(step, fullgraph=True, backend="aot_eager")(torch.zeros(3))
+    assert seen == [(("fast_gelu", "bfloat16", 128, 0), False), (("fast_gelu", "bfloat16", 64, 0), False)]
 
 
 @pytest.mark.parametrize(
