@@ -18,15 +18,16 @@ its static launcher for user Triton kernels, ``autotune-<block>`` its GEMM autot
 ``nographs-<block>`` runs without the flagship's CUDA graphs (and the 2,048-row bucket they need),
 ``graphs8k-<block>`` with them over an 8,192-row bucket, ``unfused-<block>`` with the rotary
 self-attention as two calls (``kernels.rotary_fused=false``), ``gluon-<block>`` with the Gluon
-kernels under compile (``kernels.gluon_compiled=true``), ``noscatter-<block>`` with the gathers'
-gradients scattered into gradients of zeros (``parallelism.scatter_in_place=false``), ``gemmgenw-<block>``
+kernels under compile (``experimental.kernels.gluon_compiled=true``), ``noscatter-<block>`` with the gathers'
+gradients scattered into gradients of zeros (``experimental.parallelism.scatter_in_place=false``), ``gemmgenw-<block>``
 with the personalized FFN's K/V gradients as a sum and two GEMMs (``kernels.generated_weights=false``),
 ``cdt-<block>`` with Inductor's coordinate-descent tuning of its kernels (and without its static
 launcher: a warm start still tuned them again, 63 s to its first step in torch 2.11), ``rowbias-<block>``
 with biases on the layers' projections of every event row (``model.row_bias=true``; the flagship drops
 them since stop 64, measured then as ``nobias-<block>`` against the biased flagship), ``mmadd-<block>``
-with the residual added after the GEMM instead of in cuBLAS's ``addmm`` (``parallelism.residual_addmm=false``),
-``gluonsm-<block>`` with the self-attention's softmax dK/dV on the Gluon kernel (``kernels.gluon_bwd_softmax=true``).
+with the residual added after the GEMM instead of in cuBLAS's ``addmm``
+(``experimental.parallelism.residual_addmm=false``), ``gluonsm-<block>`` with the self-attention's
+softmax dK/dV on the Gluon kernel (``experimental.kernels.gluon_bwd_softmax=true``).
 ``cold-<block>`` and ``warm-<block>`` run a block for a few steps, on a machine without and then
 with the caches (data, Inductor, Triton), for the time to first step.
 
@@ -215,9 +216,9 @@ VARIANTS = {
     # rotary self-attention as two calls, the rotary kernel and then the attention (the flagship fuses them)
     "unfused": ["kernels.rotary_fused=false"],
     # the personalized FFN's Gluon kernels under compile, through the opaque op (docs/kernels.md)
-    "gluon": ["kernels.gluon_compiled=true"],
+    "gluon": ["experimental.kernels.gluon_compiled=true"],
     # row gathers' gradients scattered into a gradient of zeros, not in place (gem.distributed.inductor_passes)
-    "noscatter": ["parallelism.scatter_in_place=false"],
+    "noscatter": ["experimental.parallelism.scatter_in_place=false"],
     # the personalized FFN's K/V gradients as a sum and two GEMMs, not kernels.generated_weights' one read
     "gemmgenw": ["kernels.generated_weights=false"],
     # Inductor's coordinate-descent tuning of its own kernels at their first launch (a cold first step
@@ -233,10 +234,10 @@ VARIANTS = {
     "rowbias": ["model.row_bias=true"],
     # the residual added after the output projections' GEMMs, fused into the next LayerNorm kernel,
     # not by cuBLAS's addmm after a copy of the residual (gem.distributed.inductor_passes)
-    "mmadd": ["parallelism.residual_addmm=false"],
+    "mmadd": ["experimental.parallelism.residual_addmm=false"],
     # the self-attention's softmax dK/dV on the Gluon kernel, through the opaque rotary op under
-    # compile (kernels.gluon_compiled is on in the flagship; docs/log/kernels.md, 2026-12-05)
-    "gluonsm": ["kernels.gluon_bwd_softmax=true"],
+    # compile (experimental.kernels.gluon_compiled is on in the flagship; docs/log/kernels.md, 2026-12-05)
+    "gluonsm": ["experimental.kernels.gluon_bwd_softmax=true"],
 }
 
 

@@ -527,22 +527,25 @@ def trajectory(backend: str, steps: int = 20, batch_size: int = 6, device: str =
     return losses
 
 
-def _run_trajectory(backend: str, env: dict, steps: int) -> list[float]:
-    code = f"import json; from tests.test_gem_models import trajectory as t; print(json.dumps(t({backend!r}, {steps})))"
+def _run_trajectory(backend: str, env: dict, steps: int, rotary_fused: bool) -> list[float]:
+    code = (
+        "import json; from kernels.jagged_attention import settings; "
+        "from tests.test_gem_models import trajectory as t; "
+        f"settings.configure(rotary_fused={rotary_fused}); print(json.dumps(t({backend!r}, {steps})))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("rotary_fused", ["0", "1"])
+@pytest.mark.parametrize("rotary_fused", [False, True])
 def test_reference_and_triton_backends_give_the_same_loss_trajectory(one_thread, rotary_fused):
     """8 steps (each of the 4 batches twice), both blocks; Triton runs in its interpreter on CPU
     (TRITON_INTERPRET=1 in a subprocess), with the self-attention's rotary kernels fused or not
     (``kernels.rotary_fused``). The GPU test below runs 20 steps at a larger batch."""
     # One thread: the interpreter gains nothing from more, and on a busy machine they only contend.
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env["GEM_KERNELS_ROTARY_FUSED"] = rotary_fused
-    triton_losses = _run_trajectory("triton", env, steps=8)
+    triton_losses = _run_trajectory("triton", env, steps=8, rotary_fused=rotary_fused)
     reference_losses = trajectory("reference", steps=8)
     assert len(triton_losses) == 8
     assert triton_losses == pytest.approx(reference_losses, rel=1e-4, abs=1e-5)

@@ -1,6 +1,6 @@
 """gem.distributed.inductor_passes: the post-grad rewrites that scatter a row gather's gradient into
-the dense gradient it is added to (``parallelism.scatter_in_place``) and take a full-size addend
-out of ``addmm`` (``parallelism.residual_addmm=false``), under Inductor on the CPU."""
+the dense gradient it is added to (``experimental.parallelism.scatter_in_place``) and take a full-size addend
+out of ``addmm`` (``experimental.parallelism.residual_addmm=false``), under Inductor on the CPU."""
 
 from __future__ import annotations
 
@@ -180,9 +180,9 @@ def test_the_addmm_rewrite_keeps_its_conditions(addend, beta, rewritten):
 
 
 def test_the_option_hands_the_pass_to_each_compile(monkeypatch):
-    """parallelism.scatter_in_place=true (with parallelism.compile) adds its pass to the options of
-    the dense arch's compiles, beside the ``parallelism.inductor`` ones, and
-    parallelism.residual_addmm=false adds its own; otherwise they stay as given."""
+    """experimental.parallelism.scatter_in_place=true (with parallelism.compile) adds its pass to
+    the options of the dense arch's compiles, beside the ``parallelism.inductor`` ones, and
+    experimental.parallelism.residual_addmm=false adds its own; otherwise they stay as given."""
     from torch import nn
 
     import gem
@@ -196,8 +196,8 @@ def test_the_option_hands_the_pass_to_each_compile(monkeypatch):
                 "debug=tiny",
                 "model=gem_tiny",
                 "parallelism.compile=true",
-                f"parallelism.scatter_in_place={str(on).lower()}",
-                f"parallelism.residual_addmm={str(not on).lower()}",
+                f"experimental.parallelism.scatter_in_place={str(on).lower()}",
+                f"experimental.parallelism.residual_addmm={str(not on).lower()}",
                 "+parallelism.inductor.combo_kernels=true",
             ]
         )

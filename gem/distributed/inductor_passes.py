@@ -1,5 +1,5 @@
-"""Inductor graph passes for gem's compiled dense archs (``parallelism.scatter_in_place``,
-``parallelism.residual_addmm``).
+"""Inductor graph passes for gem's compiled dense archs (``experimental.parallelism.scatter_in_place``,
+``experimental.parallelism.residual_addmm``).
 
 The backward of a row gather ``h[idx]`` (the sequence summaries' CLS and recent rows,
 ``kernels.jagged.jagged_first`` / ``jagged_last``) is ``index_put(zeros_like(h), [idx], grad,

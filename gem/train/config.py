@@ -195,38 +195,98 @@ class ParallelismConfig:
     # Inductor options for the compile (torch.compile's `options`), e.g. +parallelism.inductor.combo_kernels=true;
     # nested keys as torch._inductor.config spells them (triton.cudagraphs); checked against it at start
     inductor: dict[str, Any] = field(default_factory=dict)
-    # compile: a row gather's gradient scattered into the dense gradient it is added to, in place, instead of
-    # a [T, D] gradient of zeros (gem.distributed.inductor_passes; InterFormer on an H200: -0.9 ms a step,
-    # docs/e2e.md); no effect without parallelism.compile
-    scatter_in_place: bool = True
-    # compile: Inductor's addmm for `residual + x @ W` (ATen copies the residual into the output first);
-    # false: the GEMM, then the add fused into the kernel that reads the sum (gem.distributed.inductor_passes)
-    residual_addmm: bool = True
+    scatter_in_place: Optional[bool] = None  # deprecated: experimental.parallelism.scatter_in_place
+    residual_addmm: Optional[bool] = None  # deprecated: experimental.parallelism.residual_addmm
     # > 0: each batch's event rows padded to a multiple of this with empty examples, so the dense arch
     # sees few shapes, as CUDA graphs (+parallelism.inductor.triton.cudagraphs=true) need (docs/e2e.md)
     row_bucket: int = 0
 
 
-def _kernels_config() -> type:
-    """``KernelsConfig``, ``configs/kernels/``: ``attention_backend`` (None: Triton on CUDA, the
-    reference elsewhere) and every field of ``kernels.jagged_attention.settings.KernelSettings``
-    with its default there, their one source (a ``GEM_KERNELS_<KEY>`` variable overrides each);
-    the trainer applies them once before the model is built (docs/kernels.md, "Settings")."""
+# The kernel settings (kernels.jagged_attention.settings.KernelSettings) that are A/B switches
+# for developers, set under experimental.kernels (docs/kernels.md, "Settings"); the others are
+# the user's, under kernels.
+EXPERIMENTAL_KERNEL_SETTINGS = (
+    "tune_space",
+    "packed_act",
+    "gluon_min_q_len",
+    "gluon_bwd_softmax",
+    "store_ds_max_mib",
+    "gluon_compiled",
+)
+
+
+def _kernels_configs() -> tuple[type, type]:
+    """``KernelsConfig`` (``configs/kernels/``: ``attention_backend``, None: Triton on CUDA, the
+    reference elsewhere; and the user's fields of ``KernelSettings``) and
+    ``ExperimentalKernelsConfig`` (its other fields), each field with its default there, their
+    one source. The trainer applies both once before the model is built (:func:`kernel_settings`).
+    ``KernelsConfig`` still takes each experimental key, deprecated: :func:`validate` moves it."""
     from kernels.jagged_attention.settings import KernelSettings
 
-    def kernel_settings(self) -> dict:
-        """The keys ``kernels.jagged_attention.settings.configure`` takes (all but the backend)."""
-        return {k: v for k, v in asdict(self).items() if k != "attention_backend"}
-
-    settings = [(f.name, type(f.default), f.default) for f in fields(KernelSettings)]
-    return make_dataclass(
-        "KernelsConfig",
-        [("attention_backend", Optional[str], None), *settings],
-        namespace={"kernel_settings": kernel_settings, "__module__": __name__},
+    user, experimental = [], []
+    for f in fields(KernelSettings):
+        (experimental if f.name in EXPERIMENTAL_KERNEL_SETTINGS else user).append((f.name, f.type, f.default))
+    deprecated = [(name, Optional[kind], None) for name, kind, _ in experimental]
+    namespace = {"__module__": __name__}
+    return (
+        make_dataclass(
+            "KernelsConfig", [("attention_backend", Optional[str], None), *user, *deprecated], namespace=namespace
+        ),
+        make_dataclass("ExperimentalKernelsConfig", experimental, namespace=namespace),
     )
 
 
-KernelsConfig = _kernels_config()
+KernelsConfig, ExperimentalKernelsConfig = _kernels_configs()
+
+
+@dataclass
+class ExperimentalParallelismConfig:
+    # compile: a row gather's gradient scattered into the dense gradient it is added to, in place, instead of
+    # a [T, D] gradient of zeros (gem.distributed.inductor_passes; docs/e2e.md); no effect without
+    # parallelism.compile
+    scatter_in_place: bool = True
+    # compile: Inductor's addmm for `residual + x @ W` (ATen copies the residual into the output first);
+    # false: the GEMM, then the add fused into the kernel that reads the sum (gem.distributed.inductor_passes)
+    residual_addmm: bool = True
+
+
+@dataclass
+class ExperimentalConfig:
+    """Developer switches, kept for A/B measurements (docs/kernels.md, docs/e2e.md): each is
+    measured and then made the default or deleted. A run needs none of them."""
+
+    kernels: ExperimentalKernelsConfig = field(default_factory=ExperimentalKernelsConfig)
+    parallelism: ExperimentalParallelismConfig = field(default_factory=ExperimentalParallelismConfig)
+
+
+# Keys that moved under experimental: (section, key) -> still accepted, with a warning.
+_MOVED = {("kernels", key) for key in EXPERIMENTAL_KERNEL_SETTINGS} | {
+    ("parallelism", "scatter_in_place"),
+    ("parallelism", "residual_addmm"),
+}
+
+
+def _move_deprecated_keys(config: Config) -> None:
+    """Each deprecated ``kernels.<key>`` / ``parallelism.<key>`` that is set goes to
+    ``experimental.<section>.<key>``, with a warning naming both."""
+    for section, key in sorted(_MOVED):
+        value = getattr(getattr(config, section), key)
+        if value is None:
+            continue
+        logger.warning(
+            "%s.%s is deprecated and will be removed: it is experimental.%s.%s now (set that); taken as %r",
+            section, key, section, key, value,
+        )  # fmt: skip
+        setattr(getattr(config.experimental, section), key, value)
+        setattr(getattr(config, section), key, None)
+
+
+def kernel_settings_of(config: Config) -> dict:
+    """The keys ``kernels.jagged_attention.settings.configure`` takes: ``kernels.*`` but the
+    backend (and the deprecated keys, which :func:`validate` moved), and ``experimental.kernels.*``."""
+    skip = {"attention_backend", *EXPERIMENTAL_KERNEL_SETTINGS}
+    user = {key: value for key, value in asdict(config.kernels).items() if key not in skip}
+    return user | asdict(config.experimental.kernels)
 
 
 @dataclass
@@ -283,6 +343,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    experimental: ExperimentalConfig = field(default_factory=ExperimentalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
 
@@ -332,6 +393,7 @@ def validate(cfg: DictConfig | dict) -> Config:
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
         raise ConfigError(f"config key {key!r}: {e.msg if hasattr(e, 'msg') else e}") from None
+    _move_deprecated_keys(config)
     d, s, o, t, p = config.data, config.sparse, config.optim, config.trainer, config.parallelism
     from gem.data.sources import SOURCES
 
@@ -426,9 +488,10 @@ def validate(cfg: DictConfig | dict) -> Config:
     check_model_args(config.model)
     if config.kernels.attention_backend is not None:
         _one_of("kernels.attention_backend", config.kernels.attention_backend, ("triton", "reference"))
-    _one_of("kernels.tune_space", config.kernels.tune_space, ("default", "wide"))
+    x = config.experimental.kernels
+    _one_of("experimental.kernels.tune_space", x.tune_space, ("default", "wide"))
     for key in ("gluon_min_q_len", "store_ds_max_mib"):
-        _positive(f"kernels.{key}", getattr(config.kernels, key), allow_zero=True)
+        _positive(f"experimental.kernels.{key}", getattr(x, key), allow_zero=True)
     c = config.checkpoint
     _positive("checkpoint.every_steps", c.every_steps, allow_zero=True)
     _positive("checkpoint.keep_last", c.keep_last, allow_zero=True)

@@ -35,7 +35,7 @@ from gem.models.capabilities import capabilities
 from gem.models.gem import GEMModel
 from gem.sparse.arch import SparseArch
 from gem.train.checkpoint import CheckpointError
-from gem.train.config import Config, ConfigError, check_schema_refs
+from gem.train.config import Config, ConfigError, check_schema_refs, kernel_settings_of
 from gem.train.logging import logger
 from gem.train.optim import build_optimizers
 from gem.train.startup import StartupTimer, configure_threads
@@ -205,7 +205,7 @@ def build_model(
     from gem.distributed.parallelize import parallelize_gem
     from kernels.jagged_attention import settings as kernel_settings
 
-    kernel_settings.configure(**config.kernels.kernel_settings())  # once, before any kernel runs
+    kernel_settings.configure(**kernel_settings_of(config))  # once, before any kernel runs
     timer = timer or StartupTimer()
     s, p = config.sparse, config.parallelism
     dims = parallel_dims(config, env)
@@ -313,8 +313,8 @@ def build_model(
         compile_options=p.inductor or None,
         reshard_after_forward=p.reshard_after_forward,
         float8_min_features=p.float8_min_features if p.float8 else None,
-        scatter_in_place=p.scatter_in_place,
-        residual_addmm=p.residual_addmm,
+        scatter_in_place=config.experimental.parallelism.scatter_in_place,
+        residual_addmm=config.experimental.parallelism.residual_addmm,
     )
 
 

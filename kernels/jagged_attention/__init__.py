@@ -3,7 +3,7 @@
 The public entry point is :func:`jagged_attention` (validation, layouts, backend choice);
 ``reference.py`` is the spec. The package by role (docs/kernels.md, "Layout"):
 
-* ``settings.py``: the switches (one frozen object; config, then ``GEM_KERNELS_*`` overrides);
+* ``settings.py``: the switches (one frozen object, from the config; a few ``GEM_KERNELS_*`` overrides for debugging);
 * ``op.py``: the torch.library ops, which choose the kernels (Triton, Gluon, stored dS);
 * ``triton_common.py``, ``triton_fwd.py``, ``triton_bwd.py``, ``batch_order.py``,
   ``autotune.py``: the Triton kernels, their launchers and launch configs;

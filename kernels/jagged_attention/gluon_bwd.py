@@ -1,6 +1,6 @@
 """Hopper (sm_90) dK/dV of the stored-dS backward (and the stored dS) in Gluon: persistent, warp-specialized.
 
-For GDPA on by default (``settings.gluon_bwd``; GEM_KERNELS_GLUON_BWD=0 turns it off; ``op.py``
+For GDPA on by default (``settings.gluon_bwd``; kernels.gluon_bwd=false turns it off; ``op.py``
 says when it runs): bf16 silu and fast_gelu (the bf16x2 activation path) where
 ``gluon_common.applies`` holds. For softmax (bf16, no mask) off (``settings.gluon_bwd_softmax``):
 compiled for sm_90 on a CPU (``tests/kernels/sm90_compile.py``), not yet run on a GPU; its steps

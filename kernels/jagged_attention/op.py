@@ -242,8 +242,8 @@ def _store_ds_buffer(q, k, max_q_len) -> torch.Tensor | None:
         mib = q.shape[1] * k.shape[0] * shape[2] * q.element_size() >> 20
         warnings.warn(
             f"jagged attention backward: no memory for the stored-dS buffer ({mib} MiB); dQ is "
-            f"recomputed instead. Set kernels.store_ds_max_mib (GEM_KERNELS_STORE_DS_MAX_MIB) below "
-            f"{mib} to skip the attempt, or kernels.store_ds=false (GEM_KERNELS_STORE_DS=0).",
+            f"recomputed instead. Set experimental.kernels.store_ds_max_mib below {mib} to skip the "
+            f"attempt, or kernels.store_ds=false.",
             stacklevel=2,
         )
         return None
@@ -400,7 +400,9 @@ def launch_backward(
                 rope=rope,
             )
 
-        setting = "kernels.gluon_bwd_softmax=false" if activation == "softmax" else "kernels.gluon_bwd=false"
+        setting = (
+            "experimental.kernels.gluon_bwd_softmax=false" if activation == "softmax" else "kernels.gluon_bwd=false"
+        )
         variant = _variant(q, activation, rope is not None)
         if not fallback.guarded("gluon_dkdv", variant, "triton", setting, gluon):
             gluon_grads = None

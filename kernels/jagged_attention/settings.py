@@ -1,13 +1,14 @@
 """The jagged attention kernels' switches: one frozen object, built once, read at each launch.
 
-Every switch has one default (the dataclass below), may be set by the run's config
-(``configs/kernels/*.yaml`` -> :func:`configure`, called once before the model is built) and may
-be overridden by its ``GEM_KERNELS_*`` environment variable (:data:`ENV`), which wins over the
-config. Without a :func:`configure` call, the first :func:`current` call builds the defaults
-plus the environment. The measurements behind each default are in docs/log/kernels.md.
+Every switch has one default (the dataclass below) and may be set by the run's config
+(``configs/kernels/*.yaml`` and ``experimental.kernels``, -> :func:`configure`, called once before
+the model is built). A few may be overridden for debugging by a ``GEM_KERNELS_*`` environment
+variable (:data:`ENV`), in any process, with a warning where it changes what the config set.
+Without a :func:`configure` call, the first :func:`current` call builds the defaults plus the
+environment. The measurements behind each default are in docs/log/kernels.md.
 
     from kernels.jagged_attention import settings
-    settings.configure(store_ds=False)     # GEM_KERNELS_STORE_DS=1 would still win
+    settings.configure(store_ds=False)
     settings.current().store_ds
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 
 TUNE_SPACES = ("default", "wide")
 
@@ -82,8 +84,9 @@ class KernelSettings:
         return KernelSettings(**(dataclasses.asdict(self) | _checked(values, source="key")))
 
 
-# The environment variable of each setting.
-ENV = {field.name: "GEM_KERNELS_" + field.name.upper() for field in dataclasses.fields(KernelSettings)}
+# The settings an environment variable overrides, for debugging (docs/kernels.md, "Settings"):
+# checking offsets, fixed launch configs or a wider search, the Gluon kernels off.
+ENV = {name: "GEM_KERNELS_" + name.upper() for name in ("check", "autotune", "tune_space", "gluon")}
 _TYPES = {field.name: field.type for field in dataclasses.fields(KernelSettings)}
 _TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 
@@ -122,9 +125,9 @@ def _check(name: str, value, label: str):
 
 
 def _checked(values: dict, source: str) -> dict:
-    unknown = sorted(set(values) - set(ENV))
+    unknown = sorted(set(values) - set(_TYPES))
     if unknown:
-        raise ValueError(f"unknown kernel setting(s) {unknown}; expected some of {sorted(ENV)}")
+        raise ValueError(f"unknown kernel setting(s) {unknown}; expected some of {sorted(_TYPES)}")
     return {name: _check(name, value, f"kernels.{name}") for name, value in values.items()}
 
 
@@ -132,6 +135,14 @@ def from_environment(base: KernelSettings | None = None) -> KernelSettings:
     """``base`` (the defaults if None) with every ``GEM_KERNELS_*`` variable that is set and not
     empty applied; a bad value raises naming the variable."""
     base = base or KernelSettings()
+    for variable in sorted(set(os.environ) - set(ENV.values())):
+        if variable.startswith("GEM_KERNELS_") and os.environ[variable].strip():
+            name = variable.removeprefix("GEM_KERNELS_").lower()
+            where = f"the config key kernels.{name} (or experimental.kernels.{name})" if name in _TYPES else "nothing"
+            warnings.warn(
+                f"{variable} is not read (the debugging variables: {', '.join(ENV.values())}); it maps to {where}",
+                stacklevel=3,
+            )
     values = {}
     for name, variable in ENV.items():
         text = os.environ.get(variable, "")
@@ -145,7 +156,15 @@ def configure(**values) -> KernelSettings:
     keys, e.g. ``store_ds=False``; a bad one raises naming ``kernels.<key>``), then the
     environment's overrides. Returns the settings now in force."""
     global _current
-    _current = from_environment(KernelSettings().replace(**values))
+    configured = KernelSettings().replace(**values)
+    _current = from_environment(configured)
+    for name, variable in ENV.items():
+        if name in values and getattr(_current, name) != getattr(configured, name):
+            warnings.warn(
+                f"{variable} overrides kernels.{name}={getattr(configured, name)!r} with "
+                f"{getattr(_current, name)!r} (a debugging switch: unset it to use the config)",
+                stacklevel=2,
+            )
     return _current
 
 

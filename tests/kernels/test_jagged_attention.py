@@ -449,7 +449,7 @@ def test_stored_ds_out_of_memory(kernel_settings, paths, monkeypatch):
     monkeypatch.setattr(torch.Tensor, "new_empty", no_room_for_ds)
     torch.manual_seed(0)
     inputs = make_inputs([0, 17, 40, 1], [5, 0, 37, 16], num_heads=2, head_dim=48, device=DEVICE)
-    with pytest.warns(UserWarning, match="kernels.store_ds_max_mib .GEM_KERNELS_STORE_DS_MAX_MIB."):
+    with pytest.warns(UserWarning, match="experimental.kernels.store_ds_max_mib below"):
         _check_against_reference(inputs, torch.float32, activation="fast_gelu")
     assert "dq" in paths and "dq_from_ds" not in paths
 
@@ -558,34 +558,38 @@ def test_offsets_on_the_device_are_checked_only_on_request():
 
 
 def test_settings_from_config_and_environment(monkeypatch):
-    """The settings: one default each, config values over the defaults, ``GEM_KERNELS_*`` over the
-    config (1 / 0 and their spellings; unset or empty: no override), and a clear error naming the
-    key or the variable for a bad value, also at the first call of a fresh process."""
+    """The settings: one default each, config values over the defaults, the few debugging
+    variables (``GEM_KERNELS_*``: check, autotune, tune_space, gluon) over the config (1 / 0 and
+    their spellings; unset or empty: no override), and a clear error naming the key or the
+    variable for a bad value, also at the first call of a fresh process."""
+    assert set(kernel_config.ENV.values()) == {
+        "GEM_KERNELS_CHECK", "GEM_KERNELS_AUTOTUNE", "GEM_KERNELS_TUNE_SPACE", "GEM_KERNELS_GLUON"
+    }  # fmt: skip
     for name in kernel_config.ENV.values():
         monkeypatch.delenv(name, raising=False)
     with testing.preserved():
         assert kernel_config.configure() == kernel_config.KernelSettings()
         assert kernel_config.configure(store_ds=False, tune_space="wide").store_ds is False
         assert kernel_config.current().tune_space == "wide"
-        for value, expected in [("1", True), ("true", True), (" ON ", True), ("0", False), ("no", False), ("", False)]:
-            monkeypatch.setenv("GEM_KERNELS_STORE_DS", value)
-            assert kernel_config.configure(store_ds=False).store_ds is expected
-        monkeypatch.setenv("GEM_KERNELS_STORE_DS", "2")
-        with pytest.raises(ValueError, match="GEM_KERNELS_STORE_DS='2': expected 1 or 0"):
+        for value, expected in [("1", True), ("true", True), (" ON ", True), ("0", False), ("no", False), ("", True)]:
+            monkeypatch.setenv("GEM_KERNELS_GLUON", value)
+            assert kernel_config.configure().gluon is expected
+        monkeypatch.setenv("GEM_KERNELS_GLUON", "2")
+        with pytest.raises(ValueError, match="GEM_KERNELS_GLUON='2': expected 1 or 0"):
             kernel_config.configure()
-        monkeypatch.delenv("GEM_KERNELS_STORE_DS")
+        monkeypatch.delenv("GEM_KERNELS_GLUON")
         monkeypatch.setenv("GEM_KERNELS_TUNE_SPACE", "Wide")
         assert kernel_config.configure().tune_space == "wide"
         monkeypatch.setenv("GEM_KERNELS_TUNE_SPACE", "narrow")
         with pytest.raises(ValueError, match="GEM_KERNELS_TUNE_SPACE='narrow': expected one of default, wide"):
             kernel_config.configure()
         monkeypatch.delenv("GEM_KERNELS_TUNE_SPACE")
-        monkeypatch.setenv("GEM_KERNELS_STORE_DS_MAX_MIB", "100")
-        assert kernel_config.configure(store_ds_max_mib=5).store_ds_max_bytes == 100 << 20
-        monkeypatch.setenv("GEM_KERNELS_STORE_DS_MAX_MIB", "8G")
-        with pytest.raises(ValueError, match="GEM_KERNELS_STORE_DS_MAX_MIB='8G': expected a whole number"):
-            kernel_config.configure()
-        monkeypatch.delenv("GEM_KERNELS_STORE_DS_MAX_MIB")
+        monkeypatch.setenv("GEM_KERNELS_STORE_DS", "0")  # not a debugging switch: said, and no effect
+        with pytest.warns(
+            UserWarning, match="GEM_KERNELS_STORE_DS is not read .* maps to the config key kernels.store_ds"
+        ):
+            assert kernel_config.configure().store_ds is True
+        monkeypatch.delenv("GEM_KERNELS_STORE_DS")
         with pytest.raises(ValueError, match="kernels.store_ds='yes': expected true or false"):
             kernel_config.configure(store_ds="yes")
         with pytest.raises(ValueError, match="kernels.gluon_min_q_len=-1: expected a whole number >= 0"):
@@ -595,10 +599,10 @@ def test_settings_from_config_and_environment(monkeypatch):
     result = _run_python(
         ["-c", "from kernels.jagged_attention import settings; settings.current()"],
         timeout=300,
-        GEM_KERNELS_STORE_DS="maybe",
+        GEM_KERNELS_GLUON="maybe",
     )
     assert result.returncode != 0
-    assert "GEM_KERNELS_STORE_DS='maybe': expected 1 or 0" in result.stderr
+    assert "GEM_KERNELS_GLUON='maybe': expected 1 or 0" in result.stderr
 
 
 @gpu

@@ -1,8 +1,10 @@
-"""The kernels' settings as the run sets them: configs/kernels/ -> KernelsConfig -> settings.configure.
+"""The kernels' settings as the run sets them: configs/kernels/ (``kernels.*``) and
+``experimental.kernels.*`` -> settings.configure.
 
-One source of defaults, ``KernelSettings``: gem's typed schema is made from its fields, no option
-of the group changes a setting, and a config value reaches the kernels unless its
-``GEM_KERNELS_*`` variable overrides it.
+One source of defaults, ``KernelSettings``: gem's typed schema is made from its fields, split into
+the user's and the experimental ones; no option of the group changes a setting; a config value
+reaches the kernels unless one of the few debugging variables (``GEM_KERNELS_*``) overrides it,
+with a warning; an experimental key under its old name still works, with a warning.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import dataclasses
 
 import pytest
 
-from gem.train.config import ConfigError, KernelsConfig, validate
+from gem.train.config import EXPERIMENTAL_KERNEL_SETTINGS, Config, ConfigError, kernel_settings_of, validate
 from kernels.jagged_attention import settings as kernel_config
 from kernels.jagged_attention import testing
 from tests.conftest import compose
@@ -29,26 +31,38 @@ def restored(monkeypatch):
 @pytest.mark.parametrize("option", ["auto", "triton", "reference"])
 def test_every_option_of_the_group_keeps_the_settings_defaults(option):
     defaults = dataclasses.asdict(kernel_config.KernelSettings())
-    assert KernelsConfig().kernel_settings() == defaults
+    assert kernel_settings_of(Config()) == defaults
     config = validate(compose([f"kernels={option}", "model=dlrm"]))
-    assert config.kernels.kernel_settings() == defaults
+    assert kernel_settings_of(config) == defaults
+    assert set(dataclasses.asdict(config.experimental.kernels)) == set(EXPERIMENTAL_KERNEL_SETTINGS)
     assert config.kernels.attention_backend == {"auto": None}.get(option, option)
 
 
 def test_a_config_value_reaches_the_kernels_unless_the_environment_overrides_it(restored, monkeypatch):
-    config = validate(compose(["model=dlrm", "kernels.store_ds=false", "kernels.gluon_min_q_len=256"]))
-    applied = kernel_config.configure(**config.kernels.kernel_settings())
-    assert (applied.store_ds, applied.gluon_min_q_len) == (False, 256)
+    config = validate(compose(["model=dlrm", "kernels.gluon=false", "experimental.kernels.gluon_min_q_len=256"]))
+    applied = kernel_config.configure(**kernel_settings_of(config))
+    assert (applied.gluon, applied.gluon_min_q_len) == (False, 256)
     assert kernel_config.current() is applied
-    monkeypatch.setenv("GEM_KERNELS_STORE_DS", "1")
-    assert kernel_config.configure(**config.kernels.kernel_settings()).store_ds is True
+    monkeypatch.setenv("GEM_KERNELS_GLUON", "1")
+    with pytest.warns(UserWarning, match="GEM_KERNELS_GLUON overrides kernels.gluon=False with True"):
+        assert kernel_config.configure(**kernel_settings_of(config)).gluon is True
+
+
+def test_an_experimental_key_under_its_old_name_moves_with_a_warning(caplog):
+    with caplog.at_level("WARNING", logger="gem.train.config"):
+        config = validate(compose(["model=dlrm", "kernels.gluon_compiled=true", "parallelism.residual_addmm=false"]))
+    assert config.experimental.kernels.gluon_compiled is True and kernel_settings_of(config)["gluon_compiled"]
+    assert config.experimental.parallelism.residual_addmm is False
+    assert config.kernels.gluon_compiled is None and config.parallelism.residual_addmm is None
+    moved = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert len(moved) == 2 and "it is experimental.kernels.gluon_compiled now" in moved[0]
 
 
 def test_bad_kernel_values_name_the_key():
-    with pytest.raises(ConfigError, match="kernels.tune_space='narrow'"):
-        validate(compose(["model=dlrm", "kernels.tune_space=narrow"]))
-    with pytest.raises(ConfigError, match="kernels.store_ds_max_mib=-1"):
-        validate(compose(["model=dlrm", "kernels.store_ds_max_mib=-1"]))
+    with pytest.raises(ConfigError, match="experimental.kernels.tune_space='narrow'"):
+        validate(compose(["model=dlrm", "experimental.kernels.tune_space=narrow"]))
+    with pytest.raises(ConfigError, match="experimental.kernels.store_ds_max_mib=-1"):
+        validate(compose(["model=dlrm", "experimental.kernels.store_ds_max_mib=-1"]))
 
 
 def test_the_trainer_applies_the_settings_before_it_builds_the_model(restored, tmp_path):
@@ -61,7 +75,7 @@ def test_the_trainer_applies_the_settings_before_it_builds_the_model(restored, t
                 "sparse=native",
                 f"data.cache_dir={tmp_path / 'cache'}",
                 f"trainer.run_dir={tmp_path / 'run'}",
-                "kernels.gluon_min_q_len=512",
+                "experimental.kernels.gluon_min_q_len=512",
                 "kernels.store_ds=false",
             ]
         )
