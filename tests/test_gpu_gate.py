@@ -33,8 +33,10 @@ def _tests_work(tmp_path, kernel_outcome="passed", rc=0):
         ],
     )
     _junit(tmp_path / "gpu_tier.xml", [("tests.test_train", "test_trainer_on_cuda[sparse=native]", "passed")])
-    (tmp_path / "kernels.rc").write_text(f"{rc}\n")
-    (tmp_path / "gpu_tier.rc").write_text("0\n")
+    alone = [("tests.kernels.test_jagged_attention", "test_gpu_gluon_forward_many_tiles[dtype0-64]", "passed")]
+    _junit(tmp_path / "kernels_alone.xml", alone)
+    for phase, code in (("kernels", rc), ("gpu_tier", 0), ("kernels_alone", 0)):
+        (tmp_path / f"{phase}.rc").write_text(f"{code}\n")
     return tmp_path
 
 
@@ -67,6 +69,8 @@ def test_the_tests_part_lists_every_test_by_outcome(tmp_path):
 def test_a_failed_test_or_a_cut_phase_fails_the_part(tmp_path, outcome, rc):
     report = summarize(_tests_work(tmp_path, outcome, rc), "tests", ENV)
     assert not report["passed"] and report["problems"][0].startswith(f"kernels: rc {rc}")
+    name = "tests/kernels/test_jagged_attention.py::test_gpu_gluon_forward[silu-jagged]"
+    assert report["tests"]["kernels"]["reasons"] == ({name: "why"} if outcome != "passed" else {})
 
 
 def test_a_missing_junit_file_fails_the_part(tmp_path):

@@ -21,7 +21,7 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TEST_PHASES = ("kernels", "gpu_tier")
+TEST_PHASES = ("kernels", "gpu_tier", "kernels_alone")
 BLOCKS = ("interformer", "kunlun")
 
 
@@ -34,15 +34,19 @@ def _exit_code(path: Path) -> int | None:
 
 
 def tests(xml_path: Path) -> dict:
-    """Test names by outcome from one JUnit XML file (``file::test[params]``)."""
-    outcome: dict[str, list[str]] = {"passed": [], "failed": [], "skipped": []}
+    """Test names by outcome from one JUnit XML file (``file::test[params]``), and under
+    ``reasons`` the first line of each failure's message."""
+    outcome: dict = {"passed": [], "failed": [], "skipped": [], "reasons": {}}
     if not xml_path.exists():
         return outcome | {"missing": True}
     for case in ElementTree.parse(xml_path).getroot().iter("testcase"):
         module = case.get("classname", "").replace(".", "/")
         name = f"{module}.py::{case.get('name')}"
-        if case.find("failure") is not None or case.find("error") is not None:
+        failure = case.find("failure") if case.find("failure") is not None else case.find("error")
+        if failure is not None:
             outcome["failed"].append(name)
+            lines = (failure.get("message") or failure.text or "").strip().splitlines()
+            outcome["reasons"][name] = lines[0][:300] if lines else ""
         elif case.find("skipped") is not None:
             outcome["skipped"].append(name)
         else:

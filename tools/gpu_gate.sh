@@ -8,7 +8,8 @@
 # then, here: python tools/gpu_gate.py merge <tests.json> <flagship.json> -o benchmarks/results/gpu-gate.json
 # tests:    the kernel GPU tests with torch.compile on CUDA (pytest tests/kernels, -n 6: more workers ran out of GPU memory on an H100) and, at the
 #           same time, the rest of the GPU tier (pytest -m gpu tests --ignore=tests/kernels, -n 2):
-#           correctness only, so they may share the GPU;
+#           correctness only, so they may share the GPU; then, alone, the kernel tests of many tiles
+#           (the largest inputs: beside the others they failed on an H100, alone they passed);
 # flagship: alone on the GPU, the flagship for each block with its defaults: 60 steps, its compiled
 #           evaluation and test metrics (python -m gem.train experiment=gem_base_h200 model.block=...).
 # Each part's JSON: commit, versions, hardware, the tests by name and outcome / each run's exit code,
@@ -34,9 +35,10 @@ phase() {  # phase NAME LIMIT_S pytest-args...: JUnit XML, log and exit status u
 
 case "$PART" in
   tests)
-    phase kernels 500 tests/kernels -n 6 -k "test_gpu or fullgraph or flop_counter or backend_none" &
-    phase gpu_tier 500 tests -m gpu --ignore=tests/kernels -n 2 &
+    phase kernels 400 tests/kernels -n 6 -k "(test_gpu or fullgraph or flop_counter or backend_none) and not many_tiles" &
+    phase gpu_tier 400 tests -m gpu --ignore=tests/kernels -n 2 &
     wait
+    phase kernels_alone 150 tests/kernels -n 1 -k "test_gpu and many_tiles"
     ;;
   flagship)
     for block in interformer kunlun; do
