@@ -77,6 +77,10 @@ def _torchrun(cache_dir, run_dir, *extra, faults=(), max_restarts=0):
     return proc
 
 
+def _lineage(checkpoint: Path) -> str | None:
+    return json.loads((checkpoint / "gem_checkpoint.json").read_text()).get("lineage")
+
+
 def _interrupt(src: Path, dst: Path, keep_through_step: int) -> None:
     """A copy of run ``src`` as if it had crashed after its checkpoint at ``keep_through_step``."""
     shutil.copytree(src, dst)
@@ -144,6 +148,10 @@ def test_resume_one_process_is_bit_identical(cache_dir, single_run, tmp_path, as
     resumed = _losses(tmp_path / "run")
     assert sorted(resumed) == list(range(16, 21))
     assert [resumed[s] for s in range(16, 21)] == [expected[s] for s in range(16, 21)]
+    # Both restarts kept the run's lineage id: the checkpoints they wrote carry the interrupted run's.
+    lineage = _lineage(single_run / "checkpoints" / "step_000000010")
+    assert re.fullmatch("[0-9a-f]{32}", lineage)
+    assert {_lineage(c) for c in list_checkpoints(tmp_path / "run" / "checkpoints")} == {lineage}
 
 
 def test_resume_two_ranks_is_bit_identical(cache_dir, two_rank_run, tmp_path):
@@ -240,10 +248,14 @@ def test_reshard_two_ranks_into_one(cache_dir, two_rank_run, tmp_path):
     full_path = tmp_path / "full.pt"
     dcp_to_torch_save(source, full_path)
     full = torch.load(full_path, weights_only=False)
+    lineage = _lineage(source)  # rank 0's id, in the manifest and (one entry for both ranks) in DCP's state
+    assert re.fullmatch("[0-9a-f]{32}", lineage) and full["lineage"] == lineage
     model, ckpt = _components(cache_dir, tmp_path / "run", f"checkpoint.load_from={source}")
     try:
+        assert ckpt.lineage != lineage  # a new one until a checkpoint is loaded
         progress = ckpt.restore()
         assert (progress.step, progress.epoch, progress.examples_in_epoch) == (10, 0, 10 * 2 * 64)
+        assert ckpt.lineage == lineage  # the resharded run continues the 2-rank run's lineage
         sparse = {f"model.sparse.{k}": _local(v) for k, v in model.sparse_arch.module.state_dict().items()}
         dense = {f"model.dense.{k}": v for k, v in model.dense_arch.state_dict().items()}
         assert len(sparse) == 9 and len(dense) > 5
@@ -259,6 +271,7 @@ def test_reshard_two_ranks_into_one(cache_dir, two_rank_run, tmp_path):
     # And training continues from there: steps 11-20 in one process, with the same global batch.
     train(compose(_overrides(cache_dir, tmp_path / "run2", f"checkpoint.load_from={source}", "data.batch_size=128")))
     assert sorted(_losses(tmp_path / "run2")) == list(range(11, 21))
+    assert {_lineage(c) for c in list_checkpoints(tmp_path / "run2" / "checkpoints")} == {lineage}
 
 
 # ------------------------------------------------------------------------------------ bad checkpoints
@@ -308,6 +321,32 @@ def test_incompatible_model_config_names_the_keys(cache_dir, damaged):
         CheckpointError, match=r"(?s)different model.*\[2000, 32\].*\[2000, 8\].*sparse.embedding_dim: 32 -> 8"
     ):
         _restore(cache_dir, damaged, "sparse.embedding_dim=8")
+
+
+def test_a_checkpoint_without_a_lineage_id_loads_and_the_run_gets_one(cache_dir, tmp_path, monkeypatch):
+    """A checkpoint written before gem recorded lineages (no ``lineage`` in DCP's state nor in the
+    manifest) still loads; its lineage is unknown, and the resumed run's checkpoints get a new id.
+    A fresh run's id is its own: another fresh start gets another one."""
+    run = tmp_path / "run"
+    _, ckpt = _components(cache_dir, run)
+    try:
+        state = ckpt._state
+        monkeypatch.setattr(ckpt, "_state", lambda p: {k: v for k, v in state(p).items() if k != "lineage"})
+        ckpt.save(Progress(step=3))
+        first = ckpt.lineage
+    finally:
+        dist.destroy_process_group()
+    old = run / "checkpoints" / "step_000000003"
+    manifest = json.loads((old / "gem_checkpoint.json").read_text())
+    (old / "gem_checkpoint.json").write_text(json.dumps({k: v for k, v in manifest.items() if k != "lineage"}))
+    _, ckpt = _components(cache_dir, run)
+    try:
+        assert ckpt.restore().step == 3
+        assert re.fullmatch("[0-9a-f]{32}", ckpt.lineage) and ckpt.lineage != first
+        ckpt.save(Progress(step=4))
+    finally:
+        dist.destroy_process_group()
+    assert _lineage(old) is None and _lineage(run / "checkpoints" / "step_000000004") == ckpt.lineage
 
 
 def test_missing_checkpoint_directory(cache_dir, tmp_path):

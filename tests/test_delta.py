@@ -1,11 +1,13 @@
 """Delta export (gem/train/delta.py): a base checkpoint plus the chain of deltas gives the run's final
 weights bit for bit (TorchRec-sharded and native tables, managed-collision ids, optimizer state), after
-a restart too; gaps, deltas out of order and a base that is too old fail naming the problem.
+a restart too; gaps, deltas out of order and a base that is too old fail naming the problem, and so
+do a base of another run (lineage), a base of other table shapes and a damaged manifest.
 Every run is the tiny debug config: 20 steps of 64 examples, a delta and a checkpoint every 5 steps."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -50,6 +52,10 @@ def _assert_same(applied: dict, final: dict, prefixes: tuple[str, ...]) -> None:
     assert keys and any(".weight" in k for k in keys)
     for key in keys:
         torch.testing.assert_close(applied[key], final[key], rtol=0, atol=0, msg=key)
+
+
+def _lineage(checkpoint: Path) -> str:
+    return json.loads((checkpoint / "gem_checkpoint.json").read_text())["lineage"]
 
 
 def _apply_cli(run_dir: Path, base_step: int, out: Path) -> dict:
@@ -150,6 +156,10 @@ def test_restart_keeps_the_chain_exact(cache_dir, sharded_run, tmp_path, deltas_
     final = _state(sharded_run / "checkpoints" / "step_000000020", tmp_path)  # the uninterrupted run's
     applied = _apply_cli(run, 0, tmp_path / "applied")
     _assert_same(applied, final, ("model.", "optim."))
+    # The resumed run kept the run's lineage: in the checkpoints and deltas it wrote after the restart.
+    lineage = _lineage(sharded_run / "checkpoints" / "step_000000000")
+    assert {m["lineage"] for m in chain} == {lineage}
+    assert {_lineage(c) for c in list_checkpoints(run / "checkpoints")} == {lineage}
 
 
 def _copy_deltas(run: Path, dst: Path, seqs: list[int]) -> Path:
@@ -230,3 +240,118 @@ def test_delta_export_config_is_validated(override, match):
 def test_delta_export_needs_a_checkpoint_and_partitions(cache_dir, tmp_path, override, match):
     with pytest.raises(ConfigError, match=match):
         _train(cache_dir, tmp_path / "run", *override)
+
+
+# ----------------------------------------------------------------------------------- lineage
+
+
+def test_checkpoints_and_deltas_carry_the_run_lineage(sharded_run, tmp_path):
+    """One id for the run: in every checkpoint (its manifest and its DCP state) and every delta."""
+    checkpoints = list_checkpoints(sharded_run / "checkpoints")
+    lineage = _lineage(checkpoints[0])
+    assert re.fullmatch("[0-9a-f]{32}", lineage)
+    assert {_lineage(c) for c in checkpoints} == {lineage}
+    assert _state(checkpoints[-1], tmp_path)["lineage"] == lineage
+    assert {m["lineage"] for m in read_chain(sharded_run / "deltas")} == {lineage}
+
+
+@pytest.fixture(scope="module")
+def other_runs(cache_dir, tmp_path_factory):
+    """Two more 5-step runs: another seed (same shapes, another lineage), and 8-wide tables."""
+    short = ["trainer.max_steps=5"]
+    return {
+        "seed": _train(cache_dir, tmp_path_factory.mktemp("other_seed"), *short, "trainer.seed=1"),
+        "shape": _train(cache_dir, tmp_path_factory.mktemp("other_shape"), *short, "sparse.embedding_dim=8"),
+    }
+
+
+def _cli(base: Path, deltas: Path, out: Path, capsys, caplog) -> tuple[int, list[str], str]:
+    """``apply``'s exit status, its error lines and its warnings."""
+    code = main(["apply", "--base", str(base), "--deltas", str(deltas), "--out", str(out)])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("Error")]
+    return code, errors, err + caplog.text
+
+
+def test_apply_refuses_a_checkpoint_of_another_run(sharded_run, other_runs, tmp_path, capsys, caplog):
+    """Another seed's checkpoint has the same shapes (the old apply patched it without a word): refused
+    in one line naming the delta and the base with their lineages and steps."""
+    base = other_runs["seed"] / "checkpoints" / "step_000000005"
+    code, errors, _ = _cli(base, sharded_run / "deltas", tmp_path / "out", capsys, caplog)
+    ours, theirs = _lineage(sharded_run / "checkpoints" / "step_000000005"), _lineage(base)
+    assert ours != theirs
+    assert code == 1 and not (tmp_path / "out").exists()
+    assert errors == [
+        f"Error in the delta chain: delta {sharded_run / 'deltas' / '000001'} follows lineage {ours}@step 5, "
+        f"base checkpoint {base} is lineage {theirs}@step 5: apply it to a checkpoint of the same run"
+    ]
+
+
+def test_apply_refuses_a_base_of_other_shapes(sharded_run, other_runs, tmp_path, capsys, caplog):
+    """8-wide tables under 32-wide deltas (the old apply died with an IndexError from index_copy_). Of
+    another run, the lineage tells; with deltas written before lineages existed, the shapes tell, with
+    a warning that the lineage is unknown."""
+    base = other_runs["shape"] / "checkpoints" / "step_000000005"
+    code, errors, _ = _cli(base, sharded_run / "deltas", tmp_path / "out1", capsys, caplog)
+    assert code == 1 and len(errors) == 1 and f"base checkpoint {base} is lineage" in errors[0]
+    deltas = _copy_deltas(sharded_run, tmp_path / "d", [0, 1, 2, 3])
+    for m in read_chain(deltas):  # as written before deltas recorded a lineage
+        del m["lineage"]
+        (deltas / f"{m['seq']:06d}" / "manifest.json").write_text(json.dumps(m))
+    code, errors, output = _cli(base, deltas, tmp_path / "out2", capsys, caplog)
+    assert code == 1 and not (tmp_path / "out2").exists()
+    assert len(errors) == 1 and re.fullmatch(
+        rf"Error in the delta chain: delta {deltas / '000001'} follows lineage <unknown>@step 5 and has table "
+        rf"\w+ of shape \[\d+, 32\], base checkpoint {base} is lineage \w+@step 5 and has \[\d+, 8\]: the base and "
+        "the deltas are of different models; apply them to a checkpoint of the run that wrote them",
+        errors[0],
+    ), errors
+    assert f"delta {deltas / '000001'} has no lineage id" in output
+    # The same base under a table of other rows, in apply_chain itself (same lineage: the shapes tell).
+    state, step = load_checkpoint_state(sharded_run / "checkpoints" / "step_000000010")
+    key = "model.sparse.ec.embeddings.t_hist_item.weight"
+    state[key] = state[key][:100].clone()
+    with pytest.raises(DeltaChainError, match=r"table t_hist_item of shape \[\d+, 32\], .* and has \[100, 32\]"):
+        apply_chain(state, step, sharded_run / "deltas")
+
+
+def test_deltas_without_lineage_still_apply_with_a_warning(sharded_run, tmp_path, capsys, caplog):
+    """Old deltas (no lineage) on a checkpoint of the same shapes: applied, with a warning."""
+    deltas = _copy_deltas(sharded_run, tmp_path / "d", [2, 3])
+    for m in read_chain(deltas):
+        del m["lineage"]
+        (deltas / f"{m['seq']:06d}" / "manifest.json").write_text(json.dumps(m))
+    base = sharded_run / "checkpoints" / "step_000000010"
+    code, errors, output = _cli(base, deltas, tmp_path / "out", capsys, caplog)
+    assert code == 0 and not errors and "has no lineage id" in output
+    final = _state(sharded_run / "checkpoints" / "step_000000020", tmp_path)
+    _assert_same(_state(tmp_path / "out", tmp_path), final, ("model.",))
+
+
+@pytest.mark.parametrize(
+    "damage, problem",
+    [
+        (lambda m: '{"format": "gem-delta/1", "seq": 1,', "it is not valid JSON (Expecting property name"),
+        (lambda m: json.dumps({k: v for k, v in m.items() if k != "step"}), "no key step"),
+        (lambda m: json.dumps({**m, "tables": {"t_ad_id": {"key": "x"}}}), "no key tables.t_ad_id.rows, "),
+        (lambda m: json.dumps({**m, "base_step": "5"}), 'base_step is "5", not int'),
+    ],
+    ids=["invalid_json", "missing_key", "missing_table_key", "wrong_type"],
+)
+def test_a_damaged_manifest_names_the_file_and_the_problem(sharded_run, tmp_path, capsys, caplog, damage, problem):
+    deltas = _copy_deltas(sharded_run, tmp_path / "d", [0, 1, 2])
+    manifest = deltas / "000001" / "manifest.json"
+    manifest.write_text(damage(json.loads(manifest.read_text())))
+    with pytest.raises(DeltaChainError, match=re.escape(f"delta manifest {manifest} is damaged: {problem}")):
+        read_chain(deltas)
+    code, errors, _ = _cli(sharded_run / "checkpoints" / "step_000000000", deltas, tmp_path / "out", capsys, caplog)
+    assert code == 1 and len(errors) == 1 and problem in errors[0] and "copy the delta again" in errors[0]
+
+
+def test_a_damaged_base_manifest_says_so(sharded_run, tmp_path, capsys, caplog):
+    base = tmp_path / "step_000000010"
+    shutil.copytree(sharded_run / "checkpoints" / "step_000000010", base)
+    (base / "gem_checkpoint.json").write_text("{")
+    code, errors, _ = _cli(base, sharded_run / "deltas", tmp_path / "out", capsys, caplog)
+    assert code == 1 and len(errors) == 1
+    assert errors[0].startswith(f"Error in the delta chain: --base {base}: {base / 'gem_checkpoint.json'} is damaged")

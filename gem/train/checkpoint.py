@@ -14,7 +14,14 @@ key                 what
 ``scheduler``       the LR schedule's position
 ``progress``        step, epoch, examples consumed in the epoch (all ranks), examples seen
 ``config``          the resolved config (YAML), also written as ``config.yaml``
+``lineage``         the run's lineage id (see below), also in ``gem_checkpoint.json``
 ==================  ==========================================================================
+
+The lineage id (32 hex digits) names one training run: made when a run starts fresh and taken
+from the checkpoint a run resumes from (``resume`` or ``load_from``, at any world size), so every
+checkpoint of a run, before and after restarts, carries the same one; the delta export records it
+in each delta, and ``python -m gem.train.delta apply`` refuses a base of another lineage. A
+checkpoint written before gem recorded lineages has none: it loads, and the run goes on under a new id.
 
 Beside DCP's files, ``rng_rank<r>.pkl`` holds rank ``r``'s python / numpy / torch / cuda RNG
 states (per-rank values, which DCP's de-duplicated, rank-agnostic keys are not made for).
@@ -24,8 +31,8 @@ written by 2 ranks with one TorchRec plan loads into 1 rank with another.
 
 Writes are atomic: DCP writes into ``<dir>/.tmp-step_<step>``; once every rank's data and
 DCP's ``.metadata`` are on disk, rank 0 writes ``gem_checkpoint.json`` (the step, the world
-size, a fingerprint of every state entry's shape, and each file's size and CRC-32) and renames
-the folder to ``step_<step>``. A crash mid-save leaves only a ``.tmp-`` folder, which is
+size, the lineage id, a fingerprint of every state entry's shape, and each file's size and
+CRC-32) and renames the folder to ``step_<step>``. A crash mid-save leaves only a ``.tmp-`` folder, which is
 ignored and removed at the next start. A save checks the free space first (``shutil.disk_usage``)
 and reports a full disk, then or during the write, as "no space left on device" with the path and
 the bytes needed and free. With ``async_save`` the state is copied (see
@@ -44,6 +51,7 @@ import random
 import re
 import shutil
 import time
+import uuid
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -148,6 +156,8 @@ class Checkpointer:
         self._pending: _Pending | None = None
         self._last_step = -1
         self._pg = None
+        # The run's lineage id, rank 0's on every rank; restore() replaces it with the checkpoint's.
+        self.lineage: str = self._on_rank0(new_lineage)
         if dist.is_initialized() and cfg.async_save:
             # The background writer runs collectives while training runs its own: give it its own group.
             self._pg = dist.new_group(backend="gloo")
@@ -169,6 +179,7 @@ class Checkpointer:
             "scheduler": self.scheduler.state_dict(),
             "progress": asdict(progress),
             "config": self.config_yaml,
+            "lineage": self.lineage,
         }
 
     def _fingerprint(self, state: dict[str, Any]) -> dict[str, list]:
@@ -210,6 +221,7 @@ class Checkpointer:
         manifest = {
             "step": progress.step,
             "world_size": self.world_size,
+            "lineage": self.lineage,
             "time": time.time(),
             "progress": asdict(progress),
             "fingerprint": self._fingerprint(state),
@@ -354,6 +366,7 @@ class Checkpointer:
                 if problem is None:
                     progress = Progress(**probe["progress"])
                     self._last_step = progress.step
+                    self._adopt_lineage(path, probe["lineage"])
                     logger.info(
                         "checkpoint: resumed from %s (step %d, epoch %d, %d examples seen)",
                         path,
@@ -367,6 +380,19 @@ class Checkpointer:
                 raise CheckpointError(f"{problem}{hint}")
             logger.warning("checkpoint: %s; falling back to the previous checkpoint", problem)
         raise AssertionError("unreachable")
+
+    def _adopt_lineage(self, path: Path, loaded: str | None) -> None:
+        """Continue the lineage of the checkpoint loaded from ``path``; one written before gem
+        recorded lineages (``loaded`` None) leaves it unknown, and this run's checkpoints get a new id."""
+        if loaded:
+            self.lineage = loaded
+            return
+        logger.warning(
+            "checkpoint: %s has no lineage id (written before gem recorded one), so its run is unknown; "
+            "the checkpoints and deltas of this run get lineage %s",
+            path,
+            self.lineage,
+        )
 
     def _explicit_candidates(self, path: Path) -> list[Path]:
         if not path.is_dir():
@@ -428,7 +454,12 @@ class Checkpointer:
         saved_world_size = self._on_rank0(lambda: json.loads((path / MANIFEST).read_text())["world_size"])
         error = None
         flat, slots = flatten_state(state)
-        self._drop_stateless(path, flat, slots)
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        if "lineage" not in saved:  # written before gem recorded lineages
+            container, name = slots.pop("lineage")
+            del flat["lineage"]
+            container[name] = None
+        self._drop_stateless(flat, slots, saved)
         try:
             load_flat(flat, slots, path)
         except Exception as e:  # DCP raises CheckpointException with per-rank details
@@ -457,13 +488,13 @@ class Checkpointer:
         self._restore_loader(path, Progress(**state["progress"]))
         return None
 
-    def _drop_stateless(self, path: Path, flat: dict[str, Any], slots: dict[str, tuple[dict, str]]) -> None:
-        """Leave out of the load the dense parameters that had no optimizer state when ``path`` was
-        saved (no gradient had reached them, e.g. the user tokens' projections of a model without a
-        personalized FFN): AdamW creates its state lazily, and the probe of the state to load has
-        created it for every parameter. They keep no state, as in the run that saved."""
+    def _drop_stateless(self, flat: dict[str, Any], slots: dict[str, tuple[dict, str]], saved: dict[str, Any]) -> None:
+        """Leave out of the load the dense parameters that had no optimizer state when the checkpoint
+        (``saved``: its DCP entries) was saved (no gradient had reached them, e.g. the user tokens'
+        projections of a model without a personalized FFN): AdamW creates its state lazily, and the
+        probe of the state to load has created it for every parameter. They keep no state, as in the
+        run that saved."""
         prefix = "optim.dense.state."
-        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         param_of = {k: k.removeprefix(prefix).rsplit(".", 1)[0] for k in flat if k.startswith(prefix)}
         stateless = {p for k, p in param_of.items() if k not in saved}
         stateless -= {p for k, p in param_of.items() if k in saved}  # partly saved: an error below
@@ -501,6 +532,11 @@ class Checkpointer:
 
 
 # ---------------------------------------------------------------------------------------- helpers
+
+
+def new_lineage() -> str:
+    """A new run's lineage id: 32 random hex digits."""
+    return uuid.uuid4().hex
 
 
 def flatten_state(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[dict, str]]]:

@@ -15,8 +15,9 @@ file                what
 ``dense.pt``        the dense arch's state dict, whole
 ``optim.pt``        (``optimizer_state: true``) the touched rows' Adagrad momentum per table and
                     the dense AdamW state
-``manifest.json``   seq, the previous seq, ``base_step`` (the step of the state it patches),
-                    ``step``, ``partition``, the tables and row counts, each file's size and CRC-32
+``manifest.json``   seq, the previous seq, ``lineage`` (the run's lineage id, as its checkpoints
+                    carry it), ``base_step`` (the step of the state it patches), ``step``,
+                    ``partition``, the tables (key, rows, shape), each file's size and CRC-32
 ==================  ==========================================================================
 
 A row is "touched" when a training batch looked it up: the tracker hooks the SparseArch and reads
@@ -36,13 +37,17 @@ One process only (native or TorchRec tables, sharded or not): on several ranks a
 and the touched ids are spread over the ranks, which this exporter does not gather yet.
 
 ``python -m gem.train.delta apply --base <step_N folder> --deltas <run>/deltas --out <folder>``
-applies a chain (see :func:`apply_chain`).
+applies a chain (see :func:`apply_chain`). It refuses, in one line naming both sides, a base of
+another lineage (another run's checkpoint), a base whose tables' shapes differ from a delta's, and a
+base whose step the chain does not reach; a delta or a base without a lineage id (written before
+gem recorded one) is checked by the shapes alone, with a warning.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
@@ -160,6 +165,7 @@ class DeltaExporter:
         self.tracker = TouchedRows(self.arch)
         self.link = self._resume(step)
         self.last_step = step
+        self.lineage: str | None = None  # the run's lineage id, the checkpointer's (see start)
 
     def _resume(self, step: int) -> _Link:
         """Drop deltas newer than ``step`` (a restart repeats those steps) and find the chain's end."""
@@ -192,9 +198,11 @@ class DeltaExporter:
         return _Link(last["seq"] + 1, last["seq"], last["step"], last["step"] < step)
 
     def start(self, ckpt, progress) -> None:
-        """A chain without deltas starts at a checkpoint of the current step: save one if there is none."""
+        """A chain without deltas starts at a checkpoint of the current step: save one if there is none.
+        The deltas carry the run's lineage id, ``ckpt``'s (made fresh or taken from the checkpoint resumed)."""
         from gem.train.checkpoint import list_checkpoints
 
+        self.lineage = ckpt.lineage
         if self.link.previous is None and not any(
             p.name == f"step_{progress.step:09d}" for p in list_checkpoints(ckpt.dir)
         ):
@@ -225,6 +233,7 @@ class DeltaExporter:
             "format": FORMAT,
             "seq": seq,
             "previous": self.link.previous,
+            "lineage": self.lineage,
             "base_step": self.link.base_step,
             "step": step,
             "partition": partition,
@@ -361,25 +370,82 @@ def _cpu(value):
 
 # --------------------------------------------------------------------------------------- apply
 
+# The manifest keys that apply reads, and their types (``lineage`` is absent from older deltas).
+_MANIFEST_KEYS = {
+    "format": str,
+    "seq": int,
+    "previous": (int, type(None)),
+    "base_step": int,
+    "step": int,
+    "tables": dict,
+    "files": dict,
+}
+_TABLE_KEYS = {"key": str, "rows": int, "num_embeddings": int, "dim": int}
+_FILE_KEYS = {"size": int, "crc32": int}
+
+
+def read_manifest(folder: Path) -> dict:
+    """The manifest of the delta in ``folder``; a missing or damaged one (not JSON, a key missing or
+    of the wrong type) raises a :class:`DeltaChainError` naming the file and what is wrong."""
+    folder = Path(folder)
+    file = folder / MANIFEST
+    if not file.is_file():
+        raise DeltaChainError(
+            f"delta {folder}: no {MANIFEST}, so it is not a complete delta; remove the folder "
+            "(the run writes it again on resume)"
+        )
+    try:
+        m = json.loads(file.read_text())
+    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+        problem = f"it is not valid JSON ({e})"
+    else:
+        other_format = isinstance(m, dict) and m.get("format", FORMAT) != FORMAT
+        problem = None if other_format else _manifest_problem(m)
+    if problem:
+        raise DeltaChainError(
+            f"delta manifest {file} is damaged: {problem}; copy the delta again from the training run"
+        )
+    if m["format"] != FORMAT or m.get("seq") != int(folder.name):
+        raise DeltaChainError(f"delta {folder}: {MANIFEST} is not a {FORMAT} manifest of seq {int(folder.name)}")
+    return m
+
+
+def _manifest_problem(m: Any) -> str | None:
+    """What is wrong with a parsed manifest, or None."""
+    if not isinstance(m, dict):
+        return f"it holds a JSON {type(m).__name__}, not an object"
+    problem = _entries_problem(m, _MANIFEST_KEYS, "")
+    if problem:
+        return problem
+    for section, keys in (("tables", _TABLE_KEYS), ("files", _FILE_KEYS)):
+        for name, entry in m[section].items():
+            if not isinstance(entry, dict):
+                return f"{section}.{name} is not an object"
+            if problem := _entries_problem(entry, keys, f"{section}.{name}."):
+                return problem
+    return None
+
+
+def _entries_problem(entries: dict, keys: dict[str, Any], where: str) -> str | None:
+    missing = [k for k in keys if k not in entries]
+    if missing:
+        return f"no key {', '.join(where + k for k in missing)}"
+    for key, kind in keys.items():
+        value = entries[key]
+        if not isinstance(value, kind) or isinstance(value, bool):
+            kinds = kind if isinstance(kind, tuple) else (kind,)
+            names = " or ".join("null" if t is type(None) else t.__name__ for t in kinds)
+            return f"{where}{key} is {json.dumps(value)[:40]}, not {names}"
+    return None
+
 
 def read_chain(directory: Path) -> list[dict]:
     """The committed deltas' manifests in ``directory``, by seq, checked to form one chain: seqs
-    consecutive, each naming its predecessor and patching the step its predecessor ended at."""
+    consecutive, each naming its predecessor, patching the step its predecessor ended at and of the
+    same lineage (where both record one)."""
     directory = Path(directory)
-    manifests = []
-    for folder in (
-        sorted(p for p in directory.iterdir() if p.is_dir() and p.name.isdigit()) if directory.is_dir() else []
-    ):
-        file = folder / MANIFEST
-        if not file.is_file():
-            raise DeltaChainError(
-                f"delta {folder}: no {MANIFEST}, so it is not a complete delta; remove the folder "
-                "(the run writes it again on resume)"
-            )
-        m = json.loads(file.read_text())
-        if m.get("format") != FORMAT or m.get("seq") != int(folder.name):
-            raise DeltaChainError(f"delta {folder}: {MANIFEST} is not a {FORMAT} manifest of seq {int(folder.name)}")
-        manifests.append(m)
+    folders = sorted(p for p in directory.iterdir() if p.is_dir() and p.name.isdigit()) if directory.is_dir() else []
+    manifests = [read_manifest(folder) for folder in folders]
     for prev, m in zip(manifests, manifests[1:]):
         if m["seq"] != prev["seq"] + 1:
             missing = ", ".join(f"{s:06d}" for s in range(prev["seq"] + 1, m["seq"]))
@@ -387,6 +453,12 @@ def read_chain(directory: Path) -> list[dict]:
                 f"delta chain in {directory} has a gap: seq {missing} missing between "
                 f"{prev['seq']:06d} (step {prev['step']}) and {m['seq']:06d} (step {m['step']}); "
                 "copy the missing deltas there, or start from a checkpoint of a later step"
+            )
+        if prev.get("lineage") and m.get("lineage") and prev["lineage"] != m["lineage"]:
+            raise DeltaChainError(
+                f"delta {m['seq']:06d} in {directory} follows lineage {m['lineage']}@step {m['base_step']}, but "
+                f"delta {prev['seq']:06d} before it is of lineage {prev['lineage']}: the folder mixes deltas "
+                "of different runs; keep one run's deltas in it"
             )
         if m["previous"] != prev["seq"] or m["base_step"] != prev["step"] or m["step"] <= prev["step"]:
             raise DeltaChainError(
@@ -398,7 +470,8 @@ def read_chain(directory: Path) -> list[dict]:
 
 
 def load_checkpoint_state(path: Path) -> tuple[dict[str, Any], int]:
-    """A gem checkpoint folder ``step_<N>`` as one flat dict of plain tensors, and its step."""
+    """A gem checkpoint folder ``step_<N>`` as one flat dict of plain tensors, and its step; the
+    run's lineage id is ``state["lineage"]`` (None for a checkpoint written before gem recorded one)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from gem.train.checkpoint import MANIFEST as CHECKPOINT_MANIFEST
@@ -409,31 +482,75 @@ def load_checkpoint_state(path: Path) -> tuple[dict[str, Any], int]:
             f"--base {path}: no {CHECKPOINT_MANIFEST}, so it is not a complete gem checkpoint; "
             "give a step_<N> folder of the run's checkpoints/"
         )
-    step = json.loads(manifest.read_text())["step"]
+    try:
+        meta = json.loads(manifest.read_text())
+    except ValueError as e:
+        raise DeltaChainError(f"--base {path}: {manifest} is damaged: it is not valid JSON ({e})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+        raise DeltaChainError(f"--base {path}: {manifest} is damaged: it records no step")
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(str(path), Path(tmp) / "state.pt")
         state = torch.load(Path(tmp) / "state.pt", weights_only=False)
-    return state, step
+    state["lineage"] = state.get("lineage") or meta.get("lineage")
+    return state, meta["step"]
 
 
-def apply_chain(state: dict[str, Any], base_step: int, directory: Path) -> tuple[dict[str, Any], list[int]]:
+def apply_chain(
+    state: dict[str, Any], base_step: int, directory: Path, base: Path | str | None = None
+) -> tuple[dict[str, Any], list[int]]:
     """Apply the deltas of ``directory`` that end after ``base_step`` to a checkpoint's flat ``state``
-    (``model.sparse.*``, ``model.dense.*``, ``optim.*``), in place; returns it and the seqs applied.
+    (``model.sparse.*``, ``model.dense.*``, ``optim.*``; ``lineage``: its run's id), in place;
+    returns it and the seqs applied. ``base``: the checkpoint's folder, named in the messages.
 
-    The first delta applied must patch a step ``<= base_step``; each file's CRC-32 is checked
-    before anything of that delta is applied."""
-    chain = [m for m in read_chain(directory) if m["step"] > base_step]
+    Refused before anything is applied, with one line naming both sides: deltas of another lineage
+    than the base's, a first delta that patches a step later than ``base_step``, a table whose
+    shape differs from the base's. Where the base or a delta has no lineage id (written before gem
+    recorded one), the shapes alone tell, with a warning. Each file's CRC-32 is checked before
+    anything of that delta is applied."""
+    directory = Path(directory)
+    lineage = state.get("lineage")
+    name = f"base checkpoint {base}" if base is not None else "the base checkpoint"
+    here = f"{name} is lineage {lineage or '<unknown>'}@step {base_step}"
+    whole = read_chain(directory)
+    chain = [m for m in whole if m["step"] > base_step]
+
+    def folder(m: dict) -> Path:
+        return directory / f"{m['seq']:06d}"
+
+    def follows(m: dict) -> str:
+        return f"delta {folder(m)} follows lineage {m.get('lineage') or '<unknown>'}@step {m['base_step']}"
+
+    other = next((m for m in chain or whole if lineage and m.get("lineage") not in (None, lineage)), None)
+    if other is not None:
+        raise DeltaChainError(f"{follows(other)}, {here}: apply it to a checkpoint of the same run")
     if not chain:
-        raise DeltaChainError(f"no delta in {directory} ends after the base's step {base_step}")
-    if chain[0]["base_step"] > base_step:
+        raise DeltaChainError(f"no delta in {directory} ends after the base's step {base_step} ({here})")
+    first = chain[0]
+    if first["base_step"] > base_step:
         raise DeltaChainError(
-            f"delta {chain[0]['seq']:06d} patches the state of step {chain[0]['base_step']}, later "
-            f"than the base's step {base_step}: the deltas of steps {base_step + 1}.."
-            f"{chain[0]['base_step']} are missing from {directory}; use a checkpoint of step "
-            f">= {chain[0]['base_step']} as --base"
+            f"delta {first['seq']:06d} patches the state of step {first['base_step']}, later than the base's "
+            f"step {base_step}: the deltas of steps {base_step + 1}..{first['base_step']} are missing from "
+            f"{directory} ({follows(first)}, {here}); use a checkpoint of step >= {first['base_step']} as --base"
+        )
+    unknown = next((m for m in chain if not m.get("lineage")), None)
+    if not lineage or unknown is not None:
+        logger.warning(
+            "%s has no lineage id (written before gem recorded one), so whether the base and the deltas are of "
+            "one run is not known; checking only that their tables' shapes agree",
+            name if not lineage else f"delta {folder(unknown)}",
         )
     for m in chain:
-        _apply_one(state, Path(directory) / f"{m['seq']:06d}", m)
+        for table, spec in m["tables"].items():
+            key, want = f"model.sparse.{spec['key']}", [spec["num_embeddings"], spec["dim"]]
+            have = list(state[key].shape) if isinstance(state.get(key), torch.Tensor) else None
+            if have != want:
+                raise DeltaChainError(
+                    f"{follows(m)} and has table {table} of shape {want}, {here} and has "
+                    f"{have if have is not None else f'no {key}'}: the base and the deltas are of different "
+                    "models; apply them to a checkpoint of the run that wrote them"
+                )
+    for m in chain:
+        _apply_one(state, folder(m), m)
     return state, [m["seq"] for m in chain]
 
 
@@ -464,6 +581,12 @@ def _set(state: dict[str, Any], key: str, value: Any, folder: Path) -> None:
         raise DeltaChainError(
             f"delta {folder}: {key} is not in the base checkpoint; the base and the deltas are of different models"
         )
+    old = state[key]
+    if isinstance(old, torch.Tensor) and isinstance(value, torch.Tensor) and old.shape != value.shape:
+        raise DeltaChainError(
+            f"delta {folder}: {key} is of shape {list(value.shape)} there and {list(old.shape)} in the base "
+            "checkpoint; the base and the deltas are of different models"
+        )
     state[key] = value
 
 
@@ -472,8 +595,18 @@ def _set_rows(state: dict[str, Any], key: str, part: dict, folder: Path) -> None
         raise DeltaChainError(
             f"delta {folder}: {key} is not in the base checkpoint; the base and the deltas are of different models"
         )
-    target = state[key]  # [R, D] table, or momentum [R] / [R * D] whose rows came as [N, 1] / [N, D]
-    target.view(-1, *part["rows"].shape[1:]).index_copy_(0, part["ids"], part["rows"].to(target.dtype))
+    target, rows, ids = state[key], part["rows"], part["ids"]
+    # target: an [R, D] table, or momentum [R] / [R * D] whose rows came as [N, 1] / [N, D]
+    width = math.prod(rows.shape[1:])
+    fits = target.numel() % max(1, width) == 0 and (target.dim() != 2 or target.shape[1:] == rows.shape[1:])
+    view = target.view(-1, *rows.shape[1:]) if fits else None
+    if view is None or (ids.numel() and int(ids.max()) >= view.shape[0]):
+        raise DeltaChainError(
+            f"delta {folder}: rows {list(rows.shape)} of {key} (ids up to {int(ids.max()) if ids.numel() else '-'}) "
+            f"do not fit its shape {list(target.shape)} in the base checkpoint; the base and the deltas are of "
+            "different models"
+        )
+    view.index_copy_(0, ids, rows.to(target.dtype))
 
 
 def save_state(state: dict[str, Any], out: Path, base: Path, base_step: int, applied: list[int], step: int) -> None:
@@ -485,9 +618,14 @@ def save_state(state: dict[str, Any], out: Path, base: Path, base_step: int, app
         raise DeltaChainError(f"--out {out} exists; give a new folder")
     tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and k.startswith(("model.", "optim."))}
     dcp.save(tensors, checkpoint_id=str(out), no_dist=True)
-    (out / "applied.json").write_text(
-        json.dumps({"base": str(base), "base_step": base_step, "deltas": applied, "step": step}, indent=1)
-    )
+    record = {
+        "base": str(base),
+        "lineage": state.get("lineage"),
+        "base_step": base_step,
+        "deltas": applied,
+        "step": step,
+    }
+    (out / "applied.json").write_text(json.dumps(record, indent=1))
 
 
 def _crc32(path: Path) -> int:
@@ -508,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         state, base_step = load_checkpoint_state(args.base)
-        state, applied = apply_chain(state, base_step, args.deltas)
+        state, applied = apply_chain(state, base_step, args.deltas, base=args.base)
         step = next(m["step"] for m in read_chain(args.deltas) if m["seq"] == applied[-1])
         save_state(state, args.out, args.base, base_step, applied, step)
     except DeltaChainError as e:
