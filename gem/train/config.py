@@ -219,7 +219,7 @@ def _kernels_configs() -> tuple[type, type]:
     """``KernelsConfig`` (``configs/kernels/``: ``attention_backend``, None: Triton on CUDA, the
     reference elsewhere; and the user's fields of ``KernelSettings``) and
     ``ExperimentalKernelsConfig`` (its other fields), each field with its default there, their
-    one source. The trainer applies both once before the model is built (:func:`kernel_settings`).
+    one source. The trainer applies both once before the model is built (:func:`kernel_settings_of`).
     ``KernelsConfig`` still takes each experimental key, deprecated: :func:`validate` moves it."""
     from kernels.jagged_attention.settings import KernelSettings
 
