@@ -108,3 +108,34 @@ def test_each_package_exports_what_it_lists(package):
     assert module.__all__
     missing = [name for name in module.__all__ if getattr(module, name, None) is None]
     assert not missing, f"{package}.__all__ lists names it cannot give: {missing}"
+
+
+def test_the_readme_snippet_trains_the_steps_it_schedules(tmp_path):
+    """README's library-API loop, run as printed: it steps the optimizers as many times as the
+    total_steps it gives their schedule (issue 70: it read as 100 steps and trained one epoch, 31)."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    (snippet,) = [s for s in re.findall(r"```python\n(.*?)```", readme, re.S) if "gem.build_optimizers" in s]
+    counting = (  # plain tables (sparse=native) for speed: the loop's length is the data's
+        "import gem\n"
+        "compose = gem.compose\n"
+        "gem.compose = lambda overrides: compose([*overrides, 'sparse=native'])\n"
+        "build, steps, asked = gem.build_optimizers, [], []\n"
+        "def build_optimizers(model, data, total_steps):\n"
+        "    opt = build(model, data, total_steps)\n"
+        "    step, asked[:] = opt.step, [total_steps]\n"
+        "    opt.step = lambda: (steps.append(1), step())\n"
+        "    return opt\n"
+        "gem.build_optimizers = build_optimizers\n"
+    )
+    code = counting + snippet + "print('steps', len(steps), 'scheduled', asked[0])\n"
+    env = {**os.environ, "GEM_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    steps, scheduled = map(int, re.search(r"steps (\d+) scheduled (\d+)", proc.stdout).groups())
+    assert steps == scheduled, proc.stdout[-2000:]
+    claimed = re.search(r"# one epoch: (\d+) batches", snippet)
+    assert claimed and int(claimed.group(1)) == steps, snippet

@@ -354,7 +354,7 @@ def test_validator_fails_on_empty_folders_and_missing_splits(tmp_path, tiny_sche
     assert main([str(tmp_path / "empty")]) == 1
     captured = capsys.readouterr()
     assert "empty: holds no *.parquet files (it holds nothing); give a data set folder" in captured.out
-    assert "0 files, 0 with violations, 1 missing or empty folders" in captured.err
+    assert "0 files, 0 with violations, 1 layout problem(s)" in captured.err
     assert main([str(tmp_path / "nowhere")]) == 1 and "nowhere: does not exist" in capsys.readouterr().out
     data = tmp_path / "data"
     for split in ("train", "val", "test"):
@@ -371,3 +371,104 @@ def test_validator_fails_on_empty_folders_and_missing_splits(tmp_path, tiny_sche
     for split in ("val", "test"):
         _write(data / split, tiny_schema, name="part-0.parquet")
     assert main([str(data)]) == 0
+
+
+def _empty(path):
+    """``path`` rewritten with no rows (its schema and gem metadata kept)."""
+    table = pq.read_table(path)
+    pq.write_table(table.slice(0, 0).replace_schema_metadata(table.schema.metadata), path)
+
+
+def test_validator_fails_on_zero_row_train_or_test_splits_and_warns_on_val(tmp_path, tiny_schema, capsys):
+    """Issue 70: a split whose files hold no rows passed the validator, and training refused it
+    (train, test) or validated nothing (val). A data set without val/ trains (with a warning): the
+    validator warns too, and names Parquet files that training does not read."""
+    from gem.data.format.validate import main
+
+    data = tmp_path / "data"
+    for split in ("train", "val", "test"):
+        _write(data / split, tiny_schema, name="part-0.parquet")
+    _empty(data / "val" / "part-0.parquet")
+    assert main([str(data)]) == 0
+    out = capsys.readouterr()
+    assert out.out.splitlines() == [
+        f"warning: {data / 'val'}: its 1 file(s) hold no rows; training runs without validation (it warns, and "
+        "trainer.best_metric fails): write examples there to validate"
+    ]
+    assert "3 files, 0 with violations, 1 warning(s)" in out.err
+    for split in ("train", "test"):
+        _empty(data / split / "part-0.parquet")
+    assert main([str(data)]) == 1
+    out = capsys.readouterr().out
+    assert f"{data / 'train'}: its 1 file(s) hold no rows; training refuses an empty training split" in out
+    assert f"{data / 'test'}: its 1 file(s) hold no rows; training refuses to end on NaN test metrics" in out
+    _write(data / "train", tiny_schema, name="part-0.parquet")
+    _write(data / "test", tiny_schema, name="part-0.parquet")
+    (data / "val" / "part-0.parquet").unlink()
+    (data / "val").rmdir()
+    _write(data / "train" / "old", tiny_schema, name="part-0.parquet")  # a subfolder: not read by training
+    assert main([str(data)]) == 0
+    out = capsys.readouterr().out
+    assert f"warning: {data}: no val/ folder; training runs without validation" in out
+    unread = data / "train" / "old" / "part-0.parquet"
+    assert f"{data}: 1 *.parquet file(s) that training does not read (e.g. {unread})" in out
+
+
+def _stream(root, tiny_schema, days):
+    for day in days:
+        _write(root / f"day={day}", tiny_schema, name="part-0.parquet")
+    return root
+
+
+def test_validator_checks_a_stream_as_training_does(tmp_path, tiny_schema, capsys):
+    """Issue 70: the validator passed stream folders that training refuses (a stray folder, a date that
+    does not exist, a partition without rows) and said nothing of a day missing in the middle; with a
+    stream run's checkpoint it checks the order that run's resume needs."""
+    import json
+
+    from gem.data.format.validate import main
+
+    events = _stream(tmp_path / "events", tiny_schema, ["2026-11-23", "2026-11-24", "2026-11-27"])
+    assert main([str(events)]) == 0
+    out = capsys.readouterr()
+    assert out.out.splitlines() == [
+        f"warning: data.dir={events}: 2 day(s) missing between day=2026-11-23 and day=2026-11-27: "
+        "day=2026-11-25..day=2026-11-26; the stream trains on the days it holds, and a missing day that arrives "
+        "after a run has trained past it stops the next run (partitions out of order): add it before training "
+        "past it"
+    ]
+    assert "3 files, 0 with violations, 1 warning(s)" in out.err
+    for stray, message in [
+        ("day=2026-02-30", "partition 'day=2026-02-30' has no valid date (day is out of range for month); rename it"),
+        ("2026-11-25", "'2026-11-25' is not a partition folder day=YYYY-MM-DD; move it out of data.dir"),
+    ]:
+        (events / stray).mkdir()
+        assert main([str(events)]) == 1
+        assert f"data.dir={events}: {message}" in capsys.readouterr().out
+        (events / stray).rmdir()
+    (events / "day=2026-11-25").mkdir()  # a partition without files
+    assert main([str(events)]) == 1
+    assert f"{events / 'day=2026-11-25'} holds no *.parquet files (it holds nothing)" in capsys.readouterr().out
+    _write(events / "day=2026-11-25", tiny_schema, name="part-0.parquet")
+    _empty(events / "day=2026-11-25" / "part-0.parquet")
+    assert main([str(events)]) == 1
+    assert f"{events / 'day=2026-11-25'}: its 1 file(s) hold no rows; a stream run scores each partition before" in (
+        capsys.readouterr().out
+    )
+    (events / "day=2026-11-25" / "part-0.parquet").unlink()
+    (events / "day=2026-11-25").rmdir()
+
+    # a run that stood in day=2026-11-24 (one partition before it) when it saved step 16
+    step = tmp_path / "run" / "checkpoints" / "step_000000016"
+    step.mkdir(parents=True)
+    (step / "loader_rank0.json").write_text(json.dumps({"partition": "day=2026-11-24", "partitions_before": 1}))
+    assert main([str(events), "--checkpoint", str(tmp_path / "run")]) == 0
+    capsys.readouterr()
+    _write(events / "day=2026-11-20", tiny_schema, name="part-0.parquet")  # a day dated before it appears
+    assert main([str(events), "--checkpoint", str(step)]) == 1
+    assert (
+        f"data.dir={events}: partitions out of order: the checkpoint stands in day=2026-11-24, which had 1 "
+        "partition(s) before it, now 2 (day=2026-11-20, day=2026-11-23): a partition dated before it appeared"
+    ) in capsys.readouterr().out
+    assert main([str(events), "--checkpoint", str(tmp_path)]) == 1
+    assert "neither it nor a step_N folder in it holds loader_rank0.json" in capsys.readouterr().out

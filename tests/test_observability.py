@@ -143,6 +143,7 @@ def test_the_compile_workers_start_before_the_data_and_model_build(monkeypatch, 
 
 import json  # noqa: E402
 import os  # noqa: E402
+import re  # noqa: E402
 import subprocess  # noqa: E402
 
 from gem.train.config import ConfigError, validate  # noqa: E402
@@ -354,6 +355,58 @@ def test_a_data_or_checkpoint_error_is_one_line_too(tmp_path):
         train="from gem.train.checkpoint import CheckpointError; raise CheckpointError('step_5: truncated')",
     )
     assert proc.returncode == 1 and _lines(proc.stderr) == ["Error in the checkpoint: step_5: truncated"], proc.stderr
+
+
+def test_a_damaged_file_a_gpu_kernel_without_gpu_and_a_bad_raw_id_are_one_line(tiny_dataset, tmp_path):
+    """Issue 70: a truncated single train file was blamed on missing gem.schema metadata,
+    kernels=triton without a GPU ran into Triton's "0 active drivers", and IdOutOfRangeError came
+    with its traceback. Each is now one line naming the file or key and the fix (the three
+    commands run side by side)."""
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_dataset, data)
+    first, *others = sorted((data / "train").glob("*.parquet"))
+    for path in others:
+        path.unlink()
+    first.write_bytes(first.read_bytes()[: first.stat().st_size // 2])
+    parquet = ["debug=tiny", "data=parquet", "data.schema={}"]
+    no_gpu = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "TRITON_INTERPRET")}
+    no_gpu["CUDA_VISIBLE_DEVICES"] = ""
+    runs = {
+        "truncated": ([*parquet, f"data.dir={data}"], None),
+        "triton": ([*parquet, f"data.dir={tiny_dataset}", "model=gem_tiny", "kernels=triton"], no_gpu),
+        "raw id": ([*parquet, f"data.dir={tiny_dataset}", "sparse=native", "+sparse.ids.t_user_id.raw_space=3"], None),
+    }
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "gem.train", *overrides, f"trainer.run_dir={tmp_path / name.replace(' ', '_')}"],
+            cwd=tmp_path,
+            env=env or {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, (overrides, env) in runs.items()
+    }
+    done = {name: (proc.communicate(timeout=180)[1], proc.returncode) for name, proc in procs.items()}
+    for name, (stderr, code) in done.items():
+        assert code == 1 and "Traceback" not in stderr, (name, stderr)
+    stderr, _ = done["truncated"]
+    assert _lines(stderr)[-1].startswith(
+        f"Error in the data: {first}: not a readable Parquet file, truncated or damaged ("
+    ), stderr
+    assert _lines(stderr)[-1].endswith("); write it again (or copy it whole), or move it out of the data set")
+    assert _lines(done["triton"][0])[-1] == (
+        "Error in the configuration: kernels=triton (kernels.attention_backend=triton) runs the attention on "
+        "Triton kernels, which need a CUDA GPU, and this machine has none: use kernels=reference (or "
+        "kernels=auto: Triton on a GPU, the reference elsewhere)"
+    )
+    assert re.fullmatch(
+        r"Error in the data: feature 'user_id': id \d+ is outside its declared raw space \[0, 3\) "
+        r"\(sparse.ids.t_user_id.raw_space\); fix the input, or raise sparse.ids.t_user_id.raw_space",
+        _lines(done["raw id"][0])[-1],
+    ), done["raw id"][0]
 
 
 def test_a_data_error_from_a_loader_worker_prints_its_own_message():

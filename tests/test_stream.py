@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,11 +22,12 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from gem.data.errors import DataError
+from gem.data.format.validate import main as validate
 from gem.data.sources.stream import list_partitions
 from gem.train.config import ConfigError
 from gem.train.delta import main as delta_main
 from gem.train.trainer import train
-from tests.conftest import ROOT, compose
+from tests.conftest import ROOT, TINY_SCHEMA, compose
 from tests.faults import example_ids
 
 RUN = [
@@ -234,24 +236,29 @@ def own_stream(cache_dir, one_pass, tmp_path):
     return data
 
 
-def test_new_partitions_continue_and_earlier_ones_fail(cache_dir, own_stream, tmp_path):
+def test_new_partitions_continue_and_earlier_ones_fail(cache_dir, own_stream, tmp_path, capsys):
     run = tmp_path / "run"
     assert train(compose(_overrides(cache_dir, run, f"data.dir={own_stream}")))["steps"] == 16
     shutil.copytree(_stream_dir(cache_dir) / DAYS[2], own_stream / DAYS[2])  # the next day arrives
     assert train(compose(_overrides(cache_dir, run, f"data.dir={own_stream}")))["steps"] == 24
     assert [r["partition"] for r in _rows_of(run, "stream")] == DAYS  # day 3 only was added
+    assert validate([str(own_stream), "--checkpoint", str(run)]) == 0  # the validator reads the run's checkpoint
     shutil.copytree(own_stream / DAYS[0], own_stream / "day=2026-11-20")  # a day before the trained ones
-    with pytest.raises(
-        DataError,
-        match=r"partitions out of order: the checkpoint stands in day=2026-11-25, which had "
+    out_of_order = (
+        r"partitions out of order: the checkpoint stands in day=2026-11-25, which had "
         r"2 partition\(s\) before it, now 3 \(day=2026-11-20, day=2026-11-23, "
-        r"day=2026-11-24\): a partition dated before it appeared",
-    ):
+        r"day=2026-11-24\): a partition dated before it appeared"
+    )
+    with pytest.raises(DataError, match=out_of_order):
         train(compose(_overrides(cache_dir, run, f"data.dir={own_stream}")))
+    assert validate([str(own_stream), "--checkpoint", str(run)]) == 1  # and finds what training refuses
+    assert re.search(out_of_order, capsys.readouterr().out)
     shutil.rmtree(own_stream / "day=2026-11-20")
     shutil.rmtree(own_stream / DAYS[2])
     with pytest.raises(DataError, match="the checkpoint stands in partition 3, but data.dir holds 2"):
         train(compose(_overrides(cache_dir, run, f"data.dir={own_stream}")))
+    assert validate([str(own_stream), "--checkpoint", str(run)]) == 1
+    assert "the checkpoint stands in partition 3, but data.dir holds 2" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -287,3 +294,26 @@ def test_a_resume_at_a_partition_boundary_keeps_one_score_per_partition(tmp_path
     kept = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["partition"] for r in kept if r["kind"] == "stream"] == [DAYS[0]]
     assert [r["step"] for r in kept if r["kind"] == "train"] == list(range(1, 9))
+
+
+def test_a_day_missing_in_the_middle_trains_with_one_warning_naming_it(cache_dir, tmp_path, tiny_schema):
+    """Issue 70: a stream with a missing day trained with no word. Now one warning line names the
+    missing days (once per run) and the run trains the days it holds."""
+    from gem.data.format.layout import write_parquet
+    from gem.data.sources.synthetic import generate
+
+    events = tmp_path / "events"
+    for i, day in enumerate(["2026-11-23", "2026-11-24", "2026-11-26"]):
+        write_parquet(generate(tiny_schema, 64, seed=i), events / f"day={day}" / "part-0.parquet", tiny_schema)
+    run = tmp_path / "run"
+    overrides = _overrides(cache_dir, run, f"data.dir={events}", "data.batch_size=32", "checkpoint.enabled=false")
+    cfg = compose([*overrides, "trainer.delta_export.every=null"])
+    cfg.data.schema = TINY_SCHEMA  # the files' (experiment=stream's is the synthetic one)
+    result = train(cfg)
+    assert result["steps"] == 6 and result["partitions"] == 3
+    log = (run / "train.log").read_text()
+    assert log.count("missing between") == 1, log
+    assert (
+        f"data.dir={events}: 1 day(s) missing between day=2026-11-23 and day=2026-11-26: day=2026-11-25; the "
+        "stream trains on the days it holds"
+    ) in log

@@ -642,7 +642,11 @@ def test_a_teacher_of_another_schema_is_named_with_the_fix(tiny_dataset, teacher
         meta["id_features"][1]["cardinality"] = 90  # ad_id
 
     other = _schema_of(_rewrite(tiny_dataset, tmp_path / "other", wider_ads))
-    with pytest.raises(CheckpointError, match=r"another feature schema.*id_features.*use a teacher trained on this"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"another feature schema.*: feature 'ad_id' has cardinality 80 in the teacher's, 90 in this data's; "
+        r"use a teacher trained on this",
+    ):
         load_teacher(teacher_ckpt, other, None, torch.device("cpu"))
     # the teacher's data set gone (its schema unknown): the tensor shapes tell
     moved = tmp_path / "ckpt" / teacher_ckpt.name
@@ -654,6 +658,29 @@ def test_a_teacher_of_another_schema_is_named_with_the_fix(tiny_dataset, teacher
         CheckpointError, match=r"t_ad_id.weight: \[80, 32\] in the checkpoint, \[90, 32\] for this data.*another schema"
     ):
         load_teacher(moved, other, None, torch.device("cpu"))
+
+
+def test_a_schema_mismatch_shows_each_differing_entry(tiny_schema):
+    """Issue 70: the message printed each differing key's whole value cut at 300 characters, so a
+    difference in the last id feature (or a sequence feature) was cut off before it was shown."""
+    import copy
+
+    from gem.data.pipeline.schema import FeatureSchema
+    from gem.transfer.teacher import check_inputs
+    from tests.conftest import TINY_SCHEMA
+
+    other = copy.deepcopy(TINY_SCHEMA)
+    other["id_features"][-1]["cardinality"] = 7  # user_interests, the last id feature
+    other["sequence_groups"][0]["features"][-1]["cardinality"] = 9  # hist_gap
+    other["tasks"] = ["click"]  # tasks may differ
+    with pytest.raises(CheckpointError) as e:
+        check_inputs(tiny_schema, FeatureSchema.from_config(other), "transfer.checkpoint=step_000000006")
+    assert str(e.value) == (
+        "transfer.checkpoint=step_000000006: the teacher was trained on another feature schema than the student's "
+        "data (tasks may differ, inputs may not): feature 'user_interests' has cardinality 5 in the teacher's, 7 in "
+        "this data's; feature 'hist_gap' has cardinality 6 in the teacher's, 9 in this data's; use a teacher "
+        "trained on this data's features, or train the student on the teacher's"
+    )
 
 
 def test_missing_teacher_columns_for_representation_or_adapter_are_named(tiny_dataset, tmp_path):

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
+from gem.data.errors import DataError
 from gem.sparse.tables import TableSpec
 
 POLICIES = ("mch", "hash", "modulo")
@@ -41,8 +42,10 @@ EVICTIONS = ("lru", "lfu", "none")
 _INT64_MAX = torch.iinfo(torch.int64).max
 
 
-class IdOutOfRangeError(ValueError):
-    """A raw id outside its table's declared ``[0, raw_space)``; the message names the feature, the id and the space."""
+class IdOutOfRangeError(DataError):
+    """A raw id outside its table's declared ``[0, raw_space)``: bad input data (a DataError, which
+    ``python -m gem.train`` prints as one line); the message names the feature, the id, the space and
+    the key that declares it."""
 
 
 @dataclass(frozen=True)
@@ -107,9 +110,12 @@ def hash_ids(values: torch.Tensor, num_rows: int) -> torch.Tensor:
     return (z & _INT64_MAX) % num_rows
 
 
-def check_ranges(values: Mapping[str, torch.Tensor], raw_space: Mapping[str, int]) -> None:
+def check_ranges(
+    values: Mapping[str, torch.Tensor], raw_space: Mapping[str, int], tables: Mapping[str, str] | None = None
+) -> None:
     """Raise :class:`IdOutOfRangeError` naming the first feature of ``values`` with an id outside its
-    ``[0, raw_space[feature])``; one host sync for all of them."""
+    ``[0, raw_space[feature])`` (and its table, ``tables[feature]``, in the key to raise); one host
+    sync for all of them."""
     outside = [
         ((v < 0) | (v >= raw_space[f]) if raw_space[f] < 2**63 else v < 0).any() for f, v in values.items() if v.numel()
     ]
@@ -118,10 +124,10 @@ def check_ranges(values: Mapping[str, torch.Tensor], raw_space: Mapping[str, int
     for f, v in values.items():
         bad = v[(v < 0) | (v >= raw_space[f])] if raw_space[f] < 2**63 else v[v < 0]
         if bad.numel():
+            key = f"sparse.ids.{tables[f] if tables and f in tables else '<table>'}.raw_space"
             raise IdOutOfRangeError(
                 f"feature {f!r}: id {int(bad[0])} is outside its declared raw space "
-                f"[0, {raw_space[f]}) (sparse.ids); fix the input, or raise "
-                f"sparse.ids.<table>.raw_space"
+                f"[0, {raw_space[f]}) ({key}); fix the input, or raise {key}"
             )
 
 
@@ -238,7 +244,7 @@ class IdMapper(nn.Module):
                     {k: v for k, v in zip(kjt.keys(), kjt.values().split(kjt.length_per_key())) if k in self._table_of}
                 )
         # every table first: a bad id changes no mapping state
-        check_ranges(parts, {f: self.spaces[self._table_of[f]].raw_space for f in parts})
+        check_ranges(parts, {f: self.spaces[self._table_of[f]].raw_space for f in parts}, self._table_of)
         rows = {}
         for table, space in self.spaces.items():
             names = [f for f in space.feature_names if f in parts]

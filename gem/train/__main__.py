@@ -4,9 +4,12 @@ A mistake the user fixes outside the code prints one line and exits with status 
 for its own override errors; ``HYDRA_FULL_ERROR=1`` shows the traceback:
 
 - :class:`gem.train.config.ConfigError`: a bad key or value, an impossible layout, a missing
-  optional package (the line names the key);
+  optional package, a setting this machine cannot run (``kernels=triton`` without a GPU; the line
+  names the key);
 - :class:`gem.data.DataError`: bad input data (a missing or empty split, files with different
-  schemas, a bad row or column the checks report; the line names the file and the fix);
+  schemas, an unreadable file, a bad row or column the checks report, an id outside the raw space
+  ``sparse.ids`` declares: ``gem.sparse.IdOutOfRangeError``; the line names the file or feature and
+  the fix);
 - :class:`gem.train.checkpoint.CheckpointError`: a checkpoint that cannot be used;
 - :class:`gem.versions.VersionError`: torch, FBGEMM, TorchRec and Triton releases that do not work
   together (the line names them and a combination to install; ``GEM_SKIP_VERSION_CHECK=1`` skips it).

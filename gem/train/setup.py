@@ -189,6 +189,20 @@ def split_loader(
 # ---------------------------------------------------------------------------------------------
 
 
+def check_kernels(config: Config, env: DistEnv) -> None:
+    """``kernels=triton`` (``kernels.attention_backend=triton``) asks for the Triton kernels, which
+    run on a CUDA GPU (or in Triton's interpreter, ``TRITON_INTERPRET=1``); on another device it is
+    a ConfigError naming the fix, before the model is built, rather than a fallback per kernel."""
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"  # as Triton (and kernels/) read it
+    if config.kernels.attention_backend != "triton" or env.device.type == "cuda" or interpret:
+        return
+    where = "the run is on the CPU (trainer.device=cpu)" if torch.cuda.is_available() else "this machine has none"
+    raise ConfigError(
+        f"kernels=triton (kernels.attention_backend=triton) runs the attention on Triton kernels, which need "
+        f"a CUDA GPU, and {where}: use kernels=reference (or kernels=auto: Triton on a GPU, the reference elsewhere)"
+    )
+
+
 def build_model(
     config: Config,
     schema: FeatureSchema,
@@ -205,6 +219,7 @@ def build_model(
     from gem.distributed.parallelize import parallelize_gem
     from kernels.jagged_attention import settings as kernel_settings
 
+    check_kernels(config, env)
     kernel_settings.configure(**kernel_settings_of(config))  # once, before any kernel runs
     timer = timer or StartupTimer()
     s, p = config.sparse, config.parallelism

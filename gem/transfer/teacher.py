@@ -86,18 +86,27 @@ def _inputs(schema: FeatureSchema) -> dict:
 
 
 def check_inputs(teacher: FeatureSchema, student: FeatureSchema, where: str) -> None:
-    """The teacher reads the student's batches: the same id / sequence features, dense width and domains."""
+    """The teacher reads the student's batches: the same id / sequence features, dense width and domains.
+    A mismatch names each differing entry, the teacher's value against this data's."""
+    from gem.data.format.checks import schema_differences
+
     a, b = _inputs(teacher), _inputs(student)
     if a != b:
         diff = [
-            f"{k}: {a.get(k)!r} (teacher) vs {b.get(k)!r} (student)"
+            f"{what} {va} in the teacher's, {vb} in this data's"
+            for what, va, vb in schema_differences(teacher, student)
+            if what != "tasks are"
+        ] or [  # the same entries, in another order
+            f"{k} in the order {[x.get('name', x) for x in a[k]]} in the teacher's, "
+            f"{[x.get('name', x) for x in b[k]]} in this data's"
             for k in sorted(set(a) | set(b))
-            if a.get(k) != b.get(k)
+            if a.get(k) != b.get(k) and isinstance(a.get(k), list)
         ]
         raise CheckpointError(
             f"{where}: the teacher was trained on another feature schema than the student's data "
             f"(tasks may differ, inputs may not): "
-            + "; ".join(d[:300] for d in diff)
+            + "; ".join(diff[:6])
+            + (f"; and {len(diff) - 6} more" if len(diff) > 6 else "")
             + "; use a teacher trained on this data's features, or train the student on the teacher's"
         )
 

@@ -1,8 +1,11 @@
-"""A data set on disk: a folder of ``train/``, ``val/`` and ``test/`` splits of Parquet files in the gem
-layout; the files of a split, and the schema the files carry."""
+"""Data on disk: a data set (a folder of ``train/``, ``val/`` and ``test/`` splits of Parquet files in the
+gem layout) or a stream (a folder of ``day=YYYY-MM-DD/`` partitions, ``data.kind=stream``); the files of
+a split or partition, the schema the files carry, and the rules of a stream's partitions that training
+(gem/data/sources/stream.py) and the validator (gem/data/format/validate.py) share."""
 
 from __future__ import annotations
 
+import datetime
 import fcntl
 import logging
 import os
@@ -19,6 +22,7 @@ from gem.data.format.checks import metadata_schema, schema_differences, schema_m
 from gem.data.pipeline.schema import FeatureSchema
 
 SPLITS = ("train", "val", "test")
+PARTITION = re.compile(r"^day=(\d{4}-\d{2}-\d{2})$")  # a stream's partition folder
 logger = logging.getLogger("gem")
 
 
@@ -129,18 +133,27 @@ def _generated_hint(directory: Path) -> str:
 def schema_from_files(files: list[Path]) -> FeatureSchema:
     """The schema in the files' ``gem.schema`` metadata, which every file must agree on.
 
-    Reads the footers only. Unreadable files are left to the loader (and its on_error policy);
-    files without the metadata are checked by their columns there.
+    Reads the footers only. Unreadable files are left to the loader (and its on_error policy) unless
+    no file is readable; files without the metadata are checked by their columns there.
     """
     schemas: list[tuple[Path, FeatureSchema]] = []
+    unreadable: list[tuple[Path, Exception]] = []
     for f in files:
         try:
             arrow = pq.read_schema(f)
-        except (pa.ArrowException, OSError):
+        except (pa.ArrowException, OSError) as e:
+            unreadable.append((Path(f), e))
             continue
         schema = metadata_schema(arrow, f)
         if schema is not None:
             schemas.append((Path(f), schema))
+    if not schemas and unreadable:  # nothing to read a schema from: the damaged file is the problem
+        path, error = unreadable[0]
+        others = f" ({len(unreadable)} of {len(files)} files are unreadable)" if len(unreadable) > 1 else ""
+        raise DataError(
+            f"{path}: not a readable Parquet file, truncated or damaged ({str(error).strip().splitlines()[0]})"
+            f"{others}; write it again (or copy it whole), or move it out of the data set"
+        )
     if not schemas:
         raise DataError(f"{files[0]}: no gem.schema in the file metadata; give the schema in config (data.schema)")
     groups: list[list[tuple[Path, FeatureSchema]]] = []
@@ -160,3 +173,90 @@ def schema_from_files(files: list[Path]) -> FeatureSchema:
         )
         raise DataError(schema_mismatch_message(odd, odd_schema, ref, ref_schema) + count)
     return schemas[0][1]
+
+
+# -- a stream: day=YYYY-MM-DD partitions ---------------------------------------------------------
+
+
+def list_partitions(directory: str | os.PathLike) -> list[str]:
+    """The partition folders of the stream ``directory`` (``day=YYYY-MM-DD``), oldest first.
+
+    Anything else in the folder that is not hidden is an error naming it: a stray folder would
+    otherwise be skipped silently, or read in the wrong place."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise MissingDataError(
+            f"data.dir={directory} does not exist; a stream is a folder of day=YYYY-MM-DD/ partitions"
+        )
+    dates = {}
+    for p in directory.iterdir():
+        if p.name.startswith((".", "_")):
+            continue
+        m = PARTITION.match(p.name)
+        if not p.is_dir() or m is None:
+            raise DataError(
+                f"data.dir={directory}: {p.name!r} is not a partition folder day=YYYY-MM-DD; move it out of "
+                "data.dir (a stream holds only its partitions)"
+            )
+        try:
+            dates[p.name] = datetime.date.fromisoformat(m.group(1))
+        except ValueError as e:
+            raise DataError(f"data.dir={directory}: partition {p.name!r} has no valid date ({e}); rename it") from None
+    if not dates:
+        raise MissingDataError(f"data.dir={directory} holds no day=YYYY-MM-DD/ partition folders")
+    return sorted(dates, key=dates.get)
+
+
+def is_stream(directory: Path) -> bool:
+    """Whether ``directory`` looks like a stream: a folder holding a ``day=...`` entry."""
+    return directory.is_dir() and any(p.name.startswith("day=") for p in directory.iterdir())
+
+
+def missing_days(partitions: list[str]) -> list[tuple[str, str]]:
+    """The days missing between the first and the last of ``partitions`` (as :func:`list_partitions`
+    returns them), as ``(first missing, last missing)`` partition names, one pair per gap."""
+    days = [datetime.date.fromisoformat(PARTITION.match(p).group(1)) for p in partitions]
+    one = datetime.timedelta(days=1)
+    return [(f"day={a + one}", f"day={b - one}") for a, b in zip(days, days[1:]) if b - a > one]
+
+
+def gaps_message(directory: str | os.PathLike, partitions: list[str]) -> str | None:
+    """One line naming the days missing in the middle of a stream, or None when it has no gap."""
+    gaps = missing_days(partitions)
+    if not gaps:
+        return None
+    count = sum((datetime.date.fromisoformat(b[4:]) - datetime.date.fromisoformat(a[4:])).days + 1 for a, b in gaps)
+    listed = ", ".join(a if a == b else f"{a}..{b}" for a, b in gaps[:6]) + (" ..." if len(gaps) > 6 else "")
+    return (
+        f"data.dir={directory}: {count} day(s) missing between {partitions[0]} and {partitions[-1]}: {listed}; "
+        "the stream trains on the days it holds, and a missing day that arrives after a run has trained "
+        "past it stops the next run (partitions out of order): add it before training past it"
+    )
+
+
+def resume_problem(directory: str | os.PathLike, partitions: list[str], saved: str | None, before: int) -> str | None:
+    """What stops a stream run from resuming at partition ``saved``, which had ``before`` partitions
+    before it when the checkpoint was written, now that ``directory`` holds ``partitions``; None when
+    that partition is still in its place. The stream trains forward only."""
+    if before >= len(partitions):
+        return (
+            f"data.dir={directory}: the checkpoint stands in partition {before + 1}, but data.dir holds "
+            f"{len(partitions)}; put the removed partitions back, or start a new run (a new checkpoint.dir)"
+        )
+    if partitions[before] == saved:
+        return None
+    if saved not in partitions:
+        return (
+            f"data.dir={directory}: the checkpoint stands in partition {saved}, which is no longer there "
+            f"(the partitions now run from {partitions[0]} to {partitions[-1]}); put it back, or start a new run "
+            "(a new checkpoint.dir)"
+        )
+    now = partitions.index(saved)
+    listed = ", ".join(partitions[:now][:6]) + (" ..." if now > 6 else "")
+    change = "a partition dated before it appeared" if now > before else "partitions before it were removed"
+    return (
+        f"data.dir={directory}: partitions out of order: the checkpoint stands in {saved}, which had "
+        f"{before} partition(s) before it, now {now} ({listed}): {change}. The stream trains forward "
+        "only: move the partitions dated before it out of data.dir (or put the removed ones back), or train "
+        "them in a new run"
+    )

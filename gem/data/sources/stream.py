@@ -5,7 +5,9 @@ the loader's "epoch" ``e``, so a checkpoint's position (epoch, examples consumed
 partition and a place in it, and a restart continues there. New partitions may appear between
 runs: the same command resumes and trains on them. A partition dated before the one the
 checkpoint stands in (or a missing one) stops the run with an error naming both: the stream only
-moves forward. There are no ``val/`` or ``test/`` splits: the trainer scores each partition before
+moves forward. A day missing between the first and the last partition is trained without, with one
+warning naming it. The partition rules (names, dates, order) live in gem/data/format/dataset.py,
+where the validator reads them too. There are no ``val/`` or ``test/`` splits: the trainer scores each partition before
 training on it (progressive evaluation, docs/streaming.md).
 
 Raw ids: ``data.stream.raw_features`` lists the features whose ids in the files are raw, in
@@ -26,7 +28,7 @@ import datetime
 import functools
 import hashlib
 import json
-import re
+import logging
 import shutil
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -37,14 +39,21 @@ import numpy as np
 import pyarrow as pa
 
 from gem.data.errors import DataError, MissingDataError
-from gem.data.format.dataset import make_once, schema_from_files, split_files
+from gem.data.format.dataset import (
+    gaps_message,
+    list_partitions,
+    make_once,
+    resume_problem,
+    schema_from_files,
+    split_files,
+)
 from gem.data.pipeline.loader import BatchLoader, build_loader
 from gem.data.pipeline.schema import FeatureSchema
 from gem.data.sources.base import DataSource
 
-PARTITION = re.compile(r"^day=(\d{4}-\d{2}-\d{2})$")
 _INT64_MAX = 2**63 - 1
 _RENEWED = ("user_id", "ad_id", "hist_item")  # the synthetic stream's features whose ids are renewed
+logger = logging.getLogger("gem")
 
 
 @dataclass(frozen=True)
@@ -71,35 +80,6 @@ class StreamOptions:
         if options.id_lifetime_days < 0 or options.drift_per_day < 0 or options.days < 1:
             raise ValueError("data.stream: days must be >= 1, id_lifetime_days and drift_per_day >= 0")
         return options
-
-
-def list_partitions(directory: Path) -> list[str]:
-    """The partition folders of ``directory`` (``day=YYYY-MM-DD``), oldest first.
-
-    Anything else in the folder that is not hidden is an error naming it: a stray folder would
-    otherwise be skipped silently, or read in the wrong place."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise MissingDataError(
-            f"data.dir={directory} does not exist; a stream is a folder of day=YYYY-MM-DD/ partitions"
-        )
-    dates = {}
-    for p in directory.iterdir():
-        if p.name.startswith((".", "_")):
-            continue
-        m = PARTITION.match(p.name)
-        if not p.is_dir() or m is None:
-            raise DataError(
-                f"data.dir={directory}: {p.name!r} is not a partition folder day=YYYY-MM-DD; move it out of "
-                "data.dir (a stream holds only its partitions)"
-            )
-        try:
-            dates[p.name] = datetime.date.fromisoformat(m.group(1))
-        except ValueError as e:
-            raise DataError(f"data.dir={directory}: partition {p.name!r} has no valid date ({e}); rename it") from None
-    if not dates:
-        raise MissingDataError(f"data.dir={directory} holds no day=YYYY-MM-DD/ partition folders")
-    return sorted(dates, key=dates.get)
 
 
 def read_schema(schema: FeatureSchema, options: StreamOptions) -> FeatureSchema:
@@ -165,11 +145,7 @@ class StreamLoader:
 
     def set_epoch(self, epoch: int) -> None:
         if epoch >= self.num_partitions:  # only from a checkpoint: partitions were removed since
-            self.resume_error = (
-                f"data.dir={self.source.dir}: the checkpoint stands in partition {epoch + 1}, but "
-                f"data.dir holds {self.num_partitions}; put the removed partitions back, or start a "
-                "new run (a new checkpoint.dir)"
-            )
+            self.resume_error = resume_problem(self.source.dir, list(self.source.partitions), None, epoch)
             return
         if epoch != self.epoch:
             self.epoch = epoch
@@ -209,29 +185,11 @@ class StreamLoader:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         saved = state.get("partition")
-        if self.resume_error is None and saved != self.partition:
-            self.resume_error = self._moved_message(saved)
+        if self.resume_error is None:
+            self.resume_error = resume_problem(self.source.dir, list(self.source.partitions), saved, self.epoch)
         if self.resume_error is not None:
             raise ValueError(self.resume_error)
         self.inner.load_state_dict(state["loader"])
-
-    def _moved_message(self, saved: str | None) -> str:
-        here = list(self.source.partitions)
-        if saved not in here:
-            return (
-                f"data.dir={self.source.dir}: the checkpoint stands in partition {saved}, which is no longer there "
-                f"(the partitions now run from {here[0]} to {here[-1]}); put it back, or start a new run "
-                "(a new checkpoint.dir)"
-            )
-        before = here.index(saved)
-        listed = ", ".join(here[:before][:6]) + (" ..." if before > 6 else "")
-        change = "a partition dated before it appeared" if before > self.epoch else "partitions before it were removed"
-        return (
-            f"data.dir={self.source.dir}: partitions out of order: the checkpoint stands in {saved}, which had "
-            f"{self.epoch} partition(s) before it, now {before} ({listed}): {change}. The stream trains forward "
-            "only: move the partitions dated before it out of data.dir (or put the removed ones back), or train "
-            "them in a new run"
-        )
 
     def check_resume(self) -> None:
         """Raise the DataError of a resume whose partition moved (the Checkpointer only warns for a loader state)."""
@@ -244,6 +202,9 @@ def open_source(data_cfg: Any, is_writer: bool = True) -> StreamSource:
     options = StreamOptions.from_config(data_cfg.stream)
     directory = Path(data_cfg.dir) if data_cfg.dir else prepare_synthetic_stream(data_cfg, options, is_writer)
     partitions = tuple(list_partitions(directory))
+    gaps = gaps_message(directory, list(partitions))
+    if gaps and is_writer:  # once per run, from rank 0
+        logger.warning(gaps)
     schema = (
         FeatureSchema.from_config(data_cfg.schema)
         if data_cfg.schema
