@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 
 import pytest
@@ -313,6 +314,110 @@ def test_item_attributes_on_a_set_without_attributes_name_the_fix(tmp_path):
     with pytest.raises(ValueError, match="no 'item_attr' feature .* set model.item_attributes=false"):
         _model(schema, item_attributes=True)
     _model(schema, item_attributes=False)  # and without them it builds
+
+
+def test_item_attributes_null_uses_them_when_the_data_has_them(tmp_path):
+    """model.item_attributes=null (experiment=seqrec_gen's default): on a folder without
+    <name>_item2attributes.json the attribute parts are off (and the attribute loss with them), said
+    in one info line; on a folder with them the model is the one model.item_attributes=true builds."""
+    _write_s3rec(tmp_path)
+    options = dataclasses.replace(OPTIONS, max_attrs=2)
+    write_seqrec(read_s3rec(tmp_path, "Tiny"), tmp_path / "with", options)
+    (tmp_path / "Tiny_item2attributes.json").unlink()
+    write_seqrec(read_s3rec(tmp_path, "Tiny"), tmp_path / "without", options)
+    with_attrs, without = (schema_from_files(split_files(tmp_path / d, "train")) for d in ("with", "without"))
+
+    records = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append  # "gem" itself: the trainer's logging set-up stops it propagating to the root
+    gem_logger, level = logging.getLogger("gem"), logging.getLogger("gem").level
+    gem_logger.addHandler(handler)
+    gem_logger.setLevel(logging.INFO)
+    try:
+        auto = _model(with_attrs, item_attributes=None, attribute_loss=0.5).dense_arch
+        assert not records
+        off = _model(without, item_attributes=None, attribute_loss=0.5).dense_arch
+    finally:
+        gem_logger.removeHandler(handler)
+        gem_logger.setLevel(level)
+    lines = [r for r in records if "item_attributes" in r.getMessage()]
+    assert len(records) == len(lines) == 1 and lines[0].levelno == logging.INFO, records
+    assert lines[0].getMessage() == (
+        "model.item_attributes=null: the data has no 'item_attr' feature (no <name>_item2attributes.json): "
+        "items are scored by their id rows alone; model.attribute_loss=0.5 is off with them"
+    )
+    assert off.attr_proj is None and off.attr_head is None and off.attribute_loss == 0 and not off.attr_slots
+
+    explicit = _model(with_attrs, item_attributes=True, attribute_loss=0.5).dense_arch
+    slots = {"hist": ["hist_attr0", "hist_attr1"], "neg": ["neg_attr0", "neg_attr1"]}
+    assert auto.attr_slots == explicit.attr_slots == slots
+    assert auto.attribute_loss == 0.5 and auto.attr_head is not None
+    state, expected = auto.state_dict(), explicit.state_dict()
+    assert list(state) == list(expected) and all(torch.equal(state[k], expected[k]) for k in state)
+    with pytest.raises(ValueError, match="no 'item_attr' feature .* set model.item_attributes=false"):
+        _model(without, item_attributes=True)  # an explicit true still fails
+
+
+def test_seqrec_gen_runs_on_a_folder_without_attributes(tmp_path):
+    """experiment=seqrec_gen (and LastFM's attribute loss) on <name>.txt alone trains, with one info
+    line in each stage's log; an explicit model.item_attributes=true stops with the fix named."""
+    _write_s3rec(tmp_path, num_users=40)
+    (tmp_path / "Tiny_item2attributes.json").unlink()
+    run = [
+        *_tiny_seqrec_gen(tmp_path),
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "trainer.epochs=2",
+        "model.attribute_loss=0.5",
+    ]
+    result = train(compose([*run, f"trainer.run_dir={tmp_path / 'run'}"]))
+    assert result["next_item/groups"] == 40 and 0 <= result["next_item/hr@10"] <= 1
+    for stage in ("run/pretrain", "run"):  # the masked-item stage builds its own model
+        log = (tmp_path / stage / "train.log").read_text()
+        assert log.count("model.item_attributes=null") == 1, log
+        assert "items are scored by their id rows alone; model.attribute_loss=0.5 is off with them" in log
+    with pytest.raises(ConfigError, match="no 'item_attr' feature .* set model.item_attributes=false"):
+        train(compose([*run, "model.item_attributes=true", f"trainer.run_dir={tmp_path / 'explicit'}"]))
+
+
+@pytest.mark.parametrize("experiment", ["seqrec_gen_ids", "seqrec_gen_ids_lastfm"])
+def test_the_id_only_variants_leave_the_attributes_out_where_a_folder_has_them(tmp_path, experiment):
+    """experiment=seqrec_gen_ids (docs/seqrec.md, "On item ids alone"): the events carry their item
+    alone, items are scored by their id rows, and the co-occurrence prior scores the ranking."""
+    _write_s3rec(tmp_path, num_users=40)
+    run = [
+        f"experiment={experiment}",
+        *_tiny_seqrec_gen(tmp_path)[1:],
+        f"data.cache_dir={tmp_path / 'cache'}",
+        f"trainer.run_dir={tmp_path / 'run'}",
+        "trainer.epochs=1",
+        "trainer.pretrain=['model.objective=masked_item']",  # a stage of the run's one epoch
+    ]
+    config = validate(compose(run))
+    assert not config.model["item_attributes"] and config.model["cooccurrence"] > 0
+    result = train(compose(run))
+    assert result["next_item/groups"] == 40
+    (folder,) = (tmp_path / "cache").glob("seqrec-Tiny-*")
+    assert schema_from_files(split_files(folder, "train")).group("hist").feature_names == ["hist_item"]
+
+
+def test_seqrec_gen_on_a_folder_with_attributes_is_the_model_with_them(tmp_path):
+    """The recipe's model.item_attributes=null on a folder with attributes trains bit-identically to
+    model.item_attributes=true (the recipe's setting before null)."""
+    _write_s3rec(tmp_path, num_users=40)
+    run = [
+        *_tiny_seqrec_gen(tmp_path),
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "trainer.epochs=2",
+        "trainer.log_every=1",
+        "trainer.pretrain=[]",
+        "model.attribute_loss=0.5",
+    ]
+    results = {}
+    for name, extra in (("auto", []), ("true", ["model.item_attributes=true"])):
+        results[name] = train(compose([*run, *extra, f"trainer.run_dir={tmp_path / name}"]))
+        assert "model.item_attributes=null" not in (tmp_path / name / "train.log").read_text()
+    assert len(_losses(tmp_path / "auto")) == 4 and _losses(tmp_path / "auto") == _losses(tmp_path / "true")
+    assert results["auto"] | {"train_seconds": 0} == results["true"] | {"train_seconds": 0}
 
 
 @pytest.mark.parametrize("logq", [True, False])

@@ -29,6 +29,8 @@ one candidate each, gem.data.sources.seqrec) run through the usual ranking metri
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,6 +46,8 @@ from kernels.jagged import jagged_positions, lengths_to_offsets, offsets_to_leng
 BLOCKS = ("interformer", "kunlun")
 SIMILARITIES = ("cosine", "dot")
 OBJECTIVES = ("next_event", "masked_item", "ranking")
+
+logger = logging.getLogger("gem")
 
 
 class FeedForward(nn.Module):
@@ -130,7 +134,9 @@ class GenerativeSeqArch(nn.Module):
         attribute embeddings (the events' and negatives' attribute features, the ranking row's
         ``candidate_features[1]`` bag), so that items seen rarely as targets share what their
         attributes learned. Needs the bag to hold as many attributes as an event carries
-        (``data.seqrec.max_attrs == data.seqrec.event_attrs``).
+        (``data.seqrec.max_attrs == data.seqrec.event_attrs``). ``None``: when the data has the
+        attribute bag (a seqrec folder with ``<name>_item2attributes.json``), else off, and
+        ``attribute_loss`` with it, said in one info line; ``True`` on data without it fails.
     similarity / temperature: ``cosine`` (scaled by ``1 / temperature``) or ``dot``.
     item_bias: the last column of a scored item's row (its id row, plus ``attr_proj`` of its
         attributes with ``item_attributes``) is the item's bias logit, added to the similarity of
@@ -149,7 +155,8 @@ class GenerativeSeqArch(nn.Module):
         ``eps`` times the cross-entropy against a uniform target over the position's candidates.
     attribute_loss: weight of an auxiliary loss (0: none): each position also predicts the next
         event's attributes, a softmax over the attribute vocabulary (its own output layer) averaged
-        over the attributes the event carries. Needs ``item_attributes``.
+        over the attributes the event carries. Needs ``item_attributes`` (off with it when
+        ``item_attributes=None`` finds no attributes).
     cooccurrence / cooccurrence_window: weight ``gamma`` of an item-based collaborative-filtering
         prior in the ranking score (0: none): ``gamma * log(1 + sum_j S[j, c])`` is added to the
         score of candidate ``c``, over the last ``cooccurrence_window`` events ``j`` of the history,
@@ -185,7 +192,7 @@ class GenerativeSeqArch(nn.Module):
         sequence: str = "hist",
         negatives: str | None = "neg",
         candidate_features: tuple[str, ...] = ("item_id", "item_attr"),
-        item_attributes: bool = False,
+        item_attributes: bool | None = False,
         similarity: str = "cosine",
         temperature: float = 0.05,
         item_bias: bool = False,
@@ -244,6 +251,18 @@ class GenerativeSeqArch(nn.Module):
                 "to generate the personalized FFN from"
             )
         self.sequence, self.negatives = sequence, negatives
+        if item_attributes is None:  # use the attributes when the data has them (docs/seqrec.md)
+            bag = candidate_features[1] if len(candidate_features) > 1 else None
+            item_attributes = bag in tables
+            if not item_attributes:
+                why = (
+                    f"the data has no {bag!r} feature (no <name>_item2attributes.json)"
+                    if bag
+                    else "model.candidate_features names no attribute bag"
+                )
+                dropped = f"; model.attribute_loss={attribute_loss!r} is off with them" if attribute_loss > 0 else ""
+                logger.info("model.item_attributes=null: %s: items are scored by their id rows alone%s", why, dropped)
+                attribute_loss = 0.0 if attribute_loss > 0 else attribute_loss
         self.attr_slots: dict[str, list[str]] = {}  # group -> its attribute features, when items are scored with them
         if item_attributes:
             self.attr_slots = _attribute_slots(schema, tables, candidate_features, sequence, negatives)
