@@ -632,6 +632,7 @@ def test_seqrec_gen_experiment_learns_and_reports_ranking_metrics(tmp_path, over
                 "trainer.epochs=6",
                 "trainer.log_every=5",
                 "model.dropout=0.0",
+                "trainer.device=cpu",  # also on a GPU machine: the cuda cases set their device
                 *overrides,
             ]
         )
