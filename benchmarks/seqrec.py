@@ -13,7 +13,9 @@ evaluation of ``--split``: ``test`` for the figures to report, ``val`` (with ``t
 at the end) to choose a recipe. With ``--pretrain OVERRIDES``, each run starts from a pretraining
 stage of the same set and seed (the same experiment with OVERRIDES added, e.g. S3-Rec-style masked
 item prediction, ``model.objective=masked_item``): its tables and dense arch, through the
-trainer's ``trainer.pretrain``. ``--parallel N`` runs N at a time (on a GPU that the small
+trainer's ``trainer.pretrain``. ``--without-prior`` also scores each run's final model with its
+co-occurrence prior off (``model.cooccurrence``: the neural model alone), from the run's last
+checkpoint, and reports those rows apart. ``--parallel N`` runs N at a time (on a GPU that the small
 models leave mostly idle; the figures do not depend on it). Writes
 ``benchmarks/results/seqrec-<experiment>-<hardware>.json`` with every run's metrics and time, and
 prints mean +- standard deviation per set.
@@ -62,8 +64,11 @@ def run(
     run_dir: Path,
     pretrain: list[str] | None = None,
     generic: bool = False,
+    without_prior: bool = False,
 ) -> dict:
     tick = time.perf_counter()
+    if without_prior:  # the final model, kept for scoring it again without the prior
+        overrides = [*overrides, "checkpoint.enabled=true"]
     if pretrain:  # the trainer's pretraining stage, in <run_dir>/pretrain
         overrides = [*overrides, "trainer.pretrain=[" + ",".join(f"'{o}'" for o in pretrain) + "]"]
     experiment = experiment if generic else experiment_for(experiment, name)
@@ -101,7 +106,42 @@ def run(
         # the evaluation set's sampling error (over its users), which more seeds do not shrink
         **{f"{m}_se": final[f"next_item/{m}_se"] for m in ("hr@10", "ndcg@10")},
         **({"best_step": final["best_step"]} if "best_step" in final else {}),  # trainer.best_metric's pick
+        **({"without_prior": score_without_prior(run_dir, split)} if without_prior else {}),
     }
+
+
+def score_without_prior(run_dir: Path, split: str) -> dict:
+    """The metrics of ``run_dir``'s final model on ``split`` with the co-occurrence prior off: the
+    neural model alone (in its own process, as the runs are)."""
+    script = (
+        "import json, sys; from benchmarks.seqrec import _without_prior; "
+        "print(json.dumps(_without_prior(sys.argv[1], sys.argv[2])))"
+    )
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = os.environ | {"PYTHONPATH": path}
+    done = subprocess.run([sys.executable, "-c", script, str(run_dir), split], cwd=ROOT, env=env, check=True,
+                          capture_output=True, text=True)  # fmt: skip
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def _without_prior(run_dir: str, split: str) -> dict:
+    from omegaconf import OmegaConf
+
+    import gem
+    from gem.train.initialize import init_from_checkpoint
+
+    config = OmegaConf.load(Path(run_dir) / "config.yaml")
+    if not config.model.get("cooccurrence"):
+        raise SystemExit(f"{run_dir}: the run has no co-occurrence prior (model.cooccurrence) to leave out")
+    config.trainer.run_dir = str(Path(run_dir) / "without_prior")
+    config.checkpoint.enabled = False
+    config.trainer.pretrain = []
+    data = gem.build_data(config)
+    model = gem.build_model(data)
+    init_from_checkpoint(model, str(Path(run_dir) / "checkpoints"), ["sparse_arch", "dense_arch"])
+    model.dense_arch.cooccurrence = 0.0
+    metrics = gem.evaluate(model, data, split)
+    return {m: metrics[f"next_item/{m}"] for m in METRICS}
 
 
 def summarize(results: list[dict]) -> dict:
@@ -118,6 +158,14 @@ def summarize(results: list[dict]) -> dict:
         out[name]["seconds"] = statistics.mean(r["seconds"] for r in runs)
         for m in ("hr@10", "ndcg@10"):  # a run's standard error over the split's users
             out[name][f"{m}_se"] = statistics.mean(r[f"{m}_se"] for r in runs)
+        if all("without_prior" in r for r in runs):
+            out[name]["without_prior"] = {
+                m: {
+                    "mean": statistics.mean(r["without_prior"][m] for r in runs),
+                    "std": statistics.stdev(r["without_prior"][m] for r in runs) if len(runs) > 1 else 0.0,
+                }
+                for m in METRICS
+            }
     return out
 
 
@@ -136,6 +184,9 @@ def main() -> None:
         metavar="OVERRIDE",
         help="pretrain each run first with these overrides added (e.g. model.objective=masked_item)",
     )
+    parser.add_argument(
+        "--without-prior", action="store_true", help="also score each final model without its co-occurrence prior"
+    )
     parser.add_argument("--parallel", type=int, default=1, help="runs at a time")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = parser.parse_args()
@@ -143,7 +194,17 @@ def main() -> None:
 
     def one(name: str, seed: int) -> dict:
         run_dir = Path(args.out_dir) / f"{name}-{seed}"
-        return run(args.experiment, name, seed, args.split, args.overrides, run_dir, args.pretrain, args.generic)
+        return run(
+            args.experiment,
+            name,
+            seed,
+            args.split,
+            args.overrides,
+            run_dir,
+            args.pretrain,
+            args.generic,
+            args.without_prior,
+        )
 
     names, seeds = zip(*[(name, seed) for name in args.sets for seed in args.seeds])
     with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
@@ -161,6 +222,10 @@ def main() -> None:
             f"{s['seconds']:>6.0f}  {refs}"
         )
         print(f"{'':<22} {'se ' + format(s['hr@10_se'], '.4f'):>15} {'se ' + format(s['ndcg@10_se'], '.4f'):>15}")
+        if "without_prior" in s:
+            alone = lambda m, s=s: f"{s['without_prior'][m]['mean']:.4f}+-{s['without_prior'][m]['std']:.4f}"  # noqa: E731
+            cells = " ".join(f"{alone(m):>15}" for m in ("hr@10", "ndcg@10", "hr@1", "mrr"))
+            print(f"{'  without the prior':<22} {cells}")
     tag = args.tag or "".join(c if c.isalnum() else "-" for c in env["hardware"].lower()).strip("-")
     out = ROOT / "benchmarks" / "results" / f"seqrec-{args.experiment}-{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -174,6 +239,7 @@ def main() -> None:
                 "split": args.split,
                 "overrides": args.overrides,
                 "pretrain": args.pretrain,
+                "without_prior": args.without_prior,
                 "summary": summary,
                 "published": PUBLISHED,
                 "runs": results,

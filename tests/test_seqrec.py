@@ -275,3 +275,22 @@ def test_seqrec_experiment_trains_and_writes_test_metrics(tmp_path):
         saved["next_item/groups"] == 60
         and saved["next_item/hr@1"] <= saved["next_item/hr@5"] <= saved["next_item/hr@10"]
     )
+
+
+def test_the_seqrec_benchmark_reports_the_runs_without_the_prior_apart():
+    """``benchmarks/seqrec.py --without-prior``: each run's scores with the prior off are summarized
+    beside, not into, the recipe's own."""
+    from benchmarks.seqrec import METRICS, summarize
+
+    def one(with_prior: float, alone: float) -> dict:
+        scores = {m: with_prior for m in METRICS}
+        return {"set": "LastFM", "seconds": 1.0, "hr@10_se": 0.01, "ndcg@10_se": 0.01, **scores,
+                "without_prior": {m: alone for m in METRICS}}  # fmt: skip
+
+    summary = summarize([one(0.6, 0.3), one(0.6, 0.4)])["LastFM"]
+    assert summary["hr@10"] == {"mean": 0.6, "std": 0.0}
+    assert summary["without_prior"]["hr@10"]["mean"] == pytest.approx(0.35)
+    assert summary["without_prior"]["ndcg@10"]["std"] == pytest.approx(0.0707, abs=1e-4)
+    assert (
+        "without_prior" not in summarize([{k: v for k, v in one(0.6, 0.3).items() if k != "without_prior"}])["LastFM"]
+    )
