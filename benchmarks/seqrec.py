@@ -85,8 +85,7 @@ def run(
         *overrides,
     ]
     print("$", " ".join(cmd), flush=True)
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    subprocess.run(cmd, cwd=ROOT, check=True, env=os.environ | {"PYTHONPATH": path}, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, cwd=ROOT, check=True, env=_child_env(), stdout=subprocess.DEVNULL)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evaluations = [r for r in rows if r["kind"] == split]
     if not evaluations:
@@ -117,11 +116,15 @@ def score_without_prior(run_dir: Path, split: str) -> dict:
         "import json, sys; from benchmarks.seqrec import _without_prior; "
         "print(json.dumps(_without_prior(sys.argv[1], sys.argv[2])))"
     )
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = os.environ | {"PYTHONPATH": path}
-    done = subprocess.run([sys.executable, "-c", script, str(run_dir), split], cwd=ROOT, env=env, check=True,
+    done = subprocess.run([sys.executable, "-c", script, str(run_dir), split], cwd=ROOT, env=_child_env(), check=True,
                           capture_output=True, text=True)  # fmt: skip
     return json.loads(done.stdout.splitlines()[-1])
+
+
+def _child_env() -> dict:
+    """This environment with the repository first on PYTHONPATH, for the runs' processes."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return os.environ | {"PYTHONPATH": path}
 
 
 def _without_prior(run_dir: str, split: str) -> dict:
@@ -144,28 +147,21 @@ def _without_prior(run_dir: str, split: str) -> dict:
     return {m: metrics[f"next_item/{m}"] for m in METRICS}
 
 
+def _spread(values: list[float]) -> dict:
+    """Mean and standard deviation over seeds (0 for one run)."""
+    return {"mean": statistics.mean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0}
+
+
 def summarize(results: list[dict]) -> dict:
     out = {}
     for name in dict.fromkeys(r["set"] for r in results):
         runs = [r for r in results if r["set"] == name]
-        out[name] = {
-            m: {
-                "mean": statistics.mean(r[m] for r in runs),
-                "std": statistics.stdev(r[m] for r in runs) if len(runs) > 1 else 0.0,
-            }
-            for m in METRICS
-        }
+        out[name] = {m: _spread([r[m] for r in runs]) for m in METRICS}
         out[name]["seconds"] = statistics.mean(r["seconds"] for r in runs)
         for m in ("hr@10", "ndcg@10"):  # a run's standard error over the split's users
             out[name][f"{m}_se"] = statistics.mean(r[f"{m}_se"] for r in runs)
         if all("without_prior" in r for r in runs):
-            out[name]["without_prior"] = {
-                m: {
-                    "mean": statistics.mean(r["without_prior"][m] for r in runs),
-                    "std": statistics.stdev(r["without_prior"][m] for r in runs) if len(runs) > 1 else 0.0,
-                }
-                for m in METRICS
-            }
+            out[name]["without_prior"] = {m: _spread([r["without_prior"][m] for r in runs]) for m in METRICS}
     return out
 
 
