@@ -33,14 +33,16 @@ def _tests_work(tmp_path, kernel_outcome="passed", rc=0):
         ],
     )
     _junit(tmp_path / "gpu_tier.xml", [("tests.test_train", "test_trainer_on_cuda[sparse=native]", "passed")])
-    alone = [("tests.kernels.test_jagged_attention", "test_gpu_gluon_forward_many_tiles[dtype0-64]", "passed")]
-    _junit(tmp_path / "kernels_alone.xml", alone)
-    for phase, code in (("kernels", rc), ("gpu_tier", 0), ("kernels_alone", 0)):
+    for phase, code in (("kernels", rc), ("gpu_tier", 0)):
         (tmp_path / f"{phase}.rc").write_text(f"{code}\n")
     return tmp_path
 
 
 def _flagship_work(tmp_path, fallback=False):
+    tmp_path.mkdir(exist_ok=True)
+    alone = [("tests.kernels.test_jagged_attention", "test_gpu_gluon_forward_many_tiles[dtype0-64]", "passed")]
+    _junit(tmp_path / "kernels_alone.xml", alone)
+    (tmp_path / "kernels_alone.rc").write_text("0\n")
     for block, rc in (("interformer", 0), ("kunlun", 0)):
         run = tmp_path / "runs" / block
         run.mkdir(parents=True)
@@ -73,10 +75,33 @@ def test_a_failed_test_or_a_cut_phase_fails_the_part(tmp_path, outcome, rc):
     assert report["tests"]["kernels"]["reasons"] == ({name: "why"} if outcome != "passed" else {})
 
 
-def test_a_missing_junit_file_fails_the_part(tmp_path):
+def test_a_phase_cut_before_its_junit_file_is_read_from_its_log(tmp_path):
+    """A phase the limit cut leaves no XML: its tests come from pytest -v's lines (xdist's and
+    plain ones, the last outcome of each), and it fails the part."""
+    _tests_work(tmp_path)
+    (tmp_path / "kernels.xml").unlink()
+    (tmp_path / "kernels.rc").write_text("124\n")
+    (tmp_path / "kernels.txt").write_text(
+        "WARNING:root: noise\n"
+        "[gw0] [ 10%] PASSED tests/kernels/test_a.py::test_gpu_x[silu-64] \n"
+        "[gw1] [ 20%] FAILED tests/kernels/test_a.py::test_gpu_y \n"
+        "tests/kernels/test_b.py::test_gpu_z SKIPPED (needs sm_90)       [ 30%]\n"
+        "tests/kernels/test_b.py::test_gpu_w PASSED                      [ 40%]\n"
+    )
+    report = summarize(tmp_path, "tests", ENV)
+    kernels = report["tests"]["kernels"]
+    assert kernels["cut"] and kernels["rc"] == 124
+    assert kernels["passed"] == ["tests/kernels/test_a.py::test_gpu_x[silu-64]", "tests/kernels/test_b.py::test_gpu_w"]
+    assert kernels["failed"] == ["tests/kernels/test_a.py::test_gpu_y"]
+    assert kernels["skipped"] == ["tests/kernels/test_b.py::test_gpu_z"]
+    assert not report["passed"]
+    assert report["problems"] == ["kernels: rc 124, 1 failed, 2 passed (cut: read from its log)"]
+
+
+def test_a_phase_without_junit_file_or_log_fails_the_part(tmp_path):
     (tmp_path / "kernels.rc").write_text("124\n")
     report = summarize(tmp_path, "tests", ENV)
-    assert not report["passed"] and report["tests"]["kernels"].get("missing")
+    assert not report["passed"] and report["tests"]["kernels"]["cut"] and report["tests"]["kernels"]["passed"] == []
 
 
 def test_flagship_part_takes_the_windows_after_the_first(tmp_path):
@@ -84,6 +109,14 @@ def test_flagship_part_takes_the_windows_after_the_first(tmp_path):
     run = report["flagship"]["interformer"]
     assert run["steps"] == 60 and run["examples_per_s"] == 5000.0 and run["mfu"] == pytest.approx(0.5)
     assert run["test_click_auc"] == 0.8 and run["fallbacks"] == [] and report["passed"]
+    assert list(report["tests"]) == ["kernels_alone"] and report["tests"]["kernels_alone"]["passed"]
+
+
+def test_the_many_tiles_tests_fail_the_flagship_part(tmp_path):
+    work = _flagship_work(tmp_path)
+    (work / "kernels_alone.rc").write_text("1\n")
+    report = summarize(work, "flagship", ENV)
+    assert not report["passed"] and report["problems"][0].startswith("kernels_alone: rc 1")
 
 
 def test_a_kernel_fallback_fails_the_flagship_part(tmp_path):
@@ -97,6 +130,8 @@ def test_merge_needs_both_parts_of_one_commit(tmp_path):
     flagship = summarize(_flagship_work(tmp_path / "f"), "flagship", ENV)
     gate = merge([tests, flagship])
     assert gate["passed"] and set(gate) >= {"tests", "flagship", "commit", "hardware"}
+    assert list(gate["tests"]) == ["kernels", "gpu_tier", "kernels_alone"]
+    assert gate["hardware_by_part"] == {"tests": ENV["hardware"], "flagship": ENV["hardware"]}
     assert not merge([tests])["passed"] and merge([tests])["problems"] == ["no flagship part"]
     with pytest.raises(SystemExit, match="different commits"):
         merge([tests, flagship | {"commit": "def"}])

@@ -3,11 +3,13 @@
     python tools/gpu_gate.py summarize WORK --part tests|flagship -o OUT/gpu-gate-<part>.json
     python tools/gpu_gate.py merge tests.json flagship.json -o benchmarks/results/gpu-gate.json
 
-``WORK`` holds, per test phase, ``<phase>.xml`` (pytest's JUnit XML) and ``<phase>.rc`` (its exit
-status), and per flagship run ``runs/<block>/`` (the run folder) and ``<block>.rc``. A part passes
-when every test phase exited 0 with at least one test passed and none failed, or every flagship
-run exited 0, trained its steps, wrote test metrics and fell back to no slower kernel; the gate
-passes when both parts of one commit do.
+``WORK`` holds, per test phase, ``<phase>.xml`` (pytest's JUnit XML), ``<phase>.txt`` (its log, a
+line per test) and ``<phase>.rc`` (its exit status), and per flagship run ``runs/<block>/`` (the run
+folder) and ``<block>.rc``. A phase cut by its time limit leaves no XML: its tests are then read
+from the log, and it is marked ``cut``. A part passes when each of its test phases exited 0 with at
+least one test passed and none failed, and (the flagship part) every flagship run exited 0, trained
+its steps, wrote test metrics and fell back to no slower kernel; the gate passes when both parts of
+one commit do.
 """
 
 from __future__ import annotations
@@ -15,14 +17,18 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import statistics
 import sys
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TEST_PHASES = ("kernels", "gpu_tier", "kernels_alone")
+PARTS = {"tests": ("kernels", "gpu_tier"), "flagship": ("kernels_alone",)}  # each part's test phases
 BLOCKS = ("interformer", "kunlun")
+# pytest -v's outcome lines: "tests/a.py::t[x] PASSED [ 5%]", with xdist "[gw0] [ 5%] PASSED tests/a.py::t[x]"
+_WORD, _NAME = r"(PASSED|FAILED|ERROR|SKIPPED)", r"(tests/\S+::\S+)"
+_OUTCOME = re.compile(rf"\b{_WORD} {_NAME}|{_NAME} {_WORD}\b")
 
 
 def _exit_code(path: Path) -> int | None:
@@ -33,12 +39,13 @@ def _exit_code(path: Path) -> int | None:
         return None
 
 
-def tests(xml_path: Path) -> dict:
+def tests(xml_path: Path, log_path: Path | None = None) -> dict:
     """Test names by outcome from one JUnit XML file (``file::test[params]``), and under
-    ``reasons`` the first line of each failure's message."""
+    ``reasons`` the first line of each failure's message; without the XML (a phase cut by its
+    limit), from the pytest log ``log_path``, marked ``cut``."""
     outcome: dict = {"passed": [], "failed": [], "skipped": [], "reasons": {}}
     if not xml_path.exists():
-        return outcome | {"missing": True}
+        return outcome | _logged(log_path) | {"cut": True}
     for case in ElementTree.parse(xml_path).getroot().iter("testcase"):
         module = case.get("classname", "").replace(".", "/")
         name = f"{module}.py::{case.get('name')}"
@@ -52,6 +59,17 @@ def tests(xml_path: Path) -> dict:
         else:
             outcome["passed"].append(name)
     return outcome
+
+
+def _logged(log_path: Path | None) -> dict:
+    """Test names by outcome from the ``-v`` lines of a pytest log (the last outcome of each)."""
+    last: dict[str, str] = {}
+    if log_path is not None and log_path.exists():
+        for match in _OUTCOME.finditer(log_path.read_text(errors="replace")):
+            word, name = (match.group(1), match.group(2)) if match.group(1) else (match.group(4), match.group(3))
+            last[name] = word
+    kinds = {"PASSED": "passed", "FAILED": "failed", "ERROR": "failed", "SKIPPED": "skipped"}
+    return {kind: sorted(name for name, word in last.items() if kinds[word] == kind) for kind in set(kinds.values())}
 
 
 def flagship(run_dir: Path, rc: int | None, warmup_windows: int = 1) -> dict:
@@ -79,19 +97,20 @@ def summarize(work: Path, part: str, environment: dict | None = None) -> dict:
         from benchmarks.scaling import environment as read_environment
 
         environment = read_environment()
-    report: dict = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    report: dict = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "part": part}
     report |= environment
     problems = []
-    if part == "tests":
-        report["tests"] = {
-            phase: {"rc": _exit_code(work / f"{phase}.rc"), **tests(work / f"{phase}.xml")} for phase in TEST_PHASES
-        }
-        for phase, record in report["tests"].items():
-            if record["rc"] != 0 or record["failed"] or not record["passed"]:
-                problems.append(
-                    f"{phase}: rc {record['rc']}, {len(record['failed'])} failed, {len(record['passed'])} passed"
-                )
-    else:
+    report["tests"] = {
+        phase: {"rc": _exit_code(work / f"{phase}.rc"), **tests(work / f"{phase}.xml", work / f"{phase}.txt")}
+        for phase in PARTS[part]
+    }
+    for phase, record in report["tests"].items():
+        if record["rc"] != 0 or record["failed"] or not record["passed"]:
+            cut = " (cut: read from its log)" if record.get("cut") else ""
+            problems.append(
+                f"{phase}: rc {record['rc']}, {len(record['failed'])} failed, {len(record['passed'])} passed{cut}"
+            )
+    if part == "flagship":
         report["flagship"] = {
             block: flagship(work / "runs" / block, _exit_code(work / f"{block}.rc")) for block in BLOCKS
         }
@@ -111,13 +130,16 @@ def merge(parts: list[dict]) -> dict:
     commits = {p.get("commit") for p in parts}
     if len(commits) != 1:
         raise SystemExit(f"the parts ran at different commits: {sorted(map(str, commits))}")
-    report = {k: v for k, v in parts[0].items() if k not in ("tests", "flagship", "passed", "problems")}
-    for p in parts:
-        report |= {k: p[k] for k in ("tests", "flagship") if k in p}
-    missing = [k for k in ("tests", "flagship") if k not in report]
+    skip = ("tests", "flagship", "passed", "problems", "part")
+    report = {k: v for k, v in parts[0].items() if k not in skip}
+    report["tests"] = {phase: record for p in parts for phase, record in p.get("tests", {}).items()}
+    flagship = [p["flagship"] for p in parts if "flagship" in p]
+    if flagship:
+        report["flagship"] = flagship[-1]
+    missing = [k for k in PARTS if k not in {p.get("part") for p in parts}]
     report["problems"] = [x for p in parts for x in p["problems"]] + [f"no {k} part" for k in missing]
     report["passed"] = not report["problems"]
-    report["hardware_by_part"] = {("tests" if "tests" in p else "flagship"): p.get("hardware") for p in parts}
+    report["hardware_by_part"] = {p.get("part"): p.get("hardware") for p in parts}
     return report
 
 

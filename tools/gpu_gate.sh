@@ -8,12 +8,14 @@
 # then, here: python tools/gpu_gate.py merge <tests.json> <flagship.json> -o benchmarks/results/gpu-gate.json
 # tests:    the kernel GPU tests with torch.compile on CUDA (pytest tests/kernels, -n 6: more workers ran out of GPU memory on an H100) and, at the
 #           same time, the rest of the GPU tier (pytest -m gpu tests --ignore=tests/kernels, -n 2):
-#           correctness only, so they may share the GPU; then, alone, the kernel tests of many tiles
-#           (the largest inputs: beside the others they failed on an H100, alone they passed);
-# flagship: alone on the GPU, the flagship for each block with its defaults: 60 steps, its compiled
-#           evaluation and test metrics (python -m gem.train experiment=gem_base_h200 model.block=...).
-# Each part's JSON: commit, versions, hardware, the tests by name and outcome / each run's exit code,
-# examples/s, MFU, test AUC and kernel fallbacks, and its verdict.
+#           correctness only, so they may share the GPU (a cold machine took over 400 s for them);
+# flagship: first, alone, the kernel tests of many tiles (the largest inputs: beside the others they
+#           failed on an H100, alone they passed); then, alone on the GPU, the flagship for each block
+#           with its defaults: 60 steps, its compiled evaluation and test metrics
+#           (python -m gem.train experiment=gem_base_h200 model.block=...).
+# Each part's JSON: commit, versions, hardware, the tests by name and outcome (from the log where a
+# phase was cut before pytest wrote its XML) / each run's exit code, examples/s, MFU, test AUC and
+# kernel fallbacks, and its verdict; each phase's log tail goes to $OUT too.
 set -u
 PART=${1:?say which part: tests or flagship}
 OUT=${OUT:-/tmp/gpu_gate}
@@ -23,26 +25,28 @@ mkdir -p "$OUT" "$WORK/runs"
 : "${GIT_COMMIT:?set GIT_COMMIT to the commit under test (the device copy has no .git)}"
 export GIT_COMMIT
 
-phase() {  # phase NAME LIMIT_S pytest-args...: JUnit XML, log and exit status under $WORK
+phase() {  # phase NAME LIMIT_S pytest-args...: JUnit XML, log (a line per test) and exit status under $WORK
   local name=$1 limit=$2
   shift 2
-  timeout -k 10 "$limit" python -m pytest -p no:cacheprovider -q -rf --junitxml="$WORK/$name.xml" "$@" \
+  timeout -k 10 "$limit" python -m pytest -p no:cacheprovider -v -rf --junitxml="$WORK/$name.xml" "$@" \
     > "$WORK/$name.txt" 2>&1
   echo $? > "$WORK/$name.rc"
   echo "$name: rc $(cat "$WORK/$name.rc"); $(tail -1 "$WORK/$name.txt")"
   grep -E "^(FAILED|ERROR)" "$WORK/$name.txt" | head -40 > "$OUT/$name-failures.txt"
+  grep -vE "fbgemm_torch_compat|cannot determine compat|^WARNING:root|^\s*(.\[[0-9]+m)?\s*$" "$WORK/$name.txt" \
+    | tail -c 6000 > "$OUT/$name-tail.txt"
 }
 
 case "$PART" in
   tests)
-    phase kernels 400 tests/kernels -n 6 -k "(test_gpu or fullgraph or flop_counter or backend_none) and not many_tiles" &
-    phase gpu_tier 400 tests -m gpu --ignore=tests/kernels -n 2 &
+    phase kernels 540 tests/kernels -n 6 -k "(test_gpu or fullgraph or flop_counter or backend_none) and not many_tiles" &
+    phase gpu_tier 540 tests -m gpu --ignore=tests/kernels -n 2 &
     wait
-    phase kernels_alone 150 tests/kernels -n 1 -k "test_gpu and many_tiles"
     ;;
   flagship)
+    phase kernels_alone 90 tests/kernels -n 1 -k "test_gpu and many_tiles"
     for block in interformer kunlun; do
-      timeout -k 10 270 python -m gem.train experiment=gem_base_h200 model.block=$block trainer.max_steps=60 \
+      timeout -k 10 240 python -m gem.train experiment=gem_base_h200 model.block=$block trainer.max_steps=60 \
         data.num_examples.train=70000 trainer.progress_bar=false trainer.run_dir="$WORK/runs/$block" \
         > "$WORK/$block.txt" 2>&1
       echo $? > "$WORK/$block.rc"
