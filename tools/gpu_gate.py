@@ -69,7 +69,10 @@ def _logged(log_path: Path | None) -> dict:
             word, name = (match.group(1), match.group(2)) if match.group(1) else (match.group(4), match.group(3))
             last[name] = word
     kinds = {"PASSED": "passed", "FAILED": "failed", "ERROR": "failed", "SKIPPED": "skipped"}
-    return {kind: sorted(name for name, word in last.items() if kinds[word] == kind) for kind in set(kinds.values())}
+    outcome: dict = {"passed": [], "failed": [], "skipped": []}
+    for name, word in sorted(last.items()):
+        outcome[kinds[word]].append(name)
+    return outcome
 
 
 def flagship(run_dir: Path, rc: int | None, warmup_windows: int = 1) -> dict:
