@@ -62,6 +62,21 @@ def test_bad_values_name_the_key(override, match):
         assert key in f"{e.value} {e.value.__cause__}"
 
 
+def test_table_weight_decay_is_checked():
+    """optim.sparse.weight_decay: >= 0, and only with the row-wise Adagrad it is built into."""
+    assert validate(compose([])).optim.sparse.weight_decay == 0.0
+    assert validate(compose(["optim.sparse.weight_decay=1e-3"])).optim.sparse.weight_decay == 1e-3
+    with pytest.raises(ConfigError, match=r"optim.sparse.weight_decay=-0.1 must be >= 0"):
+        validate(compose(["optim.sparse.weight_decay=-0.1"]))
+    with pytest.raises(
+        ConfigError,
+        match=r"optim.sparse.weight_decay=0.001 .* optim.sparse.name='adagrad'; set optim.sparse.name=rowwise_adagrad, "
+        r"or optim.sparse.weight_decay=0",
+    ):
+        validate(compose(["optim.sparse.weight_decay=1e-3", "optim.sparse.name=adagrad"]))
+    validate(compose(["optim.sparse.weight_decay=0", "optim.sparse.name=adagrad"]))
+
+
 def test_inductor_options_are_flattened_and_checked_against_torch(caplog):
     """parallelism.inductor reaches torch.compile as ``options`` with dotted keys; a misspelt key
     stops the run at start with the close matches, and options without compile are dropped with a

@@ -479,3 +479,168 @@ def test_a_missing_val_split_warns_once_and_an_empty_train_split_names_itself(ti
         pq.write_table(table.slice(0, 0).replace_schema_metadata(table.schema.metadata), path)
     with pytest.raises(DataError, match=f"the training split {data / 'train'} holds no rows"):
         train(_cfg(cache_dir, tmp_path / "empty", *parquet))
+
+
+def _touched_rows_step(weight, grad, state_sum, lr, eps, decay):
+    """The hand computation of one row-wise Adagrad step with an L2 decay on the touched rows, row by
+    row in float64: ``(weight, state_sum)`` after the step."""
+    weight, state_sum = weight.double().clone(), state_sum.double().clone()
+    for i in range(weight.shape[0]):
+        if not grad[i].any():
+            continue
+        g = grad[i].double() + decay * weight[i]
+        state_sum[i] += (g**2).mean()
+        weight[i] -= lr * g / (state_sum[i].sqrt() + eps)
+    return weight, state_sum
+
+
+def test_touched_rows_adagrad_decays_the_touched_rows_only():
+    """optim.sparse.weight_decay on plain tables: each row with a nonzero gradient gets ``g += wd * w``
+    before the row-wise Adagrad step (against a hand computation, over three steps so that the state
+    carries); rows without a gradient keep their weights and state bit for bit."""
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    from gem.train.optim import TouchedRowsAdagrad
+
+    gen = torch.Generator().manual_seed(0)
+    table = nn.Parameter(torch.randn(7, 5, generator=gen))
+    lr, eps, decay = 0.1, 1e-3, 0.3
+    opt = TouchedRowsAdagrad([table], lr=lr, eps=eps, weight_decay=decay)
+    weight, state_sum = table.detach().clone(), torch.zeros(7, 1)
+    for touched in ([1, 3, 4], [3, 6], [0, 1]):
+        grad = torch.zeros(7, 5)
+        grad[touched] = torch.randn(len(touched), 5, generator=gen)
+        table.grad = grad
+        before, sum_before = table.detach().clone(), opt.state[table]["sum"].clone()
+        opt.step()
+        weight, state_sum = _touched_rows_step(weight, grad, state_sum, lr, eps, decay)
+        torch.testing.assert_close(table.detach().double(), weight, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(opt.state[table]["sum"].double(), state_sum, rtol=1e-6, atol=1e-9)
+        untouched = [i for i in range(7) if i not in touched]
+        assert torch.equal(table.detach()[untouched], before[untouched])
+        assert torch.equal(opt.state[table]["sum"][untouched], sum_before[untouched])
+    # TorchRec's own weight_decay (the base class's) moves the rows without a gradient too
+    table.grad = torch.zeros(7, 5)
+    table.grad[1] = 1.0
+    before = table.detach().clone()
+    RowWiseAdagrad([table], lr=lr, eps=eps, weight_decay=decay).step()
+    assert not torch.equal(table.detach()[2], before[2])
+
+
+def test_weight_decay_zero_leaves_both_table_optimizers_as_they_were(tiny_schema):
+    """optim.sparse.weight_decay=0 (the default): the plain tables' steps are TorchRec's RowWiseAdagrad's
+    bit for bit, and the fused tables get the same FBGEMM arguments as before (lr and eps only)."""
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    from gem.distributed.sharding import fuse_optimizer
+    from gem.sparse.arch import SparseArch
+    from gem.train.optim import TouchedRowsAdagrad
+
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(9, 4, generator=gen)
+    tables = [nn.Parameter(start.clone()) for _ in range(2)]
+    opts = [TouchedRowsAdagrad([tables[0]], lr=0.05, eps=1e-8), RowWiseAdagrad([tables[1]], lr=0.05, eps=1e-8)]
+    for _ in range(3):
+        grad = torch.randn(9, 4, generator=gen) * (torch.rand(9, 1, generator=gen) < 0.5)
+        for table, opt in zip(tables, opts):
+            table.grad = grad.clone()
+            opt.step()
+    assert torch.equal(tables[0], tables[1])
+    assert torch.equal(opts[0].state[tables[0]]["sum"], opts[1].state[tables[1]]["sum"])
+
+    arch = SparseArch.from_config(tiny_schema, 8, backend="torchrec", device="meta")
+    fuse_optimizer(arch, "rowwise_adagrad", 0.05, 1e-8, weight_decay=0.0)
+    assert all(p._optimizer_kwargs == [{"lr": 0.05, "eps": 1e-8}] for p in arch.parameters())
+
+
+def test_fused_parameters_carry_the_decay_in_fbgemm_l2_mode(tiny_schema):
+    """The in-backward optimizer's arguments are what TorchRec hands FBGEMM's fused kernels: the decay
+    with WeightDecayMode.L2 on every trained table, none on a frozen one (learning rate 0)."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
+
+    from gem.distributed.sharding import fuse_optimizer
+    from gem.sparse.arch import SparseArch
+
+    arch = SparseArch.from_config(tiny_schema, 8, backend="torchrec", device="meta")
+    fuse_optimizer(arch, "rowwise_adagrad", 0.05, 1e-8, frozen_tables=["t_ad_id"], weight_decay=1e-3)
+    frozen = arch.table_weight("t_ad_id")
+    for p in arch.parameters():
+        expected = {"lr": 0.05, "eps": 1e-8, "weight_decay": 1e-3, "weight_decay_mode": WeightDecayMode.L2}
+        assert p._optimizer_kwargs == ([{"lr": 0.0, "eps": 1e-8}] if p is frozen else [expected])
+    with pytest.raises(ValueError, match="optim.sparse.weight_decay=0.001 needs optim.sparse.name=rowwise_adagrad"):
+        fuse_optimizer(SparseArch.from_config(tiny_schema, 8, device="meta"), "adagrad", 0.05, 1e-8, weight_decay=1e-3)
+
+
+@pytest.mark.parametrize(
+    "device, pooled",
+    [
+        ("cpu", "data_parallel"),  # FBGEMM's CPU kernel for pooled tables drops the decay: refused there
+        pytest.param("cuda", "table_wise", marks=[pytest.mark.gpu, needs_fbgemm_cuda]),
+    ],
+)
+def test_one_sharded_step_decays_the_touched_rows(tiny_dataset, tiny_schema, device, pooled):
+    """TorchRec-sharded tables with optim.sparse.weight_decay, one step against the formula from the
+    plain tables' gradient: the sequence tables (row_wise) in FBGEMM's fused kernel, the pooled ones
+    fused too on CUDA, data-parallel on CPU (stepped by TouchedRowsAdagrad); untouched rows unchanged.
+    On CPU, pooled tables in FBGEMM's fused kernel are refused with the key and the fix."""
+    from gem.distributed.sharding import shard_sparse_arch
+    from gem.sparse.arch import SparseArch
+    from gem.train.config import OptimConfig, SparseOptimConfig
+
+    lr, eps, decay = 0.1, 1e-8, 0.5
+    env = init_distributed(device, need_process_group=True)
+    try:
+        if device == "cpu":
+            arch = SparseArch.from_config(tiny_schema, 8, backend="torchrec", device="meta")
+            with pytest.raises(ValueError, match=r"optim.sparse.weight_decay=0.5: FBGEMM's CPU kernel for pooled.*"):
+                shard_sparse_arch(arch, env.device, lr, eps, "table_wise", weight_decay=decay)
+        torch.manual_seed(0)
+        reference = SparseArch.from_config(tiny_schema, 8, backend="native")
+        reference.init_weights()
+        plan = {t.name: pooled if t.pooled else "row_wise" for t in reference.tables}
+        arch = SparseArch.from_config(tiny_schema, 8, backend="torchrec", device="meta")
+        sharded = shard_sparse_arch(arch, env.device, lr, eps, plan=plan, weight_decay=decay)
+        local = lambda t: t.local_shards()[0].tensor if hasattr(t, "local_shards") else t  # noqa: E731
+        start = reference.state_dict()
+        with torch.no_grad():
+            for name, table in sharded.state_dict().items():
+                local(table).copy_(start[name])
+        holder = nn.Module()  # build_optimizers' view of a model: the tables and a dense part
+        holder.sparse_arch, holder.dense = sharded, nn.Linear(1, 1, device=env.device)
+        _, plain, _ = build_optimizers(
+            holder, OptimConfig(sparse=SparseOptimConfig(lr=lr, eps=eps, weight_decay=decay)), 1
+        )
+        batch = next(
+            iter(build_loader(split_files(tiny_dataset, "train"), tiny_schema, 32, options={"balance": False}))
+        )
+        for model, b in ((reference, batch), (sharded, batch.to(env.device))):
+            out = model(b.sparse, b.sequences, b.max_seq_len)
+            gen = torch.Generator().manual_seed(1)
+            values = [*out.pooled.values(), out.sequences["hist"].values]
+            sum((v * torch.randn(v.shape, generator=gen).to(v.device)).sum() for v in values).backward()
+        if plain is not None:
+            plain.step()
+        tolerance = dict(rtol=1e-5, atol=1e-6) if device == "cpu" else dict(rtol=1e-4, atol=1e-5)
+        for name, table in sharded.state_dict().items():
+            weight, grad = start[name], reference.table_weight(name.split(".")[-2]).grad
+            expected, _ = _touched_rows_step(weight, grad, torch.zeros(len(weight), 1), lr, eps, decay)
+            after, touched = local(table).cpu(), grad.ne(0).any(1)
+            assert 0 < int(touched.sum()) < len(weight) or len(weight) < 8, name
+            torch.testing.assert_close(after.double(), expected, **tolerance, msg=name)
+            assert torch.equal(after[~touched], weight[~touched]), name
+            without_decay, _ = _touched_rows_step(weight, grad, torch.zeros(len(weight), 1), lr, eps, 0.0)
+            assert not torch.allclose(after.double()[touched], without_decay[touched], **tolerance), name
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_trainer_applies_the_table_weight_decay_or_refuses_it_by_name(cache_dir, tmp_path):
+    """optim.sparse.weight_decay through train(): plain tables train with it; TorchRec-sharded pooled
+    tables on CPU (FBGEMM's kernel would drop it) stop the run with the key and the fix."""
+    result = train(_cfg(cache_dir, tmp_path / "native", "sparse=native", "optim.sparse.weight_decay=1e-3"))
+    assert result["steps"] == 20 and math.isfinite(result["click/ne"])
+    with pytest.raises(ConfigError, match=r"optim.sparse.weight_decay=0.001: FBGEMM's CPU kernel for pooled tables"):
+        train(_cfg(cache_dir, tmp_path / "sharded", "sparse=torchrec", "optim.sparse.weight_decay=1e-3"))
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -134,23 +134,60 @@ def sharders() -> list:
 
 
 def fuse_optimizer(
-    sparse_arch: nn.Module, optimizer: str, lr: float, eps: float, frozen_tables: Sequence[str] = ()
+    sparse_arch: nn.Module,
+    optimizer: str,
+    lr: float,
+    eps: float,
+    frozen_tables: Sequence[str] = (),
+    weight_decay: float = 0.0,
 ) -> None:
     """Attach the in-backward optimizer to the tables (before planning: TorchRec's planner sizes the
     optimizer state from it, and the sharded tables fuse it into FBGEMM's backward).
 
-    ``frozen_tables`` (checkpoint.init_frozen) get learning rate 0: other optimizer arguments put
-    them in an FBGEMM kernel group of their own, so their weights stay bit-identical."""
+    The arguments become FBGEMM's fused parameters. ``weight_decay`` (``optim.sparse.weight_decay``,
+    row-wise Adagrad only) goes with FBGEMM's L2 mode: ``g += weight_decay * w`` on each looked-up
+    row before the row-wise Adagrad step, the rule of gem.train.optim.TouchedRowsAdagrad; 0 leaves
+    the arguments as they were.
+
+    ``frozen_tables`` (checkpoint.init_frozen) get learning rate 0 and no decay: other optimizer
+    arguments put them in an FBGEMM kernel group of their own, so their weights stay bit-identical."""
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
+    kwargs = {"lr": lr, "eps": eps}
+    if weight_decay:
+        if optimizer != "rowwise_adagrad":
+            raise ValueError(
+                f"optim.sparse.weight_decay={weight_decay} needs optim.sparse.name=rowwise_adagrad, "
+                f"not {optimizer!r}; set optim.sparse.weight_decay=0 or optim.sparse.name=rowwise_adagrad"
+            )
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
+
+        kwargs.update(weight_decay=weight_decay, weight_decay_mode=WeightDecayMode.L2)
     frozen = {id(sparse_arch.table_weight(t)) for t in frozen_tables}
     params = list(sparse_arch.parameters())
-    apply_optimizer_in_backward(
-        _optimizer(optimizer), [p for p in params if id(p) not in frozen], {"lr": lr, "eps": eps}
-    )
+    apply_optimizer_in_backward(_optimizer(optimizer), [p for p in params if id(p) not in frozen], kwargs)
     if frozen:
         apply_optimizer_in_backward(
             _optimizer(optimizer), [p for p in params if id(p) in frozen], {"lr": 0.0, "eps": eps}
+        )
+
+
+def check_weight_decay(plan, device_type: str, weight_decay: float) -> None:
+    """Refuse ``optim.sparse.weight_decay`` where FBGEMM drops it without a word: pooled tables in its
+    CPU kernels. Measured with fbgemm-gpu-cpu 1.8: after one step the pooled tables' rows were
+    bit-identical with and without the decay, the sequence tables' rows as the formula says (FBGEMM's
+    CPU backward for pooled float32 tables calls its fast row-wise Adagrad with a weight decay of 0).
+    Data-parallel tables are stepped by gem.train.optim.TouchedRowsAdagrad, which decays."""
+    if not weight_decay or device_type != "cpu":
+        return
+    pooled = [name for name, ps in (plan.plan.get("ebc") or {}).items() if ps.sharding_type != "data_parallel"]
+    if pooled:
+        raise ValueError(
+            f"optim.sparse.weight_decay={weight_decay}: FBGEMM's CPU kernel for pooled tables drops the "
+            f"decay silently (fbgemm-gpu-cpu 1.8), and pooled table(s) {sorted(pooled)} are sharded on "
+            f"CPU; run on CUDA, make them data_parallel (sparse.plan.<table>=data_parallel, stepped by "
+            f"gem's own row-wise Adagrad), set sparse.shard=false or sparse=native, or set "
+            f"optim.sparse.weight_decay=0"
         )
 
 
@@ -367,6 +404,7 @@ def shard_sparse_arch(
     sharding_group_size: int | None = None,
     plan_file: str | None = None,
     frozen_tables: Sequence[str] = (),
+    weight_decay: float = 0.0,
 ) -> nn.Module:
     """Shard ``sparse_arch``'s tables over the ranks of ``pg`` with TorchRec.
 
@@ -381,6 +419,8 @@ def shard_sparse_arch(
         sharding_group_size: TorchRec's 2-D sparse parallelism (DMPCollection, CUDA only): tables
             are sharded inside groups of this many ranks and replicated across the groups.
         frozen_tables: tables trained with learning rate 0 (see :func:`fuse_optimizer`).
+        weight_decay: L2 decay on the rows a step touches (``optim.sparse.weight_decay``, see
+            :func:`fuse_optimizer`); refused for pooled tables sharded on CPU (:func:`check_weight_decay`).
 
     The plan is logged as a table (see :func:`format_plan`).
     """
@@ -418,7 +458,7 @@ def shard_sparse_arch(
             "sparse.plan_file and sparse.plan / sparse.sharding_type both give a plan; keep one "
             "(sparse.plan={} sparse.sharding_type=null to use the file)"
         )
-    fuse_optimizer(sparse_arch, optimizer, sparse_lr, sparse_eps, frozen_tables)
+    fuse_optimizer(sparse_arch, optimizer, sparse_lr, sparse_eps, frozen_tables, weight_decay)
     table_sharders = sharders()
     if plan_file:
         sharding_plan = load_plan_file(plan_file, sparse_arch, world_size, local_size, device.type)
@@ -433,6 +473,7 @@ def shard_sparse_arch(
             sparse_arch, table_sharders, pg, world_size, local_size, device.type, hbm_gb, constraints
         )
         source = "TorchRec planner"
+    check_weight_decay(sharding_plan, device.type, weight_decay)
     logger.info("sparse sharding plan (%s):\n%s", source, format_plan(sharding_plan, sparse_arch, world_size))
     if sharding_group_size:
         from torchrec.distributed.model_parallel import DMPCollection

@@ -569,7 +569,8 @@ def make_plan(config: Config, probe: tuple[Activations | None, str] | None = Non
             f"plan.hbm_gb={p.hbm_gb:g}; the tables were planned as if they had the whole budget"
         )
         reserved = 0.0
-    fuse_optimizer(sparse, config.optim.sparse.name, config.optim.sparse.lr, config.optim.sparse.eps)
+    table_optim = config.optim.sparse  # the fused parameters training gives FBGEMM
+    fuse_optimizer(sparse, table_optim.name, table_optim.lr, table_optim.eps, weight_decay=table_optim.weight_decay)
     from torchrec.distributed.planner.types import PlannerError
 
     try:

@@ -101,6 +101,8 @@ class SparseOptimConfig:
     name: str = "rowwise_adagrad"  # rowwise_adagrad | adagrad (element-wise; exact under column-wise sharding)
     lr: float = 0.05
     eps: float = 1e-8
+    # L2 decay on the rows a step touches (g += weight_decay * w before the row-wise Adagrad step); 0: off
+    weight_decay: float = 0.0
 
 
 @dataclass
@@ -426,6 +428,13 @@ def validate(cfg: DictConfig | dict) -> Config:
     _positive("optim.dense.lr", o.dense.lr)
     _positive("optim.sparse.lr", o.sparse.lr)
     _one_of("optim.sparse.name", o.sparse.name, ("rowwise_adagrad", "adagrad"))
+    _positive("optim.sparse.weight_decay", o.sparse.weight_decay, allow_zero=True)
+    if o.sparse.weight_decay and o.sparse.name != "rowwise_adagrad":
+        raise ConfigError(
+            f"optim.sparse.weight_decay={o.sparse.weight_decay} decays the touched rows inside the row-wise "
+            f"Adagrad step, and optim.sparse.name={o.sparse.name!r}; set optim.sparse.name=rowwise_adagrad, "
+            "or optim.sparse.weight_decay=0"
+        )
     _positive("optim.warmup_steps", o.warmup_steps, allow_zero=True)
     _positive("optim.grad_clip", o.grad_clip, allow_zero=True)
     _one_of("optim.schedule", o.schedule, ("constant", "cosine"))

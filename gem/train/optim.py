@@ -6,6 +6,7 @@ import math
 
 import torch
 from torch import nn
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from gem.train.config import OptimConfig
 
@@ -16,16 +17,16 @@ def build_optimizers(model: nn.Module, cfg: OptimConfig, total_steps: int):
     Parameters under ``sparse_arch`` are embedding tables. Tables that TorchRec shards with a
     fused kernel carry their optimizer into backward (they are updated by ``loss.backward()``);
     every other table (unsharded, native, or TorchRec's data-parallel tables, which the fused
-    optimizer does not cover) is stepped by TorchRec's plain-torch ``RowWiseAdagrad``, the
-    same update rule. ``optim.sparse.name=adagrad`` swaps both for element-wise Adagrad (FBGEMM's
-    exact Adagrad when fused), whose update does not depend on how a row's columns are split.
+    optimizer does not cover) is stepped by :class:`TouchedRowsAdagrad`: TorchRec's plain-torch
+    ``RowWiseAdagrad``, the same update rule, with ``optim.sparse.weight_decay`` on the touched rows.
+    ``optim.sparse.name=adagrad`` swaps both for element-wise Adagrad (FBGEMM's exact Adagrad when
+    fused), whose update does not depend on how a row's columns are split.
 
     The schedule (:class:`LRSchedule`) scales every one of them, the tables' too: Adagrad's first
     update moves each touched row by about its learning rate whatever the gradient's size, which
     for gem_base's tables (initialized within +-0.05, learning rate 0.05) is the whole row.
     """
     from torchrec.optim.optimizers import in_backward_optimizer_filter
-    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
     # Frozen parameters (requires_grad False, checkpoint.init_frozen) are left out: no update, no weight decay.
     dense_params = [p for n, p in model.named_parameters() if not n.startswith("sparse_arch.") and p.requires_grad]
@@ -41,8 +42,11 @@ def build_optimizers(model: nn.Module, cfg: OptimConfig, total_steps: int):
         fused=fused or None,
     )
     tables = [p for _, p in in_backward_optimizer_filter(model.sparse_arch.named_parameters()) if p.requires_grad]
-    table_optimizer = RowWiseAdagrad if cfg.sparse.name == "rowwise_adagrad" else torch.optim.Adagrad
-    sparse = table_optimizer(tables, lr=cfg.sparse.lr, eps=cfg.sparse.eps) if tables else None
+    sparse = None
+    if tables and cfg.sparse.name == "rowwise_adagrad":
+        sparse = TouchedRowsAdagrad(tables, lr=cfg.sparse.lr, eps=cfg.sparse.eps, weight_decay=cfg.sparse.weight_decay)
+    elif tables:
+        sparse = torch.optim.Adagrad(tables, lr=cfg.sparse.lr, eps=cfg.sparse.eps)
 
     def factor(step: int) -> float:
         if cfg.warmup_steps and step < cfg.warmup_steps:
@@ -55,6 +59,53 @@ def build_optimizers(model: nn.Module, cfg: OptimConfig, total_steps: int):
     fused_tables = getattr(model.sparse_arch, "fused_optimizer", None)  # present when TorchRec sharded the tables
     optimizers = [o for o in (dense, sparse, fused_tables) if o is not None]
     return dense, sparse, LRSchedule(optimizers, factor)
+
+
+class TouchedRowsAdagrad(RowWiseAdagrad):
+    """TorchRec's ``RowWiseAdagrad`` with an L2 weight decay on the rows a step touches, as FBGEMM's
+    fused row-wise Adagrad applies ``weight_decay`` in its L2 mode to the rows it looks up.
+
+    A row is touched when its gradient is nonzero anywhere (the tables' gradients are dense: a row
+    that no lookup reached has an all-zero gradient; a looked-up row whose gradient sums to exactly
+    zero counts as untouched here, while FBGEMM would decay it). For each touched row ``i`` of a
+    table ``W [N, D]`` with gradient ``G [N, D]``::
+
+        g = G[i] + weight_decay * W[i]
+        sum[i] += mean(g ** 2)
+        W[i] -= lr * g / (sqrt(sum[i]) + eps)
+
+    Untouched rows and their state are left as they are. TorchRec's own ``weight_decay`` (the same
+    argument of the base class) would decay every row at every step instead. With ``weight_decay=0``
+    the step is the base class's, bit for bit; the state (``sum [N, 1]``, ``step``) is the base
+    class's, so checkpoints move between the two.
+    """
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if not any(group["weight_decay"] for group in self.param_groups):
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if param.grad.is_sparse:
+                    raise RuntimeError("TouchedRowsAdagrad takes dense gradients (embedding tables with sparse=False)")
+                state = self.state[param]
+                state["step"] += 1
+                step_lr = lr / (1 + (state["step"].item() - 1) * group["lr_decay"])
+                grad = -param.grad if group["maximize"] else param.grad
+                rows = grad.ne(0).any(dim=1).nonzero().squeeze(1)  # the touched rows [n]
+                weight = param.index_select(0, rows)  # [n, D]
+                g = grad.index_select(0, rows).add(weight, alpha=decay)
+                total = state["sum"].index_select(0, rows) + g.pow(2).mean(dim=1, keepdim=True)  # [n, 1]
+                state["sum"].index_copy_(0, rows, total)
+                param.index_copy_(0, rows, weight.addcdiv_(g, total.sqrt().add_(eps), value=-step_lr))
+        return loss
 
 
 class LRSchedule:

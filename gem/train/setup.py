@@ -254,6 +254,7 @@ def build_model(
                     sharding_group_size=s.sharding_group_size,
                     plan_file=s.plan_file,
                     frozen_tables=frozen_tables(sparse, config.checkpoint.init_frozen),
+                    weight_decay=config.optim.sparse.weight_decay,
                 )
         except ValueError as e:  # plan errors name the sparse.* key; every rank raises the same one
             raise ConfigError(str(e)) from None
