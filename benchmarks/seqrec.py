@@ -9,11 +9,12 @@ data.seqrec.seed=<seed>`` in its own process, with the set's own experiment wher
 (``<experiment>_<set, lower case>``, as ``seqrec_gen_lastfm``; ``--generic``: ``<experiment>`` for every
 set, as a set the recipe was not tuned on gets it). The evaluation negatives stay fixed:
 the paper's file for LastFM, numpy seed 12345 otherwise. The metrics are those of the final
-evaluation of ``--split``: ``test`` for the figures to report, ``val`` (with ``trainer.eval_every``
-at the end) to choose a recipe. With ``--pretrain OVERRIDES``, each run starts from a pretraining
-stage of the same set and seed (the same experiment with OVERRIDES added, e.g. S3-Rec-style masked
-item prediction, ``model.objective=masked_item``): its tables and dense arch, through the
-trainer's ``trainer.pretrain``. ``--without-prior`` also scores each run's final model with its
+evaluation of ``--split``: ``test`` for the figures to report, ``val`` to choose a recipe (the runs
+then validate after every epoch, ``trainer.eval_every=-1`` unless given, and skip the test split).
+With ``--pretrain OVERRIDES``, each run starts from a pretraining stage of the same set and seed
+(the same experiment with OVERRIDES added, e.g. S3-Rec-style masked item prediction,
+``model.objective=masked_item``): its tables and dense arch, through the trainer's
+``trainer.pretrain``. ``--without-prior`` also scores each run's final model with its
 co-occurrence prior off (``model.cooccurrence``: the neural model alone), from the run's last
 checkpoint, and reports those rows apart. ``--parallel N`` runs N at a time (on a GPU that the small
 models leave mostly idle; the figures do not depend on it). Writes
@@ -55,6 +56,21 @@ def experiment_for(experiment: str, name: str) -> str:
     return own if (ROOT / "configs" / "experiment" / f"{own}.yaml").exists() else experiment
 
 
+def run_overrides(overrides: list[str], split: str, pretrain: list[str] | None, without_prior: bool) -> list[str]:
+    """A run's Hydra overrides: ``overrides``, then what ``--split``, ``--pretrain`` and
+    ``--without-prior`` ask for."""
+    overrides = list(overrides)
+    if without_prior:  # the final model, kept for scoring it again without the prior
+        overrides.append("checkpoint.enabled=true")
+    if split == "val":  # choosing a recipe: validate after every epoch, never read the test split
+        overrides.append("trainer.test=false")
+        if not any(o.lstrip("+").startswith("trainer.eval_every=") for o in overrides):
+            overrides.append("trainer.eval_every=-1")
+    if pretrain:  # the trainer's pretraining stage, in <run_dir>/pretrain
+        overrides.append("trainer.pretrain=[" + ",".join(f"'{o}'" for o in pretrain) + "]")
+    return overrides
+
+
 def run(
     experiment: str,
     name: str,
@@ -67,10 +83,7 @@ def run(
     without_prior: bool = False,
 ) -> dict:
     tick = time.perf_counter()
-    if without_prior:  # the final model, kept for scoring it again without the prior
-        overrides = [*overrides, "checkpoint.enabled=true"]
-    if pretrain:  # the trainer's pretraining stage, in <run_dir>/pretrain
-        overrides = [*overrides, "trainer.pretrain=[" + ",".join(f"'{o}'" for o in pretrain) + "]"]
+    overrides = run_overrides(overrides, split, pretrain, without_prior)
     experiment = experiment if generic else experiment_for(experiment, name)
     cmd = [
         sys.executable,
@@ -90,8 +103,7 @@ def run(
     evaluations = [r for r in rows if r["kind"] == split]
     if not evaluations:
         raise SystemExit(
-            f"{run_dir}: the run logged no {split!r} metrics (with --split val, pass trainer.eval_every; "
-            "data.seqrec.refit=true writes no validation split)"
+            f"{run_dir}: the run logged no {split!r} metrics (data.seqrec.refit=true writes no validation split)"
         )
     final = evaluations[-1]
     return {

@@ -294,3 +294,13 @@ def test_the_seqrec_benchmark_reports_the_runs_without_the_prior_apart():
     assert (
         "without_prior" not in summarize([{k: v for k, v in one(0.6, 0.3).items() if k != "without_prior"}])["LastFM"]
     )
+
+
+def test_the_seqrec_benchmark_chooses_on_validation_without_reading_the_test_split():
+    """``benchmarks/seqrec.py --split val``: the runs validate (after every epoch unless told) and
+    skip the test split; ``--split test`` leaves the overrides as given."""
+    from benchmarks.seqrec import run_overrides
+
+    assert run_overrides(["a=1"], "val", None, False) == ["a=1", "trainer.test=false", "trainer.eval_every=-1"]
+    assert run_overrides(["trainer.eval_every=100"], "val", None, False)[-1] == "trainer.test=false"
+    assert run_overrides(["a=1"], "test", None, True) == ["a=1", "checkpoint.enabled=true"]

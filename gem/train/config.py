@@ -157,7 +157,7 @@ class TrainerConfig:
     seed: int = 0
     deterministic: bool = False
     log_every: int = 50
-    eval_every: int = 0  # steps between validations; 0: only at the end; -1: after every epoch
+    eval_every: int = 0  # steps between validations (and after the last step); 0: none; -1: after every epoch
     # a validation metric (e.g. next_item/ndcg@10, click/auc): test the weights of its best validation,
     # kept in <run_dir>/best (gem/train/best.py), not the last step's; None: the last step's
     best_metric: Optional[str] = None
