@@ -277,11 +277,9 @@ KERNEL_VARIANTS = {
     "gem triton (gluon forward at every length)": dict(gluon_min_q_len=0),
     "gem triton (recomputing dQ backward)": dict(store_ds=False),  # GEM_KERNELS_STORE_DS=0
     "gem triton (triton dK/dV)": dict(gluon_bwd=False),  # GEM_KERNELS_GLUON_BWD=0
-    "gem triton (gluon softmax dK/dV)": dict(gluon_bwd_softmax=True),  # GEM_KERNELS_GLUON_BWD_SOFTMAX=1
     "gem triton (no gluon: the kernels under torch.compile)": dict(gluon=False, gluon_bwd=False),
 }
 _GDPA_ONLY = {"packed_act", "gluon", "gluon_min_q_len", "gluon_bwd"}  # settings that change nothing for softmax
-_SOFTMAX_ONLY = {"gluon_bwd_softmax"}  # nor this for GDPA
 
 
 def run_case(
@@ -340,7 +338,7 @@ def run_case(
     impls += [
         (name, ours, KERNEL_VARIANTS[name])
         for name in names
-        if not (_GDPA_ONLY if activation == "softmax" else _SOFTMAX_ONLY) & set(KERNEL_VARIANTS[name])
+        if not (activation == "softmax" and _GDPA_ONLY & set(KERNEL_VARIANTS[name]))
     ]
     if baselines:
         impls += [(name, make, {}) for name, make in _baselines(inputs, activation, mask, compiled_reference)]
@@ -396,7 +394,6 @@ def _versions() -> dict:
                 "gluon_min_q_len",
                 "store_ds",
                 "gluon_bwd",
-                "gluon_bwd_softmax",
                 "store_ds_max_mib",
             )
         },

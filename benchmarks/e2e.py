@@ -26,8 +26,7 @@ launcher: a warm start still tuned them again, 63 s to its first step in torch 2
 with biases on the layers' projections of every event row (``model.row_bias=true``; the flagship drops
 them since stop 64, measured then as ``nobias-<block>`` against the biased flagship), ``mmadd-<block>``
 with the residual added after the GEMM instead of in cuBLAS's ``addmm``
-(``experimental.parallelism.residual_addmm=false``), ``gluonsm-<block>`` with the self-attention's
-softmax dK/dV on the Gluon kernel (``experimental.kernels.gluon_bwd_softmax=true``).
+(``experimental.parallelism.residual_addmm=false``).
 ``cold-<block>`` and ``warm-<block>`` run a block for a few steps, on a machine without and then
 with the caches (data, Inductor, Triton), for the time to first step.
 
@@ -235,9 +234,6 @@ VARIANTS = {
     # the residual added after the output projections' GEMMs, fused into the next LayerNorm kernel,
     # not by cuBLAS's addmm after a copy of the residual (gem.distributed.inductor_passes)
     "mmadd": ["experimental.parallelism.residual_addmm=false"],
-    # the self-attention's softmax dK/dV on the Gluon kernel, through the opaque rotary op under
-    # compile (experimental.kernels.gluon_compiled is on in the flagship; docs/log/kernels.md, 2026-12-05)
-    "gluonsm": ["experimental.kernels.gluon_bwd_softmax=true"],
 }
 
 

@@ -211,7 +211,6 @@ EXPERIMENTAL_KERNEL_SETTINGS = (
     "tune_space",
     "packed_act",
     "gluon_min_q_len",
-    "gluon_bwd_softmax",
     "store_ds_max_mib",
     "gluon_compiled",
 )
@@ -266,6 +265,20 @@ _MOVED = {("kernels", key) for key in EXPERIMENTAL_KERNEL_SETTINGS} | {
     ("parallelism", "scatter_in_place"),
     ("parallelism", "residual_addmm"),
 }
+
+
+def _reject_deleted_keys(raw: DictConfig) -> None:
+    """A ConfigError for a kernel setting that was deleted (``settings.DELETED``), under
+    ``experimental.kernels`` or its old place ``kernels``, naming the key and why it went."""
+    from kernels.jagged_attention.settings import DELETED, deleted
+
+    for section in ("experimental.kernels", "kernels"):
+        node = OmegaConf.select(raw, section, default=None)
+        if not isinstance(node, DictConfig):
+            continue
+        for name in sorted(DELETED):
+            if name in node:
+                raise ConfigError(deleted(name, f"{section}.{name}"))
 
 
 def _move_deprecated_keys(config: Config) -> None:
@@ -387,6 +400,7 @@ def plain_config(cfg: DictConfig | dict) -> DictConfig:
 def validate(cfg: DictConfig | dict) -> Config:
     """Merge ``cfg`` into the typed schema and check every value; returns the typed config."""
     raw = plain_config(cfg)
+    _reject_deleted_keys(raw)
     base = OmegaConf.structured(Config)
     try:
         merged = OmegaConf.merge(base, raw)

@@ -1,12 +1,10 @@
-"""Hopper (sm_90) dK/dV of the stored-dS backward (and the stored dS) in Gluon: persistent, warp-specialized.
+"""Hopper (sm_90) GDPA backward's dK/dV (and the stored dS) in Gluon: persistent, warp-specialized.
 
-For GDPA on by default (``settings.gluon_bwd``; kernels.gluon_bwd=false turns it off; ``op.py``
-says when it runs): bf16 silu and fast_gelu (the bf16x2 activation path) where
-``gluon_common.applies`` holds. For softmax (bf16, no mask) off (``settings.gluon_bwd_softmax``):
-compiled for sm_90 on a CPU (``tests/kernels/sm90_compile.py``), not yet run on a GPU; its steps
-compute ``P = exp2(S scale - lse)`` and ``dS = P (dP - delta)`` in float32, as the Triton kernel
-does. The forward's structure with the roles of queries and keys
-swapped: a work tile is 128 keys of one example and head (the forward's work list built over
+On by default (``settings.gluon_bwd``; kernels.gluon_bwd=false turns it off; ``op.py`` says when
+it runs): the stored-dS backward's dK/dV kernel for bf16 silu and fast_gelu (the bf16x2
+activation path) where ``gluon_common.applies`` holds (its softmax variant, ``gluon_bwd_softmax``,
+was deleted: no faster end to end, docs/log/kernels.md). The forward's structure with the roles
+of queries and keys swapped: a work tile is 128 keys of one example and head (the forward's work list built over
 the keys), two 4-warp consumers of 64 keys each, a loader warp that loads a tile's K and V
 into one of two buffers (the next tile's load overlaps this one's steps) and streams Q and dO
 tiles of BWD_BLOCK_M rows through a ring. dK and dV leave through the K and V buffers they
@@ -28,7 +26,6 @@ from kernels.jagged_attention import triton_common as tc
 from kernels.jagged_attention.gluon_common import (
     CONSUMER_REGS,
     SILU,
-    SOFTMAX,
     barriers,
     sm_count,
     store_tile,
@@ -41,49 +38,11 @@ BWD_STAGES = 4  # Q/dO ring slots
 
 
 @gluon.jit
-def _query_stats(LSE_H, DELTA_H, j, q_len, BLOCK_M: gl.constexpr, layout: gl.constexpr, ACTIVATION: gl.constexpr):
-    """Softmax: ``lse`` and ``delta`` of step j's queries (``LSE_H``, ``DELTA_H``: the head's
-    values at the example's first query), along the query axis of ``layout``; a query past the
-    example's end gets lse = inf (so P = 0). GDPA reads none (zeros). (warp_specialize hands its
-    partitions ``ACTIVATION`` as a runtime value, constant-folded after both branches are typed:
-    hence the casts, no-ops for softmax's float32, for GDPA's stand-in pointers.)"""
-    if ACTIVATION == SOFTMAX:
-        cols = j * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))
-        valid = cols < q_len
-        lse = gl.load(LSE_H + cols, mask=valid, other=float("inf")).to(gl.float32)
-        delta = gl.load(DELTA_H + cols, mask=valid, other=0.0).to(gl.float32)
-    else:
-        lse = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(0, layout))
-        delta = lse
-    return lse, delta
-
-
-@gluon.jit
-def _step_grads(st, dpt, lse, delta, j, q_len, scale, ACTIVATION: gl.constexpr):
+def _grads(st, dpt, j, q_len, scale, ACTIVATION: gl.constexpr):
     """(P^T, dS^T) of step j from the float32 ``S^T`` and ``dP^T`` tiles ([keys, queries]), in
-    bf16. Softmax: ``P = exp2(S scale - lse)``, ``dS = P (dP - delta)`` (``scale`` holds log2 e),
-    as the Triton dK/dV kernel; GDPA: :func:`_grads`. Query columns past the example's end (the
+    bf16: triton_common's ``gdpa_act_and_grad_packed``. Query columns past the example's end (the
     next example's rows) give zeros."""
     BLOCK_M: gl.constexpr = st.shape[1]
-    layout: gl.constexpr = st.type.layout
-    if ACTIVATION == SOFTMAX:
-        p32 = gl.exp2(st * scale - lse[None, :])
-        ds32 = p32 * (dpt - delta[None, :])
-        p = p32.to(gl.bfloat16)
-        ds = ds32.to(gl.bfloat16)
-    else:
-        p, ds = _grads(st, dpt, scale, ACTIVATION)
-    if (j + 1) * BLOCK_M > q_len:
-        cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))
-        keep = (cols < q_len - j * BLOCK_M)[None, :]
-        p = gl.where(keep, p, gl.zeros_like(p))
-        ds = gl.where(keep, ds, gl.zeros_like(ds))
-    return p, ds
-
-
-@gluon.jit
-def _grads(st, dpt, scale, ACTIVATION: gl.constexpr):
-    """GDPA's (P^T, dS^T) in bf16: triton_common's ``gdpa_act_and_grad_packed``."""
     layout: gl.constexpr = st.type.layout
     x = st.to(gl.bfloat16)
     dp = dpt.to(gl.bfloat16)
@@ -106,31 +65,12 @@ def _grads(st, dpt, scale, ACTIVATION: gl.constexpr):
             is_pure=True,
             pack=2,
         )
+    if (j + 1) * BLOCK_M > q_len:
+        cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))
+        keep = (cols < q_len - j * BLOCK_M)[None, :]
+        p = gl.where(keep, p, gl.zeros_like(p))
+        ds = gl.where(keep, ds, gl.zeros_like(ds))
     return p, ds
-
-
-@gluon.jit
-def _turned_back(g, COS, SIN, row0, num_rows, stride_cs):
-    """With tables (``COS`` and ``SIN`` not None), ``R^T g`` for the gradient ``g [rows, D]``
-    (float32) of a rotated operand's rows ``row0 ..``: the channel pairs ``(j, j + D/2)`` turned
-    back with the tables' rows (float32 ``[T, D/2]``, as ``kernels.rotary``; triton_common's
-    ``store_grad``); without, ``g``. The tables' presence is the switch because ``warp_specialize``
-    hands its partitions a bool constexpr as a runtime value and None as a constant: with a bool,
-    the rotation's ops were emitted in every build, and Triton 3.6 fails to lower them where they
-    are dead (docs/log/kernels.md)."""
-    if COS is not None:
-        HALF: gl.constexpr = g.shape[1] // 2
-        g1, g2 = gl.split(gl.permute(gl.reshape(g, [g.shape[0], 2, HALF]), [0, 2, 1]))
-        layout: gl.constexpr = g1.type.layout
-        rows = gl.arange(0, g.shape[0], layout=gl.SliceLayout(1, layout))
-        cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
-        table = (row0 + rows).to(gl.int64)[:, None] * stride_cs + cols[None, :]
-        valid = (rows < num_rows)[:, None]
-        cos = gl.load(COS + table, mask=valid, other=0.0).to(gl.float32)
-        sin = gl.load(SIN + table, mask=valid, other=0.0).to(gl.float32)
-        pairs = gl.join(g1 * cos + g2 * sin, g2 * cos - g1 * sin)  # [rows, D/2, 2]
-        g = gl.convert_layout(gl.reshape(gl.permute(pairs, [0, 2, 1]), [g.shape[0], g.shape[1]]), g.type.layout)
-    return g
 
 
 @gluon.jit
@@ -186,12 +126,6 @@ def _dkdv_consumer(
     stride_dvt,
     stride_dst,
     kv_rows,
-    LSE,
-    DELTA,
-    stride_lse_h,
-    COS,
-    SIN,
-    stride_cs,
     WORK,
     TOTAL,
     scale,
@@ -222,20 +156,17 @@ def _dkdv_consumer(
     step = gl.num_programs(0)
     it = 0
     done = 0
-    next_row0, next_keys, next_h, next_q0, next_q_len = work_tile(WORK, gl.program_id(0), gl.program_id(0) < total)
+    next_row0, next_keys, next_h, _, next_q_len = work_tile(WORK, gl.program_id(0), gl.program_id(0) < total)
     for t in range(gl.program_id(0), total, step):
         row0 = next_row0 + HALF * 64
         num_keys = next_keys - HALF * 64
         h = next_h
-        q0 = next_q0
         q_len = next_q_len
-        next_row0, next_keys, next_h, next_q0, next_q_len = work_tile(WORK, t + step, t + step < total)
+        next_row0, next_keys, next_h, _, next_q_len = work_tile(WORK, t + step, t + step < total)
         b = done % 2
         k = k_smem.index(2 * b + HALF)
         v = v_smem.index(2 * b + HALF)
         ds_row0 = h * kv_rows + row0  # dS viewed as [heads * K/V rows, padded queries]
-        lse_h = LSE + h * stride_lse_h + q0  # (softmax only)
-        delta_h = DELTA + h * stride_lse_h + q0
         n_steps = gl.cdiv(q_len, BLOCK_M)
         dk = o_zero
         dv = o_zero
@@ -245,9 +176,8 @@ def _dkdv_consumer(
             mbarrier.wait(ready.index(slot), phase=(it // STAGES) & 1)
             st = warpgroup_mma(k, q_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dpt = warpgroup_mma(v, do_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            lse, delta = _query_stats(lse_h, delta_h, 0, q_len, BLOCK_M, s_layout, ACTIVATION)
             st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
-            p, ds = _step_grads(st, dpt, lse, delta, 0, q_len, scale, ACTIVATION)
+            p, ds = _grads(st, dpt, 0, q_len, scale, ACTIVATION)
             store_tile(ds, DS, ds_desc, ds_buf, ds_row0, 0, num_keys, stride_dst)
             p = gl.convert_layout(p, a_layout)
             ds = gl.convert_layout(ds, a_layout)
@@ -260,9 +190,8 @@ def _dkdv_consumer(
                 dpt = warpgroup_mma(v, do_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 dv = warpgroup_mma(p, do_smem.index(prev), dv, is_async=True)
                 dk = warpgroup_mma(ds, q_smem.index(prev), dk, is_async=True)
-                lse, delta = _query_stats(lse_h, delta_h, j, q_len, BLOCK_M, s_layout, ACTIVATION)
                 st, dpt = warpgroup_mma_wait(2, deps=(st, dpt))
-                p_next, ds_next = _step_grads(st, dpt, lse, delta, j, q_len, scale, ACTIVATION)
+                p_next, ds_next = _grads(st, dpt, j, q_len, scale, ACTIVATION)
                 dv, dk, p, ds = warpgroup_mma_wait(0, deps=(dv, dk, p, ds))
                 mbarrier.arrive(free.index(prev), count=1)
                 store_tile(ds_next, DS + j * BLOCK_M, ds_desc, ds_buf, ds_row0, j * BLOCK_M, num_keys, stride_dst)
@@ -275,8 +204,7 @@ def _dkdv_consumer(
             mbarrier.arrive(free.index(last), count=1)
             it += n_steps
         # every product that read this tile's K and V is complete: they take dK and dV
-        dk = _turned_back(dk * dk_scale, COS, SIN, row0, num_keys, stride_cs)
-        store_tile(dk.to(dtype), DK + h * HEAD_D, dk_desc, k, row0, h * HEAD_D, num_keys, stride_dkt)
+        store_tile((dk * dk_scale).to(dtype), DK + h * HEAD_D, dk_desc, k, row0, h * HEAD_D, num_keys, stride_dkt)
         store_tile((dv * dv_scale).to(dtype), DV + h * HEAD_D, dv_desc, v, row0, h * HEAD_D, num_keys, stride_dvt)
         tma.store_wait(0)
         mbarrier.arrive(kv_free.index(b), count=1)
@@ -304,12 +232,6 @@ def _dkdv_consumer0(
     stride_dvt,
     stride_dst,
     kv_rows,
-    LSE,
-    DELTA,
-    stride_lse_h,
-    COS,
-    SIN,
-    stride_cs,
     WORK,
     TOTAL,
     scale,
@@ -337,12 +259,6 @@ def _dkdv_consumer0(
         stride_dvt,
         stride_dst,
         kv_rows,
-        LSE,
-        DELTA,
-        stride_lse_h,
-        COS,
-        SIN,
-        stride_cs,
         WORK,
         TOTAL,
         scale,
@@ -374,12 +290,6 @@ def _dkdv_consumer1(
     stride_dvt,
     stride_dst,
     kv_rows,
-    LSE,
-    DELTA,
-    stride_lse_h,
-    COS,
-    SIN,
-    stride_cs,
     WORK,
     TOTAL,
     scale,
@@ -407,12 +317,6 @@ def _dkdv_consumer1(
         stride_dvt,
         stride_dst,
         kv_rows,
-        LSE,
-        DELTA,
-        stride_lse_h,
-        COS,
-        SIN,
-        stride_cs,
         WORK,
         TOTAL,
         scale,
@@ -435,17 +339,11 @@ def _gdpa_dkdv_kernel(
     DK,
     DV,
     DS,
-    LSE,
-    DELTA,
-    COS,
-    SIN,
     WORK,
     TOTAL,
     stride_dkt,
     stride_dvt,
     stride_dst,
-    stride_lse_h,
-    stride_cs,
     kv_rows,
     scale,
     dk_scale,
@@ -486,12 +384,6 @@ def _gdpa_dkdv_kernel(
         stride_dvt,
         stride_dst,
         kv_rows,
-        LSE,
-        DELTA,
-        stride_lse_h,
-        COS,
-        SIN,
-        stride_cs,
         WORK,
         TOTAL,
         scale,
@@ -544,28 +436,21 @@ def dkdv(
     scale,
     dk_scale,
     dv_scale,
-    lse=None,
-    delta=None,
-    rope=None,
     wrap=lambda kernel: kernel,
     num_sms=None,
     block_m=BWD_BLOCK_M,
     stages=BWD_STAGES,
 ) -> None:
     """Writes dK, dV and the stored dS (``ds``: ``[H, K/V rows, padded queries]``, as ``op.py``'s
-    stored-dS buffer) of the backward of GDPA (bf16 silu / fast_gelu) or softmax (bf16, no mask;
-    ``lse`` and ``delta``: the forward's ``[H, rows]`` log-sum-exp in base 2 and the row sums of
-    ``dO * O``, ``scale`` with log2 e in it); arguments as :func:`forward`, ``scale``,
-    ``dk_scale`` and ``dv_scale`` as the Triton dK/dV launcher's. ``rope``: ``(cos, sin)``
-    where Q and K are rotated and dK is to be turned back through the rotation (float32
-    ``[T, D/2]``, as ``kernels.rotary``). ``dk`` and ``dv`` may be strided views (the slices of
-    a packed ``[T, 3, H, D]`` gradient), with heads adjacent and 16-byte aligned rows."""
+    stored-dS buffer) of the GDPA backward for bf16 silu / fast_gelu; arguments as
+    :func:`forward`, ``dk_scale`` and ``dv_scale`` as the Triton dK/dV launcher's."""
+    if activation_code not in (tc.ACTIVATION_CODES["silu"], tc.ACTIVATION_CODES["fast_gelu"]):
+        names = {code: name for name, code in tc.ACTIVATION_CODES.items()}
+        raise ValueError(
+            f"gluon_bwd.dkdv: the Gluon dK/dV runs bf16 silu and fast_gelu only, not "
+            f"{names.get(activation_code, activation_code)!r} (the Triton dK/dV takes the others)"
+        )
     num_heads, head_dim = q.shape[1], q.shape[2]
-    softmax = activation_code == tc.SOFTMAX
-    if softmax and (lse is None or delta is None or lse.stride() != delta.stride() or lse.stride(1) != 1):
-        raise ValueError("gluon_bwd.dkdv: softmax needs lse and delta, [H, rows] float32 of one layout, rows adjacent")
-    cos, sin = rope if rope is not None else (None, None)
-    stride_cs = cos.stride(0) if rope is not None else 0
     # key tiles: the forward's work list with the roles of queries and keys swapped
     work, total = work_list(kv_offsets, q_offsets, batch_order, num_heads, max_kv_len, wrap)
     element = gl.bfloat16
@@ -591,17 +476,11 @@ def dkdv(
         dk,
         dv,
         ds,
-        lse if softmax else dk,  # (GDPA: a stand-in, unread)
-        delta if softmax else dk,
-        cos,
-        sin,
         work,
         total,
         dk.stride(0),
         dv.stride(0),
         ds.stride(1),
-        lse.stride(0) if softmax else 0,
-        stride_cs,
         k.shape[0],
         scale,
         dk_scale,

@@ -4,8 +4,7 @@ Both Gluon kernels (``gluon_fwd.py``: the GDPA forward; ``gluon_bwd.py``: the st
 backward's dK/dV) are persistent: one program per SM loops over a compact list of work tiles
 (128 rows of one example and head) built on the GPU by :func:`work_list` without a host sync,
 examples in ``batch_order`` (most work first), then row blocks, then heads. ``op.py`` decides
-when they run (:func:`applies`, :func:`softmax_dkdv_applies`, ``settings.gluon`` /
-``settings.gluon_bwd`` / ``settings.gluon_bwd_softmax``).
+when they run (:func:`applies`, ``settings.gluon`` / ``settings.gluon_bwd``).
 """
 
 from __future__ import annotations
@@ -28,9 +27,7 @@ CONSUMER_REGS = 232  # registers per consumer thread after setmaxnreg (the loade
 # int32 per work tile: first row, valid rows, head, K/V (or Q) start, length, 3 zeros
 WORK_FIELDS = gl.constexpr(8)
 HEAD_DIMS = (64, 128)
-SOFTMAX, SILU, GELU, FAST_GELU, RELU = (
-    gl.constexpr(code) for code in (tc.SOFTMAX, tc.SILU, tc.GELU, tc.FAST_GELU, tc.RELU)
-)
+SILU, GELU, FAST_GELU, RELU = (gl.constexpr(code) for code in (tc.SILU, tc.GELU, tc.FAST_GELU, tc.RELU))
 
 
 _checking = False  # real tensors while Dynamo traces: a build check's (``real_tensors``)
@@ -52,12 +49,6 @@ def applies(q, k, v, activation, causal, window, block_size, q_broadcast) -> boo
     """Whether the Gluon kernels take a GDPA call: a pointwise activation without a causal,
     window or block mask, jagged queries, and tensors as :func:`tensors_apply` asks."""
     return tc.unmasked_pointwise(activation, causal, window, block_size, q_broadcast) and tensors_apply(q, k, v)
-
-
-def softmax_dkdv_applies(q, k, v, causal, window, block_size, q_broadcast) -> bool:
-    """Whether the Gluon dK/dV kernel can take a softmax call's backward: bf16, no causal, window
-    or block mask, jagged queries, and tensors as :func:`tensors_apply` asks."""
-    return tc.unmasked(causal, window, block_size, q_broadcast) and q.dtype == torch.bfloat16 and tensors_apply(q, k, v)
 
 
 def tensors_apply(q, k, v) -> bool:

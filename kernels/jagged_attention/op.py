@@ -19,9 +19,8 @@ This module chooses the kernels, from the settings in force (``settings.py``) an
   and ``max_q_len > settings.gluon_min_q_len``, else the Triton one (``triton_fwd.py``);
 * backward (:func:`launch_backward`): the stored-dS backward where it applies and its buffer
   fits (:func:`store_ds_bytes`, ``settings.store_ds_max_mib``; dK/dV store dS, dQ = dS K reads
-  it), its dK/dV in Gluon (``gluon_bwd.py``) for bf16 silu / fast_gelu on sm_90 (and bf16
-  softmax with ``settings.gluon_bwd_softmax``); else the Triton dK/dV and the recomputing dQ
-  kernel (``triton_bwd.py``).
+  it), its dK/dV in Gluon (``gluon_bwd.py``) for bf16 silu / fast_gelu on sm_90; else the
+  Triton dK/dV and the recomputing dQ kernel (``triton_bwd.py``).
 
 The forward computes the order in which the kernels' programs take the examples
 (``batch_order.py``) and returns it for the backward. Callers use
@@ -82,7 +81,7 @@ def probing(gluon: bool = False):
     saved_paths, saved = _paths, current_settings()
     _paths = None
     if not gluon:
-        kernel_settings._set(saved.replace(gluon=False, gluon_bwd=False, gluon_bwd_softmax=False))
+        kernel_settings._set(saved.replace(gluon=False, gluon_bwd=False))
     try:
         yield
     finally:
@@ -98,7 +97,7 @@ def probing(gluon: bool = False):
 # The Triton releases (major.minor) on which each Gluon kernel passed the GPU gate
 # (tools/gpu_gate.sh, benchmarks/results/gpu-gate.json); on any other the Triton kernels run, with
 # one info line. A release joins a kernel's list only with a passing gate on it.
-GLUON_VERIFIED = {"gluon_fwd": ("3.6",), "gluon_dkdv": ("3.6",), "gluon_dkdv_softmax": ()}
+GLUON_VERIFIED = {"gluon_fwd": ("3.6",), "gluon_dkdv": ("3.6",)}
 _allow_unverified = False  # testing.unverified_gluon(): a new release's GPU tests run the kernels
 
 
@@ -129,9 +128,9 @@ def _gluon_applies(q, k, v, activation, causal, window, block_size, q_broadcast)
     return gluon_common.applies(q, k, v, activation, causal, window, block_size, q_broadcast)
 
 
-def _variant(q, activation: str, rotated: bool = False) -> str:
+def _variant(q, activation: str) -> str:
     """A Gluon launch's kernel variant, as its fallback is recorded: what its build depends on."""
-    return f"{activation} {fallback.dtype_name(q)} D={q.shape[-1]}" + (" rotary" if rotated else "")
+    return f"{activation} {fallback.dtype_name(q)} D={q.shape[-1]}"
 
 
 def launch_forward(
@@ -254,24 +253,17 @@ def _gluon_dkdv(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The (dK, dV) that gluon_bwd's dK/dV kernel writes (storing dS too) where it runs the
     backward's dK/dV, else None: the stored-dS backward in bf16 silu / fast_gelu (the bf16x2
-    path, unrotated) with ``config.gluon_bwd``, or in bf16 softmax (Q and K ``rotated`` or not)
-    with ``config.gluon_bwd_softmax``, where the Gluon kernels apply to q, k, v and dO, dK and dV
-    can be addressed as q. ``mask``: (causal, window, block_size, q_broadcast). A packed
+    path, unrotated) with ``config.gluon_bwd``, where the Gluon kernels apply to q, k, v and dO,
+    dK and dV can be addressed as q. ``mask``: (causal, window, block_size, q_broadcast). A packed
     gradient's dK and dV are its slices (views: this path runs on real tensors only, never
     traced by torch.compile)."""
-    softmax = activation == "softmax"
-    wanted = config.gluon_bwd_softmax if softmax else config.gluon_bwd and packed and not rotated
-    if not (wanted and store_ds and not INTERPRET and q.is_cuda):
+    if not (config.gluon_bwd and packed and not rotated and store_ds and not INTERPRET and q.is_cuda):
         return None
-    if not gluon_verified("gluon_dkdv_softmax" if softmax else "gluon_dkdv"):
+    if not gluon_verified("gluon_dkdv"):
         return None
     from kernels.jagged_attention import gluon_common
 
-    if softmax:
-        applies = gluon_common.softmax_dkdv_applies(q, k, v, *mask)
-    else:
-        applies = gluon_common.applies(q, k, v, activation, *mask)
-    if not applies or fallback.failed("gluon_dkdv", _variant(q, activation, rotated)):
+    if not gluon_common.applies(q, k, v, activation, *mask) or fallback.failed("gluon_dkdv", _variant(q, activation)):
         return None
     if packed_grad is not None:
         dk, dv = packed_grad.unbind(1)[-2:]
@@ -395,16 +387,9 @@ def launch_backward(
                 qk_scale,
                 grad_scale,
                 dv_scale,
-                lse=lse,
-                delta=delta,
-                rope=rope,
             )
 
-        setting = (
-            "experimental.kernels.gluon_bwd_softmax=false" if activation == "softmax" else "kernels.gluon_bwd=false"
-        )
-        variant = _variant(q, activation, rope is not None)
-        if not fallback.guarded("gluon_dkdv", variant, "triton", setting, gluon):
+        if not fallback.guarded("gluon_dkdv", _variant(q, activation), "triton", "kernels.gluon_bwd=false", gluon):
             gluon_grads = None
     if gluon_grads is not None:
         _took("gluon_dkdv")
@@ -729,8 +714,6 @@ _rope_fwd_op = define_op("gem_kernels::rotary_self_attention_fwd")(_rope_forward
 _rope_bwd_op = define_op("gem_kernels::rotary_self_attention_bwd")(_rope_backward_op(OP_WRAP))
 fake_without_launch(_rope_fwd_op, _rope_forward)
 fake_without_launch(_rope_bwd_op, _rope_backward_kernels)
-# (with gluon_bwd_softmax too: the backward's Gluon dK/dV)
-_define_opaque_pair("rotary_self_attention", _rope_forward_op, _rope_backward_op, _rope_forward, _rope_backward_kernels)
 
 
 def _rope_setup_context(ctx, inputs, output) -> None:
@@ -755,25 +738,14 @@ torch.library.register_autograd(
     _rope_autograd_backward(torch.ops.gem_kernels.rotary_self_attention_bwd),
     setup_context=_rope_setup_context,
 )
-torch.library.register_autograd(
-    "gem_kernels::rotary_self_attention_fwd_eager",
-    _rope_autograd_backward(torch.ops.gem_kernels.rotary_self_attention_bwd_eager),
-    setup_context=_rope_setup_context,
-)
 
 
-@register_flop_formula(
-    [torch.ops.gem_kernels.rotary_self_attention_fwd, torch.ops.gem_kernels.rotary_self_attention_fwd_eager],
-    get_raw=True,
-)
+@register_flop_formula(torch.ops.gem_kernels.rotary_self_attention_fwd, get_raw=True)
 def _rope_fwd_flop_formula(qkv, cos, sin, offsets, sizes, *args, out_val=None, **kwargs) -> int:
     return _forward_flops(qkv[:, 0], offsets, offsets, sizes)
 
 
-@register_flop_formula(
-    [torch.ops.gem_kernels.rotary_self_attention_bwd, torch.ops.gem_kernels.rotary_self_attention_bwd_eager],
-    get_raw=True,
-)
+@register_flop_formula(torch.ops.gem_kernels.rotary_self_attention_bwd, get_raw=True)
 def _rope_bwd_flop_formula(
     grad_out, q, k, qkv, out, lse, cos, sin, offsets, batch_order, sizes, *args, **kwargs
 ) -> int:
@@ -882,23 +854,8 @@ def packed_kv_attention_triton(q, kv, q_offsets, kv_offsets, max_kv_len, scale) 
 
 
 def rotary_self_attention_triton(qkv, cos, sin, offsets, max_len, scale, causal, window) -> torch.Tensor:
-    """Calls the registered rotary self-attention op (softmax, differentiable in ``qkv``). Under
-    ``torch.compile`` with ``settings.gluon_compiled`` and ``settings.gluon_bwd_softmax``, a call
-    without a mask goes to the opaque op, whose backward may run the Gluon dK/dV."""
-    settings = current_settings()
-    opaque = (
-        not causal
-        and window < 0
-        and torch.compiler.is_compiling()
-        and settings.gluon_compiled
-        and settings.gluon_bwd_softmax
-    )
-    fwd_op = (
-        torch.ops.gem_kernels.rotary_self_attention_fwd_eager
-        if opaque
-        else torch.ops.gem_kernels.rotary_self_attention_fwd
-    )
-    out, _, _, _, _ = fwd_op(
+    """Calls the registered rotary self-attention op (softmax, differentiable in ``qkv``)."""
+    out, _, _, _, _ = torch.ops.gem_kernels.rotary_self_attention_fwd(
         qkv, cos, sin, offsets, [max_len, max_len, int(causal), window, 0, 0], "softmax", [scale, 1.0]
     )
     return out

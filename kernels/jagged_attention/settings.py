@@ -39,9 +39,6 @@ class KernelSettings:
             faster at 128 rows).
         gluon_bwd: the stored-dS backward's dK/dV runs the Gluon kernel (sm_90, bf16 silu and
             fast_gelu on the bf16x2 path).
-        gluon_bwd_softmax: the same Gluon kernel for the softmax backward (bf16, no mask, jagged
-            queries; in the rotary self-attention too, dK turned back through the rotation as it
-            is stored). Compiled for sm_90 in CI, not yet run on a GPU: off.
         store_ds: without a causal, window or block mask and without a broadcast Q, the dK/dV
             kernel stores dS and dQ = dS K reads it instead of recomputing S and dP.
         store_ds_max_mib: the stored-dS buffer's cap in MiB; above it dQ is recomputed.
@@ -53,8 +50,7 @@ class KernelSettings:
         gluon_compiled: under ``torch.compile``, attention with a pointwise activation and no mask
             (GDPA, the personalized FFN) runs as an opaque op that launches its kernels itself, so
             that the Gluon kernels run there too (Inductor launches only Triton kernels); meant
-            for CUDA graphs, which take away the launches' host time. With ``gluon_bwd_softmax``
-            the rotary self-attention without a mask too. Not yet measured: off.
+            for CUDA graphs, which take away the launches' host time. Not yet measured: off.
         generated_weights: under ``torch.compile`` with the Triton backend, the personalized FFN's
             generated K/V (``gem.models.sequence.generate_weights``) take their three gradients
             from one read of the gradient (:mod:`kernels.generated_weights`); off, a sum over the
@@ -68,7 +64,6 @@ class KernelSettings:
     gluon: bool = True
     gluon_min_q_len: int = 128
     gluon_bwd: bool = True
-    gluon_bwd_softmax: bool = False
     store_ds: bool = True
     store_ds_max_mib: int = 8192
     rotary_fused: bool = False
@@ -88,6 +83,11 @@ class KernelSettings:
 # checking offsets, fixed launch configs or a wider search, the Gluon kernels off.
 ENV = {name: "GEM_KERNELS_" + name.upper() for name in ("check", "autotune", "tune_space", "gluon")}
 _TYPES = {field.name: field.type for field in dataclasses.fields(KernelSettings)}
+# Settings that were measured and deleted (docs/log/kernels.md): naming one is an error that says so.
+DELETED = {
+    "gluon_bwd_softmax": "deleted on 2026-12-07: the Gluon softmax dK/dV was no faster end to end "
+    "(docs/log/kernels.md); the softmax backward runs the Triton dK/dV",
+}
 _TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 
 _current: KernelSettings | None = None
@@ -124,7 +124,15 @@ def _check(name: str, value, label: str):
     return value
 
 
+def deleted(name: str, label: str) -> str:
+    """The error message for the deleted setting ``name``, named as ``label`` (a config key or a
+    variable)."""
+    return f"{label}: the kernel setting {name} was {DELETED[name]}; remove it"
+
+
 def _checked(values: dict, source: str) -> dict:
+    for name in sorted(set(values) & set(DELETED)):
+        raise ValueError(deleted(name, f"kernels.{name}"))
     unknown = sorted(set(values) - set(_TYPES))
     if unknown:
         raise ValueError(f"unknown kernel setting(s) {unknown}; expected some of {sorted(_TYPES)}")
@@ -135,6 +143,10 @@ def from_environment(base: KernelSettings | None = None) -> KernelSettings:
     """``base`` (the defaults if None) with every ``GEM_KERNELS_*`` variable that is set and not
     empty applied; a bad value raises naming the variable."""
     base = base or KernelSettings()
+    for name in sorted(DELETED):
+        variable = "GEM_KERNELS_" + name.upper()
+        if os.environ.get(variable, "").strip():
+            raise ValueError(deleted(name, variable))
     for variable in sorted(set(os.environ) - set(ENV.values())):
         if variable.startswith("GEM_KERNELS_") and os.environ[variable].strip():
             name = variable.removeprefix("GEM_KERNELS_").lower()

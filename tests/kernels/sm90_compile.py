@@ -11,8 +11,7 @@ the backward also with GEM_KERNELS_STORE_DS's kernels.
 The pooling kernels (``kernels.attention_pooling``) compile at width 512 for 16 and 128 columns.
 Last, the Gluon forward (``gluon_fwd.py``: inline PTX, TMA, warp specialization) for every
 pointwise activation, whose cubins must not spill, and the Gluon dK/dV kernel (bf16 silu and
-fast_gelu; softmax, also with the rotary self-attention's rotation and packed gradient), whose
-cubins may spill at most ``GLUON_DKDV_STACK`` bytes per thread (``GLUON_DKDV_ROPE_STACK`` with the rotation).
+fast_gelu), whose cubins may spill at most ``GLUON_DKDV_STACK`` bytes per thread.
 ``python tests/kernels/sm90_compile.py --resources [activation ...]`` compiles every autotune
 config instead and prints each one's registers and spill (stack) bytes per thread,
 read from the cubin with the cuobjdump that ships with Triton; set GEM_KERNELS_TUNE_SPACE=wide for
@@ -53,10 +52,8 @@ HOPPER = (9, 0)
 
 TARGET = GPUTarget("cuda", 90, 32)
 # Spill bytes per thread allowed in the Gluon dK/dV kernel: a few registers per step kept in local
-# memory (GDPA 16-32 with Triton 3.6, 24-32 with 3.7; softmax 64). With the rotary tables (softmax,
-# settings.gluon_bwd_softmax, off and never run on a GPU) Triton 3.6 spills 144 (3.7: 56).
-GLUON_DKDV_STACK = 64
-GLUON_DKDV_ROPE_STACK = 144
+# memory (16-32 with Triton 3.6, 24-32 with 3.7).
+GLUON_DKDV_STACK = 32
 RESOURCES = False  # --resources: every autotune config, with registers and spills (set in main)
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64", torch.int32: "i32"}
 
@@ -147,19 +144,15 @@ def _compile(fn, args, kwargs, float_type):
         ptx = compiled.asm["ptx"]
         assert "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx and "wgmma" in ptx
         assert "cp.async.bulk.tensor.2d.global.shared" in ptx  # TMA stores (out; dK, dV, dS)
-        # the dK/dV kernel runs GDPA on bf16x2 only, softmax in float32 (exp2)
-        softmax = kwargs["ACTIVATION"] == testing.ACTIVATION_CODES["softmax"]
-        packed = kwargs.get("PACKED", not softmax)
+        packed = kwargs.get("PACKED", True)  # the dK/dV kernel runs on bf16x2 only
         assert ("tanh.approx.bf16x2" in ptx) == packed
-        assert "ex2.approx" in ptx or not softmax
         resources = _resources(compiled.asm["cubin"])
         stack = int(re.search(r"stack=(\d+)", resources).group(1))
-        rope = dict(zip(fn.arg_names, args)).get("COS") is not None  # the dK/dV's tables (None: no rotation)
         # the forward must not spill
-        assert stack <= (0 if "PACKED" in kwargs else GLUON_DKDV_ROPE_STACK if rope else GLUON_DKDV_STACK), resources
+        assert stack <= (0 if "PACKED" in kwargs else GLUON_DKDV_STACK), resources
         print(
             f"compiled gluon {fn.__name__} activation={kwargs['ACTIVATION']} "
-            f"head_dim={kwargs['HEAD_D']} bf16x2={packed} rope={int(rope)} {resources} "
+            f"head_dim={kwargs['HEAD_D']} bf16x2={packed} {resources} "
             f"shared={compiled.metadata.shared}",
             flush=True,
         )
@@ -314,13 +307,11 @@ def main() -> None:
             wrap=compile_only,
             num_sms=132,
         )
-    # the Gluon dK/dV (bf16 silu and fast_gelu at head dim 128, fast_gelu at 64; softmax at both)
-    cases = ((128, "silu"), (128, "fast_gelu"), (64, "fast_gelu"), (128, "softmax"), (64, "softmax"))
-    for head_dim, activation in cases:
+    # the Gluon dK/dV (bf16 silu and fast_gelu at head dim 128, fast_gelu at 64)
+    for head_dim, activation in ((128, "silu"), (128, "fast_gelu"), (64, "fast_gelu")):
         inputs = make_inputs([5, 0, 130], [7, 3, 200], num_heads=2, head_dim=head_dim, dtype=torch.bfloat16)
         q, k, v = inputs.tensors()
         ds = q.new_empty(2, k.shape[0], testing.store_ds_row(inputs.max_q_len))
-        lse = torch.empty(2, q.shape[0], dtype=torch.float32)
         gluon_bwd.dkdv(
             q,
             k,
@@ -337,40 +328,9 @@ def main() -> None:
             0.088,
             0.1,
             0.1,
-            lse=lse,
-            delta=torch.empty_like(lse),
             wrap=compile_only,
             num_sms=132,
         )
-    # softmax as the rotary self-attention calls it: dK turned back through the rotation, dK and
-    # dV written into the slices of a packed [T, 3, H, D] gradient
-    inputs = make_inputs([5, 0, 130], num_heads=2, head_dim=128, dtype=torch.bfloat16)
-    q, k, v = inputs.tensors()
-    dqkv = q.new_empty(q.shape[0], 3, 2, 128)
-    lse = torch.empty(2, q.shape[0], dtype=torch.float32)
-    tables = torch.empty(q.shape[0], 64, dtype=torch.float32)
-    gluon_bwd.dkdv(
-        q,
-        k,
-        v,
-        torch.empty_like(q),
-        dqkv[:, 1],
-        dqkv[:, 2],
-        q.new_empty(2, k.shape[0], testing.store_ds_row(inputs.max_q_len)),
-        inputs.q_offsets,
-        inputs.kv_offsets,
-        order,
-        inputs.max_kv_len,
-        testing.ACTIVATION_CODES["softmax"],
-        0.088,
-        0.1,
-        1.0,
-        lse=lse,
-        delta=torch.empty_like(lse),
-        rope=(tables, tables),
-        wrap=compile_only,
-        num_sms=132,
-    )
 
 
 if __name__ == "__main__":

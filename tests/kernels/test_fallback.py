@@ -181,7 +181,7 @@ def test_a_build_check_runs_the_triton_kernels_unrecorded():
     with testing.override(gluon=True, gluon_bwd=True), testing.record_paths() as paths:
         with op.probing():
             settings = op.current_settings()
-            assert not (settings.gluon or settings.gluon_bwd or settings.gluon_bwd_softmax)
+            assert not (settings.gluon or settings.gluon_bwd)
             _gdpa(inputs)
         assert op.current_settings().gluon and paths == []
         _gdpa(inputs)

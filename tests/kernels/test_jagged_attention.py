@@ -342,16 +342,13 @@ def test_kernels_compile_for_hopper_without_a_gpu(pin):
     # storing dS, dQ from dS), with fp32 and with fp64 scalars, and the batch order kernel. Then
     # the Gluon forward (six cases, each with its work-list kernel): bf16 silu and fast_gelu on
     # the bf16x2 path, no spills (checked in the script); the Gluon dK/dV (three cases on bf16x2,
-    # softmax at two head dims and with the rotation, each with its work-list kernel). And kernels.rotary's kernel,
-    # both ways, at two head dims;
+    # each with its work-list kernel). And kernels.rotary's kernel, both ways, at two head dims;
     # rotary self-attention (Q and K rotated, then the softmax forward and a backward turning dK and
     # dQ back, once storing dS without a mask and once recomputing dQ, causal); and
     # kernels.attention_pooling's two kernels at 16 and 128 columns.
-    assert sum(line.startswith("compiled gluon") for line in lines) == 12, where
+    assert sum(line.startswith("compiled gluon") for line in lines) == 9, where
     assert sum("bf16x2=True" in line for line in lines) == 5, where
-    assert sum(line.startswith("compiled gluon _gdpa_dkdv_kernel activation=0") for line in lines) == 3, where
-    assert sum(line.startswith("compiled gluon") and "rope=1" in line for line in lines) == 1, where
-    assert sum("_work_list_kernel" in line for line in lines) == 12, where
+    assert sum("_work_list_kernel" in line for line in lines) == 9, where
     assert sum("packed=True" in line for line in lines) == 16, where
     assert sum("floats=fp64" in line for line in lines) == 20, where
     assert sum("causal=False" in line for line in lines) == 25, where
@@ -360,9 +357,9 @@ def test_kernels_compile_for_hopper_without_a_gpu(pin):
     assert sum("_bwd_dq_from_ds_kernel" in line for line in lines) == 5, where
     assert sum("_batch_order_kernel" in line for line in lines) == 1, where
     assert sum("_rotary_kernel" in line for line in lines) == 5, where
-    assert sum("rope=1" in line for line in lines) == 5, where
+    assert sum("rope=1" in line for line in lines) == 4, where
     assert sum("_pool_" in line for line in lines) == 4, where
-    assert len(lines) == 85, where
+    assert len(lines) == 79, where
 
 
 @pytest.fixture
@@ -906,25 +903,23 @@ def test_gpu_gluon_forward_strided_inputs(kernel_settings, paths):
 
 
 # --------------------------------------------------------------------------------------
-# The Gluon dK/dV (sm_90; on by default for GDPA, settings.gluon_bwd; for softmax off,
-# settings.gluon_bwd_softmax)
+# The Gluon dK/dV (sm_90; on by default for GDPA, settings.gluon_bwd)
 # --------------------------------------------------------------------------------------
 
 
 def _gluon_dkdv_calls(kernel_settings, paths):
-    """Enable the Gluon dK/dV kernel (GDPA and softmax) and count its launches."""
-    return _gluon_calls(kernel_settings, paths, "gluon_dkdv", gluon_bwd=True, gluon_bwd_softmax=True, store_ds=True)
+    """Enable the Gluon dK/dV kernel and count its launches."""
+    return _gluon_calls(kernel_settings, paths, "gluon_dkdv", gluon_bwd=True, store_ds=True)
 
 
 @gpu
 @requires_cuda
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("activation", ["silu", "fast_gelu", "softmax"])
+@pytest.mark.parametrize("activation", ["silu", "fast_gelu"])
 def test_gpu_gluon_backward(activation, layout, kernel_settings, paths):
-    """settings.gluon_bwd / gluon_bwd_softmax: the Gluon dK/dV (and the dS it stores, which the dQ
-    kernel reads) matches the reference for bf16 silu, fast_gelu and softmax without a mask,
-    jagged and dense K/V; broadcast queries, a causal mask and fp16 (GDPA: no bf16x2 path;
-    softmax: bf16 only) stay on the Triton kernel."""
+    """settings.gluon_bwd: the Gluon dK/dV (and the dS it stores, which the dQ kernel reads)
+    matches the reference for bf16 silu and fast_gelu without a mask, jagged and dense K/V;
+    broadcast queries, a causal mask and fp16 (no bf16x2 path) stay on the Triton kernel."""
     calls = _gluon_dkdv_calls(kernel_settings, paths)
     inputs = _gpu_layout_inputs(layout, seed=12, empty=3)
     _check_against_reference(inputs, torch.bfloat16, activation=activation)
@@ -969,15 +964,14 @@ def test_gpu_gluon_kernels_under_compile(mode, kernel_settings, paths):
 
 @gpu
 @requires_cuda
-@pytest.mark.parametrize("activation", ["silu", "softmax"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_gpu_gluon_backward_many_tiles(head_dim, activation, kernel_settings, paths):
+def test_gpu_gluon_backward_many_tiles(head_dim, kernel_settings, paths):
     """Many key tiles per program (300 examples, every 7th without queries and every 11th without
     keys, K/V lengths apart from the query lengths, so that tiles end inside either half):
     each program's loop over tiles, the two K/V buffers and the Q/dO ring phases, the masked
     stores of a tile that runs into the next example, zero dK/dV for keys that no query sees.
-    Gradients within rounding of the Triton dK/dV's and of the reference (GDPA: fast_gelu
-    against the reference, silu against Triton)."""
+    Gradients within rounding of the Triton dK/dV's and of the reference (fast_gelu against the
+    reference, silu against Triton)."""
     calls = _gluon_dkdv_calls(kernel_settings, paths)
     gen = torch.Generator().manual_seed(head_dim)
     q_lengths = torch.randint(1, 700, (300,), generator=gen)
@@ -994,13 +988,13 @@ def test_gpu_gluon_backward_many_tiles(head_dim, activation, kernel_settings, pa
         max_len_slack=40,
         generator=gen,
     )
-    _check_against_reference(inputs, torch.bfloat16, activation="fast_gelu" if activation == "silu" else activation)
+    _check_against_reference(inputs, torch.bfloat16, activation="fast_gelu")
     assert len(calls()) == 1
-    out = jagged_attention(*inputs.args(), activation=activation, backend="triton")
+    out = jagged_attention(*inputs.args(), activation="silu", backend="triton")
     grad_out = torch.randn_like(out)
     grads = torch.autograd.grad(out, inputs.tensors(), grad_out)
-    kernel_settings(gluon_bwd=False, gluon_bwd_softmax=False)
-    out = jagged_attention(*inputs.args(), activation=activation, backend="triton")
+    kernel_settings(gluon_bwd=False)
+    out = jagged_attention(*inputs.args(), activation="silu", backend="triton")
     expected = torch.autograd.grad(out, inputs.tensors(), grad_out)
     assert len(calls()) == 2
     for name, actual, want in zip(("dq", "dk", "dv"), grads, expected):

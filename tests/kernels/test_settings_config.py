@@ -86,3 +86,14 @@ def test_the_trainer_applies_the_settings_before_it_builds_the_model(restored, t
     build_model(config, schema, env)
     applied = kernel_config.current()
     assert (applied.gluon_min_q_len, applied.store_ds) == (512, False)
+
+
+@pytest.mark.parametrize("key", ["experimental.kernels.gluon_bwd_softmax", "kernels.gluon_bwd_softmax"])
+def test_a_deleted_setting_is_an_error_that_says_so(key, restored, monkeypatch):
+    with pytest.raises(ConfigError, match=f"{key}: the kernel setting gluon_bwd_softmax was deleted"):
+        validate(compose(["model=dlrm", f"+{key}=true"]))
+    with pytest.raises(ValueError, match="kernels.gluon_bwd_softmax: the kernel setting gluon_bwd_softmax was deleted"):
+        kernel_config.configure(gluon_bwd_softmax=True)
+    monkeypatch.setenv("GEM_KERNELS_GLUON_BWD_SOFTMAX", "1")
+    with pytest.raises(ValueError, match="GEM_KERNELS_GLUON_BWD_SOFTMAX: the kernel setting gluon_bwd_softmax was"):
+        kernel_config.configure()
