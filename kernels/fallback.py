@@ -9,7 +9,7 @@ a fallback case: nothing here compares numbers, and the tests fail on any record
 
 Two places fall back:
 
-* the Gluon launches (``jagged_attention/op.py``) run under :func:`guarded`, on the real tensors,
+* the Gluon launches (``jagged_attention/launch.py``) run under :func:`guarded`, on the real tensors,
   eagerly or inside the opaque ops that ``torch.compile`` calls as they are;
 * the Triton kernels, which ``torch.compile`` compiles itself inside its graph where no ``try``
   can reach, are checked per variant before their first call by :func:`triton_usable`: a tiny

@@ -4,7 +4,9 @@ The public entry point is :func:`jagged_attention` (validation, layouts, backend
 ``reference.py`` is the spec. The package by role (docs/kernels.md, "Layout"):
 
 * ``settings.py``: the switches (one frozen object, from the config; a few ``GEM_KERNELS_*`` overrides for debugging);
-* ``op.py``: the torch.library ops, which choose the kernels (Triton, Gluon, stored dS);
+* ``call.py``: one call's description (``AttentionCall``) and the kernels' choice for it (pure);
+* ``launch.py``: the launchers (the chosen kernels, and the recoveries only a launch finds);
+* ``op.py``: the torch.library ops, their autograd and FLOP formulas;
 * ``triton_common.py``, ``triton_fwd.py``, ``triton_bwd.py``, ``batch_order.py``,
   ``autotune.py``: the Triton kernels, their launchers and launch configs;
 * ``gluon_common.py``, ``gluon_fwd.py``, ``gluon_bwd.py``: the Hopper (sm_90) Gluon kernels;
@@ -19,6 +21,7 @@ import torch
 
 from kernels import fallback
 from kernels.jagged_attention import settings
+from kernels.jagged_attention.call import AttentionCall
 from kernels.jagged_attention.reference import (
     ACTIVATIONS,
     jagged_attention_reference,
@@ -201,12 +204,7 @@ def jagged_attention(
     if q_broadcast:
         q_offsets = _equal_offsets(num_batches, q.shape[0], q.device)  # the same queries for every example
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    out = op.jagged_attention_triton(
-        q,
-        k,
-        v,
-        q_offsets,
-        kv_offsets,
+    call = AttentionCall(
         int(max_q_len),
         int(max_kv_len),
         activation,
@@ -216,7 +214,9 @@ def jagged_attention(
         -1 if window is None else int(window),
         0 if block_size is None else int(block_size),
         q_broadcast,
+        settings=settings.current(),
     )
+    out = op.jagged_attention_triton(q, k, v, q_offsets, kv_offsets, call)
     if q_broadcast:
         return out.view(num_batches, q.shape[0], *q.shape[1:])
     return out
@@ -286,16 +286,19 @@ def rotary_self_attention(
         )
     qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
     cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
-    return op.rotary_self_attention_triton(
-        qkv,
-        cos,
-        sin,
-        offsets,
+    call = AttentionCall(
         int(max_len),
+        int(max_len),
+        "softmax",
         1.0 / math.sqrt(head_dim) if scale is None else float(scale),
+        1.0,
         bool(causal),
         -1 if window is None else int(window),
+        packing="qkv",
+        rotary=True,
+        settings=settings.current(),
     )
+    return op.rotary_self_attention_triton(qkv, cos, sin, offsets, call)
 
 
 def packed_kv_attention(
@@ -337,9 +340,10 @@ def packed_kv_attention(
     q, kv = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, kv))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     num_batches = offsets.numel() - 1
-    out = op.packed_kv_attention_triton(
-        q, kv, _equal_offsets(num_batches, q.shape[0], q.device), offsets, int(max_len), scale
+    call = AttentionCall(
+        q.shape[0], int(max_len), "softmax", scale, q_broadcast=True, packing="kv", settings=settings.current()
     )
+    out = op.packed_kv_attention_triton(q, kv, _equal_offsets(num_batches, q.shape[0], q.device), offsets, call)
     return out.view(num_batches, *q.shape)
 
 

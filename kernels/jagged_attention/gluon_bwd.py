@@ -1,6 +1,6 @@
 """Hopper (sm_90) GDPA backward's dK/dV (and the stored dS) in Gluon: persistent, warp-specialized.
 
-On by default (``settings.gluon_bwd``; kernels.gluon_bwd=false turns it off; ``op.py`` says when
+On by default (``settings.gluon_bwd``; kernels.gluon_bwd=false turns it off; ``call.py`` says when
 it runs): the stored-dS backward's dK/dV kernel for bf16 silu and fast_gelu (the bf16x2
 activation path) where ``gluon_common.applies`` holds (its softmax variant, ``gluon_bwd_softmax``,
 was deleted: no faster end to end, docs/log/kernels.md). The forward's structure with the roles
@@ -441,7 +441,7 @@ def dkdv(
     block_m=BWD_BLOCK_M,
     stages=BWD_STAGES,
 ) -> None:
-    """Writes dK, dV and the stored dS (``ds``: ``[H, K/V rows, padded queries]``, as ``op.py``'s
+    """Writes dK, dV and the stored dS (``ds``: ``[H, K/V rows, padded queries]``, as ``launch.py``'s
     stored-dS buffer) of the GDPA backward for bf16 silu / fast_gelu; arguments as
     :func:`forward`, ``dk_scale`` and ``dv_scale`` as the Triton dK/dV launcher's."""
     if activation_code not in (tc.ACTIVATION_CODES["silu"], tc.ACTIVATION_CODES["fast_gelu"]):

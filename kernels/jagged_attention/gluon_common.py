@@ -3,7 +3,7 @@
 Both Gluon kernels (``gluon_fwd.py``: the GDPA forward; ``gluon_bwd.py``: the stored-dS
 backward's dK/dV) are persistent: one program per SM loops over a compact list of work tiles
 (128 rows of one example and head) built on the GPU by :func:`work_list` without a host sync,
-examples in ``batch_order`` (most work first), then row blocks, then heads. ``op.py`` decides
+examples in ``batch_order`` (most work first), then row blocks, then heads. ``call.py`` decides
 when they run (:func:`applies`, ``settings.gluon`` / ``settings.gluon_bwd``).
 """
 
@@ -57,11 +57,16 @@ def tensors_apply(q, k, v) -> bool:
     adjacent, 16-byte aligned base and row stride)."""
     if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if (torch.compiler.is_compiling() and not _checking) or any(is_fake(t) for t in (q, k, v)):
+    if not real(q, k, v):
         return False
     if tc.capability(q.device.index)[0] != 9:
         return False
     return q.shape[2] in HEAD_DIMS and all(t.dtype == q.dtype and addressable(t) for t in (q, k, v))
+
+
+def real(*tensors) -> bool:
+    """Real tensors: not traced by torch.compile (but a build check's, :func:`real_tensors`), not fake."""
+    return not (torch.compiler.is_compiling() and not _checking) and not any(is_fake(t) for t in tensors)
 
 
 def addressable(t) -> bool:

@@ -1,7 +1,7 @@
 """Hopper (sm_90) GDPA forward in Gluon: persistent and warp-specialized.
 
 On by default (``settings.gluon``; ``kernels.gluon=false`` or ``GEM_KERNELS_GLUON=0`` turns it off;
-imported at the first GDPA forward): ``op.py`` takes this kernel instead of the Triton forward where
+imported at the first GDPA forward): ``launch.py`` takes this kernel instead of the Triton forward where
 ``gluon_common.applies`` holds and ``max_q_len`` exceeds ``settings.gluon_min_q_len`` (128; there
 the Triton forward measured faster). Same math as the Triton forward (``gdpa_act`` /
 ``gdpa_act_packed``, the output scale folded by the launcher), so the two agree to rounding.

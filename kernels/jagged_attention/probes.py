@@ -1,9 +1,9 @@
 """Build checks (``kernels.fallback.triton_usable``): each builds and launches every Triton kernel
 of one variant of an op once, on tiny inputs, through the launchers themselves (no dispatcher, no
 autograd, no tracing: it runs as it would eagerly, also when Dynamo calls it while it traces), with
-the Gluon kernels off and no launch recorded (``op.probing``). A size given as None (the check
-under ``torch.compile``) takes gem_base's: head dim 128. Without a GPU the kernels run on the CPU
-(in Triton's interpreter, or failing to launch without it, which is a fallback too)."""
+the Gluon kernels off (its calls' settings). A size given as None (the check under
+``torch.compile``) takes gem_base's: head dim 128. Without a GPU the kernels run on the CPU (in
+Triton's interpreter, or failing to launch without it, which is a fallback too)."""
 
 from __future__ import annotations
 
@@ -12,23 +12,27 @@ import math
 import torch
 
 from kernels.fallback import device_of
-from kernels.jagged_attention import op
+from kernels.jagged_attention import op, settings
+from kernels.jagged_attention.call import AttentionCall
 from kernels.jagged_attention.inputs import make_inputs
 from kernels.jagged_attention.triton_common import identity
+
+
+def _triton_only() -> settings.KernelSettings:
+    """The settings of a Triton build check's calls: those in force, the Gluon kernels off."""
+    return settings.current().replace(gluon=False, gluon_bwd=False)
 
 
 def _equal_offsets(num_batches: int, rows: int, device) -> torch.Tensor:
     return torch.arange(num_batches + 1, device=device, dtype=torch.int32) * rows
 
 
-def _forward_backward(q, k, v, q_offsets, kv_offsets, sizes, activation, scales, gluon=False) -> None:
-    """``op``'s forward and backward launchers, as the registered ops call them (``op.probing``)."""
-    with op.probing(gluon):
-        out, lse, order = op._forward(q, k, v, q_offsets, kv_offsets, sizes, activation, scales, identity)
-        grad_out = torch.randn_like(out)
-        op._backward_kernels(
-            grad_out, q, k, v, out, lse, q_offsets, kv_offsets, order, sizes, activation, scales, identity
-        )
+def _forward_backward(q, k, v, q_offsets, kv_offsets, call: AttentionCall) -> None:
+    """``op``'s forward and backward launchers, as the registered ops call them."""
+    sizes, activation, scales = call.op_args()
+    out, lse, order = op._gdpa_forward(q, k, v, q_offsets, kv_offsets, sizes, activation, scales, identity)
+    grad_out = torch.randn_like(out)
+    op._backward_kernels(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, order, sizes, activation, scales, identity)
 
 
 def jagged_attention(activation, dtype, head_dim, causal, windowed, blocked, layout, device) -> None:
@@ -48,34 +52,38 @@ def jagged_attention(activation, dtype, head_dim, causal, windowed, blocked, lay
     if q_offsets is None:
         max_q_len = q.shape[0]
         q_offsets = _equal_offsets(num_batches, max_q_len, q.device)
-    sizes = [
+    call = AttentionCall(
         max_q_len,
         max_kv_len,
-        int(causal),
+        activation,
+        1 / math.sqrt(head_dim),
+        1.0 if activation == "softmax" else 0.25,
+        bool(causal),
         1 if windowed else -1,
         2 if blocked else 0,
-        int(layout == "broadcast_q"),
-    ]
-    scales = [1 / math.sqrt(head_dim), 1.0 if activation == "softmax" else 0.25]
-    _forward_backward(q, k, v, q_offsets, kv_offsets, sizes, activation, scales)
+        layout == "broadcast_q",
+        settings=_triton_only(),
+    )
+    _forward_backward(q, k, v, q_offsets, kv_offsets, call)
 
 
 def gluon_gdpa(activation, dtype, head_dim, device) -> None:
     """The Gluon kernels that a GDPA variant's opaque ops may launch (the forward, the stored-dS
     dK/dV), on one example and head of ``settings.gluon_min_q_len + 1`` rows, which they take
     where they apply; on real tensors while Dynamo traces (``gluon_common.real_tensors``). Each
-    launch falls back where it fails (``op.launch_forward`` / ``launch_backward``)."""
+    launch falls back where it fails (``launch.forward`` / ``launch.backward``)."""
     if not torch.cuda.is_available():
         return  # the Gluon kernels run on sm_90 GPUs only
     from kernels.jagged_attention import gluon_common
 
-    rows = op.current_settings().gluon_min_q_len + 1
+    config = settings.current()
+    rows = config.gluon_min_q_len + 1
     inputs = make_inputs([rows], [rows], num_heads=1, head_dim=head_dim, dtype=getattr(torch, dtype),
                          device=device_of(device), requires_grad=False)  # fmt: skip
     q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len = inputs.args()
-    sizes, scales = [max_q_len, max_kv_len, 0, -1, 0, 0], [1 / math.sqrt(head_dim), 0.25]
+    call = AttentionCall(max_q_len, max_kv_len, activation, 1 / math.sqrt(head_dim), 0.25, settings=config)
     with gluon_common.real_tensors():
-        _forward_backward(q, k, v, q_offsets, kv_offsets, sizes, activation, scales, gluon=True)
+        _forward_backward(q, k, v, q_offsets, kv_offsets, call)
 
 
 def rotary_self_attention(dtype, head_dim, causal, windowed, device) -> None:
@@ -85,12 +93,13 @@ def rotary_self_attention(dtype, head_dim, causal, windowed, device) -> None:
     angles = torch.randn(7, head_dim // 2, device=device)
     cos, sin = angles.cos(), angles.sin()
     offsets = torch.tensor([0, 5, 7], device=device)
-    sizes, scales = [5, 5, int(causal), 1 if windowed else -1, 0, 0], [1 / math.sqrt(head_dim), 1.0]
-    with op.probing():
-        out, lse, order, q, k = op._rope_forward(qkv, cos, sin, offsets, sizes, "softmax", scales, identity)
-        op._rope_backward_kernels(
-            torch.randn_like(out), q, k, qkv, out, lse, cos, sin, offsets, order, sizes, "softmax", scales, identity
-        )
+    call = AttentionCall(5, 5, "softmax", 1 / math.sqrt(head_dim), 1.0, bool(causal), 1 if windowed else -1,
+                         packing="qkv", rotary=True, settings=_triton_only())  # fmt: skip
+    sizes, activation, scales = call.op_args()
+    out, lse, order, q, k = op._rope_forward(qkv, cos, sin, offsets, sizes, activation, scales, identity)
+    op._rope_backward_kernels(
+        torch.randn_like(out), q, k, qkv, out, lse, cos, sin, offsets, order, sizes, activation, scales, identity
+    )
 
 
 def packed_kv_attention(dtype, head_dim, device) -> None:
@@ -99,10 +108,11 @@ def packed_kv_attention(dtype, head_dim, device) -> None:
     q = torch.randn(3, 1, head_dim, device=device, dtype=getattr(torch, dtype))
     kv = torch.randn(7, 2, 1, head_dim, device=device, dtype=q.dtype)
     kv_offsets, q_offsets = torch.tensor([0, 5, 7], device=device), _equal_offsets(2, 3, device)
-    sizes, scales = [3, 5, 0, -1, 0, 1], [1 / math.sqrt(head_dim), 1.0]
-    with op.probing():
-        out, lse, order = op._kv_forward(q, kv, q_offsets, kv_offsets, sizes, "softmax", scales, identity)
-        grad_out = torch.randn_like(out)
-        op._kv_backward_kernels(
-            grad_out, q, kv, out, lse, q_offsets, kv_offsets, order, sizes, "softmax", scales, identity
-        )
+    call = AttentionCall(3, 5, "softmax", 1 / math.sqrt(head_dim), q_broadcast=True, packing="kv",
+                         settings=_triton_only())  # fmt: skip
+    sizes, activation, scales = call.op_args()
+    out, lse, order = op._kv_forward(q, kv, q_offsets, kv_offsets, sizes, activation, scales, identity)
+    grad_out = torch.randn_like(out)
+    op._kv_backward_kernels(
+        grad_out, q, kv, out, lse, q_offsets, kv_offsets, order, sizes, activation, scales, identity
+    )

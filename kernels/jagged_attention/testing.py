@@ -1,32 +1,38 @@
 """Test-facing hooks of the jagged attention kernels, for tests and benchmarks only.
 
-The library never calls these; they change the settings in force or watch the kernels' choice
-through documented names, so tests and benchmarks need no private ones:
+The library never calls these; they change the settings in force through documented names, so
+tests and benchmarks need no private ones (which kernels a call gets is a plain function to call:
+``call.choose_forward`` / ``call.choose_backward``):
 
 * :func:`override`: the settings in force, changed for a ``with`` block (the environment is not
   applied on top); :func:`preserved`: whatever a block configures is undone after it.
-* :func:`record_paths`: the kernels each launch in the block chose, e.g. ``["triton_fwd",
-  "triton_dkdv", "dq_from_ds"]`` (names in ``op.py``).
+* :func:`record_paths`: the kernels launched in the block, e.g. ``["triton_fwd", "triton_dkdv",
+  "dq_from_ds"]``, seen by wrapping the kernel modules' launchers for the block (the library
+  keeps no record of its own).
 * :func:`forced_config`: launch-config entries that replace the per-head-dim defaults (autotuning
   off), e.g. ``forced_config("fwd", LATE_PV=1)`` for the forward's LATE_PV loop.
-* :func:`unverified_gluon`: the Gluon kernels run on a Triton release that ``op.GLUON_VERIFIED``
+* :func:`unverified_gluon`: the Gluon kernels run on a Triton release that ``call.GLUON_VERIFIED``
   does not list, so that their GPU tests can verify a new release.
 
 Launch-level entry points without autograd, for tools that compile or inspect the kernels:
-``op.launch_forward`` / ``op.launch_backward`` (``wrap=``, ``config=``, ``arch=``),
-``batch_order.batch_order``, ``gluon_fwd.forward``, ``gluon_bwd.dkdv``.
+``launch.forward`` / ``launch.backward`` (an ``AttentionCall``, ``wrap=``, ``arch=``), here as
+:func:`launch_forward` / :func:`launch_backward`, ``batch_order.batch_order``,
+``gluon_fwd.forward``, ``gluon_bwd.dkdv``.
 """
 
 from __future__ import annotations
 
 import contextlib
 
-from kernels.jagged_attention import autotune, op, settings
-from kernels.jagged_attention.op import launch_backward, launch_forward, store_ds_row
+from kernels.jagged_attention import autotune, call, settings
+from kernels.jagged_attention.call import AttentionCall, store_ds_row
+from kernels.jagged_attention.launch import backward as launch_backward
+from kernels.jagged_attention.launch import forward as launch_forward
 from kernels.jagged_attention.triton_common import ACTIVATION_CODES, packed_act
 
 __all__ = [
     "ACTIVATION_CODES",
+    "AttentionCall",
     "forced_config",
     "launch_backward",
     "launch_forward",
@@ -63,14 +69,40 @@ def preserved():
         settings._set(saved)
 
 
+# (what record_paths calls a launch, module, launcher)
+_LAUNCHERS = (
+    ("gluon_fwd", "gluon_fwd", "forward"),
+    ("triton_fwd", "triton_fwd", "forward"),
+    ("gluon_dkdv", "gluon_bwd", "dkdv"),
+    ("triton_dkdv", "triton_bwd", "dkdv"),
+    ("dq_from_ds", "triton_bwd", "dq_from_ds"),
+    ("dq", "triton_bwd", "dq"),
+)
+
+
 @contextlib.contextmanager
 def record_paths():
-    """Yields a list to which every launch inside the block appends the kernels it chose."""
-    saved, op._paths = op._paths, []
+    """Yields a list to which every launch of a jagged attention kernel inside the block appends
+    its name (``_LAUNCHERS``) as it starts, one that then fails to build included (a build check's
+    launches too)."""
+    import importlib
+
+    paths, saved = [], []
+    for name, module_name, attr in _LAUNCHERS:
+        module = importlib.import_module(f"kernels.jagged_attention.{module_name}")
+        launcher = getattr(module, attr)
+        saved.append((module, attr, launcher))
+
+        def spy(*args, _launcher=launcher, _name=name, **kwargs):
+            paths.append(_name)
+            return _launcher(*args, **kwargs)
+
+        setattr(module, attr, spy)
     try:
-        yield op._paths
+        yield paths
     finally:
-        op._paths = saved
+        for module, attr, launcher in saved:
+            setattr(module, attr, launcher)
 
 
 @contextlib.contextmanager
@@ -88,9 +120,9 @@ def forced_config(kind: str, **entries):
 
 @contextlib.contextmanager
 def unverified_gluon():
-    """Inside the block the Gluon kernels run on any Triton release (``op.GLUON_VERIFIED`` aside)."""
-    saved, op._allow_unverified = op._allow_unverified, True
+    """Inside the block the Gluon kernels run on any Triton release (``call.GLUON_VERIFIED`` aside)."""
+    saved, call._allow_unverified = call._allow_unverified, True
     try:
         yield
     finally:
-        op._allow_unverified = saved
+        call._allow_unverified = saved

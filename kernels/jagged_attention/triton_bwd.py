@@ -5,17 +5,18 @@ and key block, streaming the query blocks that see it; it may also store dS), th
 (one program per query block, streaming key blocks, recomputing S and dP) and the dQ-from-dS
 kernel (dQ = dS K from the stored dS), then one launcher per kernel. No atomics, so the
 gradients are deterministic. Which kernels run (stored dS or not, Triton or Gluon dK/dV) is
-``op.py``'s choice; the math is ``reference.py``'s.
+``call.py``'s choice; the math is ``reference.py``'s.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.jagged_attention import autotune
-from kernels.jagged_attention.settings import KernelSettings
 from kernels.jagged_attention.triton_common import (
     BOUNDS,
     UNMASKED,
@@ -35,6 +36,9 @@ from kernels.jagged_attention.triton_common import (
     store_grad,
     visible_mask,
 )
+
+if TYPE_CHECKING:
+    from kernels.jagged_attention.call import AttentionCall
 
 # ---------------------------------------------------------------------------------------
 # backward
@@ -788,16 +792,9 @@ def dkdv(
     q_offsets,
     kv_offsets,
     batch_order,
-    max_q_len,
-    max_kv_len,
-    qk_scale,
-    grad_scale,
-    dv_scale,
-    window,
-    block_size,
+    call: AttentionCall,
     store_ds,
     meta,
-    config: KernelSettings,
     wrap=identity,
     rope=None,
     offsets=(0, 0),
@@ -810,13 +807,18 @@ def dkdv(
     ``dk`` only). Under torch.compile a kernel's written argument must be a whole buffer (2.11's
     functionalization clones a written view with an offset out of bounds, pytorch#192226), and
     only one argument may name it (functionalization clones each written argument on its own, so
-    writes through another could be lost)."""
+    writes through another could be lost). Lengths, scales (``call.backward_scales``), mask and
+    settings from ``call``."""
     num_batches, num_heads, head_dim = kv_offsets.numel() - 1, q.shape[1], q.shape[2]
+    max_q_len, max_kv_len = call.max_q_len, call.max_kv_len
+    qk_scale, grad_scale, dv_scale = call.backward_scales()
     cos, sin, stride_cs = _tables(rope, q)
     packed = dv is dk  # written through DK (DV_IN_DK); the DV argument is a stand-in, unread
     dv_arg = q if packed else dv
     lse_stride = lse.stride(0) if meta["ACTIVATION"] == 0 else 0
-    kernel, launch = autotune.kernel_and_config(_bwd_dkdv_kernel, "dkdv", meta["BLOCK_D"], q.element_size(), config)
+    kernel, launch = autotune.kernel_and_config(
+        _bwd_dkdv_kernel, "dkdv", meta["BLOCK_D"], q.element_size(), call.settings
+    )
 
     def grid(cfg):
         return (triton.cdiv(max_kv_len, cfg["BLOCK_N"]) * num_batches * num_heads,)
@@ -859,8 +861,8 @@ def dkdv(
         qk_scale,
         grad_scale,
         dv_scale,
-        window,
-        block_size,
+        call.window,
+        call.block_size,
         bucket(max_q_len),
         bucket(max_kv_len),
         **meta,
@@ -882,24 +884,20 @@ def dq(
     q_offsets,
     kv_offsets,
     batch_order,
-    max_q_len,
-    max_kv_len,
-    qk_scale,
-    grad_scale,
-    window,
-    block_size,
+    call: AttentionCall,
     meta,
-    config: KernelSettings,
     wrap=identity,
     rope=None,
     offset=0,
 ) -> None:
     """Writes dQ into ``dq_rows`` (``[To, H, D]``, from element ``offset``), recomputing S and dP;
-    ``rope`` and ``offset`` as :func:`dkdv`'s."""
+    ``call``, ``rope`` and ``offset`` as :func:`dkdv`'s."""
     num_batches, num_heads, head_dim = kv_offsets.numel() - 1, q.shape[1], q.shape[2]
+    max_q_len, max_kv_len = call.max_q_len, call.max_kv_len
+    qk_scale, grad_scale, _ = call.backward_scales()
     cos, sin, stride_cs = _tables(rope, q)
     lse_stride = lse.stride(0) if meta["ACTIVATION"] == 0 else 0
-    kernel, launch = autotune.kernel_and_config(_bwd_dq_kernel, "dq", meta["BLOCK_D"], q.element_size(), config)
+    kernel, launch = autotune.kernel_and_config(_bwd_dq_kernel, "dq", meta["BLOCK_D"], q.element_size(), call.settings)
 
     def grid(cfg):
         return (triton.cdiv(max_q_len, cfg["BLOCK_M"]) * num_batches * num_heads,)
@@ -935,8 +933,8 @@ def dq(
         max_q_len,
         qk_scale,
         grad_scale,
-        window,
-        block_size,
+        call.window,
+        call.block_size,
         bucket(max_q_len),
         bucket(max_kv_len),
         **meta,
@@ -952,21 +950,20 @@ def dq_from_ds(
     q_offsets,
     kv_offsets,
     batch_order,
-    max_q_len,
-    max_kv_len,
-    grad_scale,
+    call: AttentionCall,
     meta,
-    config: KernelSettings,
     wrap=identity,
     rope=None,
     offset=0,
 ) -> None:
     """Writes dQ = dS K into ``dq_rows`` (from element ``offset``) from the dS that the dK/dV
-    kernel stored; ``rope`` and ``offset`` as :func:`dkdv`'s."""
+    kernel stored; ``call``, ``rope`` and ``offset`` as :func:`dkdv`'s."""
     num_batches, num_heads, head_dim = kv_offsets.numel() - 1, k.shape[1], k.shape[2]
+    max_q_len, max_kv_len = call.max_q_len, call.max_kv_len
+    grad_scale = call.backward_scales()[1]
     cos, sin, stride_cs = _tables(rope, k)
     kernel, launch = autotune.kernel_and_config(
-        _bwd_dq_from_ds_kernel, "dq_ds", meta["BLOCK_D"], k.element_size(), config
+        _bwd_dq_from_ds_kernel, "dq_ds", meta["BLOCK_D"], k.element_size(), call.settings
     )
 
     def grid(cfg):

@@ -2,17 +2,18 @@
 
 Reads top-down: the inner loops (masked / unmasked key tiles; GDPA's LATE_PV loop), the kernel,
 then :func:`forward`, which allocates the outputs, picks the launch config and launches. Which
-forward runs (this one or the Gluon one) is ``op.py``'s choice; the math is ``reference.py``'s.
+forward runs (this one or the Gluon one) is ``call.py``'s choice; the math is ``reference.py``'s.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.jagged_attention import autotune
-from kernels.jagged_attention.settings import KernelSettings
 from kernels.jagged_attention.triton_common import (
     ACT_UNIT,
     BOUNDS,
@@ -32,6 +33,9 @@ from kernels.jagged_attention.triton_common import (
     split_blocks,
     visible_mask,
 )
+
+if TYPE_CHECKING:
+    from kernels.jagged_attention.call import AttentionCall
 
 # ---------------------------------------------------------------------------------------
 # forward
@@ -382,16 +386,8 @@ def forward(
     q_offsets: torch.Tensor,
     kv_offsets: torch.Tensor,
     batch_order: torch.Tensor,
-    max_q_len: int,
-    max_kv_len: int,
-    activation: str,
-    scale: float,
-    post_scale: float,
-    window: int,
-    block_size: int,
-    q_broadcast: bool,
+    call: AttentionCall,
     meta: dict,
-    config: KernelSettings,
     wrap=identity,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launches the forward kernel.
@@ -402,7 +398,7 @@ def forward(
         q_offsets: ``[B+1]`` output row offsets (``arange(B+1) * N`` when ``q_broadcast``).
         kv_offsets: ``[B+1]``.
         batch_order: ``[B]`` int32, examples in the order programs take them (longest first).
-        window / block_size: ``-1`` / ``0`` when unused.
+        call: the call (``call.AttentionCall``): lengths, activation, scales, mask, settings.
         meta: ``triton_common.launch_meta``'s constexprs.
         wrap: ``torch.library.wrap_triton`` inside a triton_op, identity otherwise.
 
@@ -412,13 +408,14 @@ def forward(
     """
     num_batches = kv_offsets.numel() - 1
     num_heads, head_dim = q.shape[1], q.shape[2]
-    num_rows = num_batches * q.shape[0] if q_broadcast else q.shape[0]
+    num_rows = num_batches * q.shape[0] if call.q_broadcast else q.shape[0]
+    max_q_len, max_kv_len, scale = call.max_q_len, call.max_kv_len, call.scale
     out = q.new_empty(num_rows, num_heads, head_dim)
-    softmax = activation == "softmax"
+    softmax = call.activation == "softmax"
     lse = q.new_empty((num_heads, num_rows) if softmax else (1,), dtype=torch.float32)
     if num_rows == 0 or num_heads == 0 or max_q_len == 0 or num_batches == 0:
         return out.zero_(), lse.fill_(float("inf"))
-    kernel, launch = autotune.kernel_and_config(_fwd_kernel, "fwd", meta["BLOCK_D"], 2, config)
+    kernel, launch = autotune.kernel_and_config(_fwd_kernel, "fwd", meta["BLOCK_D"], 2, call.settings)
 
     def grid(cfg):
         return (triton.cdiv(max_q_len, cfg["BLOCK_M"]) * num_batches * num_heads,)
@@ -445,9 +442,9 @@ def forward(
         head_dim,
         max_q_len,
         scale * LOG2E if softmax else scale,
-        output_scale(activation, scale, post_scale),
-        window,
-        block_size,
+        output_scale(call.activation, scale, call.post_scale),
+        call.window,
+        call.block_size,
         bucket(max_q_len),
         bucket(max_kv_len),
         **meta,

@@ -21,6 +21,7 @@ import.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -36,7 +37,7 @@ from kernels.attention_pooling import _forward as pooling_forward  # noqa: E402
 from kernels.jagged_attention import settings  # noqa: E402
 from kernels.jagged_attention.batch_order import batch_order  # noqa: E402
 from kernels.jagged_attention.inputs import make_inputs  # noqa: E402
-from kernels.jagged_attention.testing import launch_backward, launch_forward  # noqa: E402
+from kernels.jagged_attention.testing import AttentionCall, launch_backward, launch_forward  # noqa: E402
 from kernels.rotary import _backward as rotary_backward  # noqa: E402
 from kernels.rotary import _forward as rotary_forward  # noqa: E402
 from kernels.rotary import rotate_qk  # noqa: E402
@@ -146,10 +147,7 @@ def main() -> None:
             if layout != "jagged" and (causal or window >= 0):
                 continue
             config = settings.current().replace(store_ds=store_ds)
-            common = (
-                q_offsets,
-                kv_offsets,
-                order,
+            call = AttentionCall(
                 max_q_len,
                 max_kv_len,
                 activation,
@@ -159,9 +157,11 @@ def main() -> None:
                 window,
                 0,
                 layout == "broadcast_q",
+                settings=config,
             )
-            out, lse = launch_forward(q, k, v, *common, wrap=checked, config=config)
-            launch_backward(torch.randn_like(out), q, k, v, out, lse, *common, wrap=checked, config=config)
+            common = (q_offsets, kv_offsets, order, call)
+            out, lse = launch_forward(q, k, v, *common, wrap=checked)
+            launch_backward(torch.randn_like(out), q, k, v, out, lse, *common, wrap=checked)
             if activation == "softmax" and layout != "dense_kv":  # the packed-gradient backwards:
                 # rotary self-attention's (d qkv; Q, K and V on the same rows, Q and K rotated) and
                 # packed_kv_attention's (d kv, with broadcast queries)
@@ -175,9 +175,11 @@ def main() -> None:
                     v_in,
                     out,
                     lse,
-                    *common,
+                    q_offsets,
+                    kv_offsets,
+                    order,
+                    dataclasses.replace(call, packing="qkv" if self_attention else "kv", rotary=self_attention),
                     wrap=checked,
-                    config=config,
                     packed_grad=packed_grad,
                     rope=torch.randn(2, q.shape[0], 32).unbind(0) if self_attention else None,
                 )

@@ -21,6 +21,7 @@ the wide list.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import re
@@ -198,24 +199,18 @@ def main() -> None:
         def compile_fwd_bwd(wrap=compile_only, causal=True, config=recompute, activation=activation):
             """Causal runs the kernels' three-loop path (masked diagonal tiles); no mask runs
             their one-loop path (masked loads only)."""
-            common = (
-                inputs.q_offsets,
-                inputs.kv_offsets,
-                order,
+            call = testing.AttentionCall(
                 inputs.max_q_len,
                 inputs.max_kv_len,
                 activation,
                 0.088,
                 1.0 if activation == "softmax" else 0.1,
                 causal,
-                -1,
-                0,
-                False,
+                settings=config,
             )
-            out, lse = testing.launch_forward(q, k, v, *common, wrap=wrap, config=config, arch=HOPPER)
-            testing.launch_backward(
-                torch.randn_like(out), q, k, v, out, lse, *common, wrap=wrap, config=config, arch=HOPPER
-            )
+            common = (inputs.q_offsets, inputs.kv_offsets, order, call)
+            out, lse = testing.launch_forward(q, k, v, *common, wrap=wrap, arch=HOPPER)
+            testing.launch_backward(torch.randn_like(out), q, k, v, out, lse, *common, wrap=wrap, arch=HOPPER)
 
         compile_fwd_bwd()
         if activation != "silu":  # scalars typed as torch.compile passes them, without a mask
@@ -237,10 +232,11 @@ def main() -> None:
     cos, sin = torch.randn(2, q.shape[0], 64).unbind(0)
     rotate_qk(qkv, cos, sin, compile_only)
     for causal, config in ((False, stored), (True, recompute)):
-        rows = (inputs.q_offsets, inputs.q_offsets, order, inputs.max_q_len, inputs.max_q_len, "softmax", 0.088, 1.0)
-        common = (*rows, causal, -1, 0, False)
+        call = testing.AttentionCall(inputs.max_q_len, inputs.max_q_len, "softmax", 0.088, 1.0, causal, settings=config)
+        rotated = dataclasses.replace(call, packing="qkv", rotary=True)
         q_rot, k_rot, v_in = qkv.unbind(1)
-        out, lse = testing.launch_forward(q_rot, k_rot, v_in, *common, wrap=compile_only, config=config, arch=HOPPER)
+        common = (inputs.q_offsets, inputs.q_offsets, order)
+        out, lse = testing.launch_forward(q_rot, k_rot, v_in, *common, call, wrap=compile_only, arch=HOPPER)
         testing.launch_backward(
             torch.randn_like(out),
             q_rot,
@@ -249,8 +245,8 @@ def main() -> None:
             out,
             lse,
             *common,
+            rotated,
             wrap=compile_only,
-            config=config,
             arch=HOPPER,
             packed_grad=torch.empty_like(qkv),
             rope=(cos, sin),
@@ -271,17 +267,8 @@ def main() -> None:
         inputs.q_offsets,
         inputs.kv_offsets,
         order,
-        inputs.max_q_len,
-        inputs.max_kv_len,
-        "gelu",
-        0.088,
-        0.1,
-        False,
-        -1,
-        0,
-        False,
+        testing.AttentionCall(inputs.max_q_len, inputs.max_kv_len, "gelu", 0.088, 0.1, settings=recompute),
         wrap=compile_only,
-        config=recompute,
         arch=HOPPER,
     )
     # the experimental Gluon forward: every pointwise activation in bf16 at head dim 128 (silu

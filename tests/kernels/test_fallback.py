@@ -13,7 +13,7 @@ import triton
 from torch._subclasses.fake_tensor import is_fake
 
 from kernels import fallback, jagged_attention
-from kernels.jagged_attention import gluon_bwd, gluon_fwd, op, testing, triton_common
+from kernels.jagged_attention import call, gluon_bwd, gluon_fwd, launch, probes, testing, triton_common
 from kernels.jagged_attention.inputs import make_inputs
 
 HAS_CUDA = torch.cuda.is_available()
@@ -50,13 +50,23 @@ def events():
 
 @pytest.fixture
 def gluon_everywhere(monkeypatch):
-    """The Gluon kernels 'apply' to every unmasked GDPA call, also on the CPU (where they fail)."""
+    """The Gluon kernels 'apply' to every unmasked GDPA call its settings send them, also on the
+    CPU (where they fail): the choice as ``call.py``'s, but for the tensors."""
 
-    def dkdv_targets(q, k, v, grad_out, dk, dv, packed_grad, activation, mask, store_ds, packed, rotated, config):
-        return (dk, dv) if config.gluon_bwd and packed_grad is None else None
+    def choose_forward(attention, operands):
+        settings = attention.settings
+        gluon = settings.gluon and attention.max_q_len > settings.gluon_min_q_len and not operands.empty
+        return (
+            "gluon" if gluon and triton_common.unmasked_pointwise(attention.activation, *attention.mask) else "triton"
+        )
 
-    monkeypatch.setattr(op, "_gluon_applies", lambda *args: True)
-    monkeypatch.setattr(op, "_gluon_dkdv", dkdv_targets)
+    def choose_backward(attention, operands):
+        plan = call.choose_backward(attention, operands)
+        gluon = attention.settings.gluon_bwd and plan.store_ds and not attention.packing
+        return call.Backward("gluon" if gluon else "triton", plan.store_ds)
+
+    monkeypatch.setattr(launch, "choose_forward", choose_forward)
+    monkeypatch.setattr(launch, "choose_backward", choose_backward)
 
 
 def test_gluon_forward_that_fails_to_build_falls_back_to_triton_once(events, gluon_everywhere, monkeypatch):
@@ -79,7 +89,8 @@ def test_gluon_forward_that_fails_to_build_falls_back_to_triton_once(events, glu
     assert "kernels.gluon=false" in messages[0] and "(the rest" not in messages[0]
     assert "gluon_dkdv" in messages[1] and "kernels.gluon_bwd=false" in messages[1]
     assert [(e.kernel, e.to) for e in events()] == [("gluon_fwd", "triton"), ("gluon_dkdv", "triton")]
-    assert "gluon_fwd" not in paths and paths.count("triton_fwd") == 2 and paths.count("triton_dkdv") == 2
+    assert paths.count("gluon_fwd") == paths.count("gluon_dkdv") == 1  # tried once each (record_paths: attempts)
+    assert paths.count("triton_fwd") == 2 and paths.count("triton_dkdv") == 2
 
 
 def test_an_error_that_is_not_the_environments_propagates(events, gluon_everywhere, monkeypatch):
@@ -111,16 +122,16 @@ def test_what_counts_as_the_environments_failure(error, environment):
 
 def test_gluon_runs_only_on_a_verified_triton_release(monkeypatch, caplog):
     release = ".".join(triton.__version__.split(".")[:2])
-    monkeypatch.setitem(op.GLUON_VERIFIED, "gluon_fwd", ("0.1",))
-    op._release_verified.cache_clear()
+    monkeypatch.setitem(call.GLUON_VERIFIED, "gluon_fwd", ("0.1",))
+    call._release_verified.cache_clear()
     with testing.unverified_gluon():
-        assert op.gluon_verified("gluon_fwd")
-    monkeypatch.setattr(op, "_allow_unverified", False)
-    with caplog.at_level("INFO", logger=op.__name__):
-        assert not op.gluon_verified("gluon_fwd") and not op.gluon_verified("gluon_fwd")
+        assert call.gluon_verified("gluon_fwd")
+    monkeypatch.setattr(call, "_allow_unverified", False)
+    with caplog.at_level("INFO", logger=call.__name__):
+        assert not call.gluon_verified("gluon_fwd") and not call.gluon_verified("gluon_fwd")
     lines = [r.getMessage() for r in caplog.records if "gluon_fwd" in r.getMessage()]
     assert len(lines) == 1 and f"Triton {release}" in lines[0] and "0.1" in lines[0]
-    op._release_verified.cache_clear()
+    call._release_verified.cache_clear()
 
 
 def _triton_fails_to_build(monkeypatch):
@@ -175,17 +186,18 @@ def test_triton_fallback_under_torch_compile_with_dynamic_sizes(events, monkeypa
     torch.testing.assert_close(got, _gdpa_reference(inputs)[0])
 
 
-def test_a_build_check_runs_the_triton_kernels_unrecorded():
-    """The check's tiny calls run with the Gluon kernels off and leave no trace in record_paths."""
+def test_a_build_check_runs_the_triton_kernels(gluon_everywhere, events, monkeypatch):
+    """The check's tiny calls run with the Gluon kernels off (their own settings) where the
+    settings in force send the same call to them."""
     inputs = make_inputs([9, 4], dtype=torch.float32, device=DEVICE)
-    with testing.override(gluon=True, gluon_bwd=True), testing.record_paths() as paths:
-        with op.probing():
-            settings = op.current_settings()
-            assert not (settings.gluon or settings.gluon_bwd)
+    monkeypatch.setattr(gluon_fwd, "forward", _fail)
+    monkeypatch.setattr(gluon_bwd, "dkdv", _fail)
+    with testing.override(gluon=True, gluon_bwd=True, gluon_min_q_len=0), testing.record_paths() as paths:
+        probes.jagged_attention("fast_gelu", "float32", 32, False, False, False, "jagged", 0)
+        assert paths == ["triton_fwd", "triton_dkdv", "dq_from_ds"] and not events()
+        with pytest.warns(RuntimeWarning, match="falls back to triton"):  # (their build fails)
             _gdpa(inputs)
-        assert op.current_settings().gluon and paths == []
-        _gdpa(inputs)
-    assert paths == ["triton_fwd", "triton_dkdv", "dq_from_ds"]
+    assert paths[3:5] == ["gluon_fwd", "triton_fwd"]
 
 
 def test_the_gluon_check_runs_once_a_variant_on_real_tensors_while_dynamo_traces(events, monkeypatch):
@@ -227,7 +239,7 @@ def test_every_build_check_launches_its_kernels(kernel, variant):
 
     with testing.override(gluon=True, gluon_bwd=True), testing.record_paths() as paths:
         fallback.PROBES[kernel](*variant)
-    assert paths == []
+    assert not [path for path in paths if path.startswith("gluon")]
 
 
 def _gdpa_reference(inputs):
