@@ -92,6 +92,7 @@ def padded_attention(
     window=None,
     block_size=None,
     backend=None,
+    settings=None,
 ):
     """``kernels.jagged_attention``'s arguments on padded rows (every example ``max_len`` rows),
     computed as a padded model does: SDPA with a key-padding mask, or GDPA as two matmuls."""
@@ -111,6 +112,7 @@ def padded_attention(
             window=window,
             block_size=block_size,
             backend=backend,
+            settings=settings,
         )
     if causal or window is not None or block_size is not None:
         raise NotImplementedError("the padded baseline covers gem_base's attention: no causal, window or block mask")
@@ -146,18 +148,20 @@ def padded_pooling(x, a, offsets, max_len, backend=None):
     return torch.softmax(scores, dim=1).transpose(1, 2) @ rows
 
 
-def padded_self_attention(qkv, cos, sin, offsets, max_len, *, causal=False, window=None, backend=None):
+def padded_self_attention(qkv, cos, sin, offsets, max_len, *, causal=False, window=None, backend=None, settings=None):
     """``kernels.jagged_attention.rotary_self_attention`` as a padded model computes it: the rotary
     embedding's PyTorch formula, then :func:`padded_attention`."""
     q, k, v = rotary_reference(qkv, cos, sin)
-    return padded_attention(q, k, v, offsets, offsets, max_len, max_len, causal=causal, window=window, backend=backend)
+    return padded_attention(
+        q, k, v, offsets, offsets, max_len, max_len, causal=causal, window=window, backend=backend, settings=settings
+    )
 
 
-def padded_packed_kv_attention(q, kv, offsets, max_len, *, scale=None, backend=None):
+def padded_packed_kv_attention(q, kv, offsets, max_len, *, scale=None, backend=None, settings=None):
     """``kernels.jagged_attention.packed_kv_attention`` (pooling queries over packed K/V) as a
     padded model computes it: :func:`padded_attention` on K and V."""
     k, v = kv.unbind(1)
-    return padded_attention(q, k, v, None, offsets, None, max_len, scale=scale, backend=backend)
+    return padded_attention(q, k, v, None, offsets, None, max_len, scale=scale, backend=backend, settings=settings)
 
 
 class PaddedGEMDenseArch(GEMDenseArch):

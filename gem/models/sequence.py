@@ -21,7 +21,8 @@ from kernels.attention_pooling import attention_pooling
 from kernels.generated_weights import generated_weights_backward
 from kernels.jagged import jagged_positions
 from kernels.jagged_attention import jagged_attention, packed_kv_attention, rotary_self_attention
-from kernels.jagged_attention import settings as kernel_settings
+from kernels.jagged_attention.settings import KernelSettings
+from kernels.jagged_attention.settings import current as current_kernel_settings
 
 
 def linear_flops(rows: int, in_dim: int, out_dim: int) -> int:
@@ -97,6 +98,8 @@ class JaggedSelfAttention(nn.Module):
         dropout: on the attention's output before the residual add (0: none).
         bias: biases on the Q/K/V and output projections (False: none, which spares the backward
             a sum over every row of their gradients).
+        kernel_settings: the attention kernels' settings (None: the process default); the
+            trainer hands the run's to every attention module (:func:`use_kernel_settings`).
     """
 
     def __init__(
@@ -108,12 +111,13 @@ class JaggedSelfAttention(nn.Module):
         causal: bool = False,
         dropout: float = 0.0,
         bias: bool = True,
+        kernel_settings: KernelSettings | None = None,
     ) -> None:
         super().__init__()
         if dim % num_heads or (dim // num_heads) % 2:
             raise ValueError(f"model.streams: width {dim} must split into {num_heads} heads of an even head_dim")
         self.num_heads, self.head_dim, self.window, self.backend = num_heads, dim // num_heads, window, backend
-        self.causal = causal
+        self.causal, self.kernel_settings = causal, kernel_settings
         self.norm = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim, bias=bias)
         self.out = nn.Linear(dim, dim, bias=bias)
@@ -131,7 +135,14 @@ class JaggedSelfAttention(nn.Module):
             rope = rotary_tables(offsets, x.shape[0], self.head_dim)
         (qkv,) = attention_inputs(self.qkv(self.norm(x)).view(-1, 3, self.num_heads, self.head_dim))
         o = rotary_self_attention(  # [T, H, D]
-            qkv, *rope, offsets, max_len, causal=self.causal, window=self.window, backend=self.backend
+            qkv,
+            *rope,
+            offsets,
+            max_len,
+            causal=self.causal,
+            window=self.window,
+            backend=self.backend,
+            settings=self.kernel_settings,
         )
         o = self.out(o.reshape(x.shape))
         return x + (o if self.dropout is None else self.dropout(o))
@@ -151,7 +162,11 @@ class JaggedSelfAttention(nn.Module):
 
 
 def generate_weights(
-    shared: torch.Tensor, mix: torch.Tensor, generated: torch.Tensor, backend: str | None = None
+    shared: torch.Tensor,
+    mix: torch.Tensor,
+    generated: torch.Tensor,
+    backend: str | None = None,
+    settings: KernelSettings | None = None,
 ) -> torch.Tensor:
     """``shared + mix @ generated_b`` for every example ``b`` (``[N, C] + [N, N_s] @ [B, N_s, C]``
     -> ``[B, N, C]``, in ``generated``'s dtype): the personalized FFN's weights.
@@ -162,10 +177,11 @@ def generate_weights(
     that writes the result once, and a backward that reads the gradient once for all three
     gradients with the Triton backend (``backend``: a ``kernels.jagged_attention`` backend, None:
     Triton on CUDA; ``kernels.generated_weights``) unless the kernels' ``generated_weights``
-    setting is off, else three times (a sum and two GEMMs)."""
+    setting is off (``settings``; None: the process default), else three times (a sum and two GEMMs)."""
     if torch.compiler.is_compiling():
         triton_backend = backend == "triton" or (backend is None and generated.is_cuda)
-        kernel = triton_backend and kernel_settings.current().generated_weights
+        settings = current_kernel_settings() if settings is None else settings
+        kernel = triton_backend and settings.generated_weights
         return _GeneratedWeights.apply(shared, mix, generated, kernel)
     return torch.baddbmm(shared, mix.expand(generated.shape[0], -1, -1), generated)
 
@@ -208,6 +224,7 @@ class PersonalizedFFN(nn.Module):
         dim: row width ``H * D``; summary_dim / num_summary: the summary's token width and count.
         num_kv: ``N``, the FFN's hidden width per head.
         bias: a bias on the output projection (False: none).
+        kernel_settings: as :class:`JaggedSelfAttention`'s.
     """
 
     def __init__(
@@ -220,10 +237,11 @@ class PersonalizedFFN(nn.Module):
         activation: str = "silu",
         backend: str | None = None,
         bias: bool = True,
+        kernel_settings: KernelSettings | None = None,
     ) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv = num_heads, dim // num_heads, num_kv
-        self.activation, self.backend = activation, backend
+        self.activation, self.backend, self.kernel_settings = activation, backend, kernel_settings
         self.norm = nn.LayerNorm(dim)
         self.proj = nn.Linear(summary_dim, 2 * dim, bias=False)
         self.mix = nn.Linear(num_summary, num_kv, bias=False)
@@ -238,9 +256,9 @@ class PersonalizedFFN(nn.Module):
         generated = self.proj(summary)  # [B, N_s, 2*H*D]
         # K_b = W_0 + M (xs_b W) per example, K and V apart, each written once in its final layout
         k, v = (
-            generate_weights(self.shared[:, part], self.mix.weight, generated[..., part], self.backend).view(
-                num_seqs, self.num_kv, self.num_heads, self.head_dim
-            )
+            generate_weights(
+                self.shared[:, part], self.mix.weight, generated[..., part], self.backend, self.kernel_settings
+            ).view(num_seqs, self.num_kv, self.num_heads, self.head_dim)
             for part in (slice(0, width), slice(width, None))
         )  # [B, N, H, D] each
         h, k, v = attention_inputs(self.norm(x).view(-1, self.num_heads, self.head_dim), k, v)
@@ -255,6 +273,7 @@ class PersonalizedFFN(nn.Module):
             activation=self.activation,
             post_scale=1.0 / self.num_kv,
             backend=self.backend,
+            settings=self.kernel_settings,
         )
         return x + self.out(o.reshape(x.shape))
 
@@ -291,10 +310,17 @@ class PoolingByAttention(nn.Module):
     """
 
     def __init__(
-        self, dim: int, num_heads: int, num_queries: int, backend: str | None = None, pool_rows: bool | None = None
+        self,
+        dim: int,
+        num_heads: int,
+        num_queries: int,
+        backend: str | None = None,
+        pool_rows: bool | None = None,
+        kernel_settings: KernelSettings | None = None,
     ) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.backend = num_heads, dim // num_heads, backend
+        self.kernel_settings = kernel_settings  # (as JaggedSelfAttention's)
         self.queries = nn.Parameter(torch.empty(num_queries, num_heads, self.head_dim))
         self.kv = nn.Linear(dim, 2 * dim)
         self.pool_rows = 4 * num_queries * num_heads < dim if pool_rows is None else pool_rows
@@ -305,7 +331,8 @@ class PoolingByAttention(nn.Module):
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int) -> torch.Tensor:
         if not self.pool_rows:
             q, kv = attention_inputs(self.queries, self.kv(x).view(-1, 2, self.num_heads, self.head_dim))
-            return packed_kv_attention(q, kv, offsets, max_len, backend=self.backend).flatten(2)  # [B, N, H*D]
+            out = packed_kv_attention(q, kv, offsets, max_len, backend=self.backend, settings=self.kernel_settings)
+            return out.flatten(2)  # [B, N, H*D]
         num_queries, dim = self.queries.shape[0], x.shape[1]
         w_k, w_v = self.kv.weight.view(2, self.num_heads, self.head_dim, dim).unbind(0)  # [H, D, dim] each
         b_v = self.kv.bias.view(2, self.num_heads, self.head_dim)[1]
@@ -330,3 +357,16 @@ class PoolingByAttention(nn.Module):
             + 4 * keys * dim * columns  # scores and weighted sum
             + linear_flops(lengths.numel() * columns, dim, self.head_dim)  # W_v on the pooled rows
         )
+
+
+ATTENTION_MODULES = (JaggedSelfAttention, PersonalizedFFN, PoolingByAttention)
+
+
+def use_kernel_settings(model: nn.Module, settings: KernelSettings | None) -> int:
+    """Hands ``settings`` (the attention kernels' settings; None: the process default) to every
+    attention module of a built model (:data:`ATTENTION_MODULES`), which passes them to each of its
+    calls; before ``torch.compile``, which traces them as constants. Returns how many took them."""
+    modules = [m for m in model.modules() if isinstance(m, ATTENTION_MODULES)]
+    for module in modules:
+        module.kernel_settings = settings
+    return len(modules)

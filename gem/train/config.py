@@ -220,7 +220,7 @@ def _kernels_configs() -> tuple[type, type]:
     """``KernelsConfig`` (``configs/kernels/``: ``attention_backend``, None: Triton on CUDA, the
     reference elsewhere; and the user's fields of ``KernelSettings``) and
     ``ExperimentalKernelsConfig`` (its other fields), each field with its default there, their
-    one source. The trainer applies both once before the model is built (:func:`kernel_settings_of`).
+    one source. The trainer resolves both once and hands them to the model (:func:`kernel_settings_of`).
     ``KernelsConfig`` still takes each experimental key, deprecated: :func:`validate` moves it."""
     from kernels.jagged_attention.settings import KernelSettings
 
@@ -297,7 +297,7 @@ def _move_deprecated_keys(config: Config) -> None:
 
 
 def kernel_settings_of(config: Config) -> dict:
-    """The keys ``kernels.jagged_attention.settings.configure`` takes: ``kernels.*`` but the
+    """The keys ``kernels.jagged_attention.settings.resolve`` takes: ``kernels.*`` but the
     backend (and the deprecated keys, which :func:`validate` moved), and ``experimental.kernels.*``."""
     skip = {"attention_backend", *EXPERIMENTAL_KERNEL_SETTINGS}
     user = {key: value for key, value in asdict(config.kernels).items() if key not in skip}

@@ -217,10 +217,13 @@ def build_model(
     ``source``. ``dense_builder``: a component's wrapper around the configured dense arch."""
     from gem.distributed.parallel_dims import dtype_from_name
     from gem.distributed.parallelize import parallelize_gem
+    from gem.models.sequence import use_kernel_settings
     from kernels.jagged_attention import settings as kernel_settings
 
     check_kernels(config, env)
-    kernel_settings.configure(**kernel_settings_of(config))  # once, before any kernel runs
+    # the config's kernel settings (then the debugging variables'), handed to the model's attention
+    # modules below, not installed for the process
+    attention_settings = kernel_settings.resolve(**kernel_settings_of(config))
     timer = timer or StartupTimer()
     s, p = config.sparse, config.parallelism
     dims = parallel_dims(config, env)
@@ -278,6 +281,7 @@ def build_model(
         raise ConfigError(f"model: could not build {config.model.get('_target_')}: {e}") from e
     dense.to_empty(device=env.device)
     dense.init_weights()  # the same on every rank (same seed): fully_shard keeps each rank's slice
+    use_kernel_settings(dense, attention_settings)  # before compile, which traces them
     can = capabilities(dense)
     if can.item_cooccurrence:  # a seqrec ranking prior, from the training split (docs/seqrec.md)
         if source is None:

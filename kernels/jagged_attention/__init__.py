@@ -20,13 +20,14 @@ import math
 import torch
 
 from kernels import fallback
-from kernels.jagged_attention import settings
+from kernels.jagged_attention import settings as settings_module
 from kernels.jagged_attention.call import AttentionCall
 from kernels.jagged_attention.reference import (
     ACTIVATIONS,
     jagged_attention_reference,
     num_visible_pairs,
 )
+from kernels.jagged_attention.settings import KernelSettings
 from kernels.jagged_attention.triton_common import resolve_backend
 
 __all__ = [
@@ -57,6 +58,7 @@ def jagged_attention(
     block_size: int | None = None,
     backend: str | None = None,
     check: bool | None = None,
+    settings: KernelSettings | None = None,
 ) -> torch.Tensor:
     """Attention over jagged (variable-length) sequences, forward and backward.
 
@@ -101,8 +103,11 @@ def jagged_attention(
         causal, window, block_size: masks, see above.
         backend: ``"triton"``, ``"reference"`` or None (Triton on CUDA, reference elsewhere).
         check: check the offsets against the contract below on the device too (one
-            device-to-host copy, a sync); None: ``settings.current().check``
-            (``kernels.check``, ``GEM_KERNELS_CHECK``).
+            device-to-host copy, a sync); None: the settings' ``check`` (``kernels.check``,
+            ``GEM_KERNELS_CHECK``).
+        settings: the kernels' settings of this call (``settings.KernelSettings``; a module
+            holds its own, handed to it when the model is built); None: the process default,
+            ``settings.current()``.
 
     Contract of the host arguments (the kernels trust them: a violation reads out of range or
     gives wrong output silently):
@@ -159,7 +164,8 @@ def jagged_attention(
         raise ValueError("max_q_len / max_kv_len are required for jagged inputs")
     _check_bound("max_q_len", max_q_len)
     _check_bound("max_kv_len", max_kv_len)
-    check = _resolve_check(check)
+    settings = settings_module.current() if settings is None else settings
+    check = _resolve_check(check, settings)
     if q_offsets is not None:
         check_offsets("q_offsets", q_offsets, "q", q.shape[0], "max_q_len", max_q_len, check)
     if kv_offsets is not None:
@@ -214,7 +220,7 @@ def jagged_attention(
         -1 if window is None else int(window),
         0 if block_size is None else int(block_size),
         q_broadcast,
-        settings=settings.current(),
+        settings=settings,
     )
     out = op.jagged_attention_triton(q, k, v, q_offsets, kv_offsets, call)
     if q_broadcast:
@@ -234,6 +240,7 @@ def rotary_self_attention(
     scale: float | None = None,
     backend: str | None = None,
     check: bool | None = None,
+    settings: KernelSettings | None = None,
 ) -> torch.Tensor:
     """Softmax self-attention over the jagged rows of a packed projection with rotary positions:
     ``jagged_attention(*rotary_qkv(qkv, cos, sin), offsets, offsets, max_len, max_len, ...)`` in
@@ -244,7 +251,7 @@ def rotary_self_attention(
         cos, sin: float32 ``[T, D/2]``, the rotation of each row (``kernels.rotary.rotary_qkv``;
             ``gem.models.sequence.rotary_tables`` computes them).
         offsets, max_len: the rows' ``[B+1]`` offsets and a host-side bound on the lengths.
-        causal, window, scale, backend, check: as :func:`jagged_attention`'s.
+        causal, window, scale, backend, check, settings: as :func:`jagged_attention`'s.
 
     Returns ``[T, H, D]`` in ``qkv.dtype``, differentiable in ``qkv``. With the ``rotary_fused``
     setting, on the Triton backend with a head dim that is a power of two (16 and up), the kernels
@@ -260,10 +267,11 @@ def rotary_self_attention(
     if offsets.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"offsets must be int32 or int64, got {offsets.dtype}")
     _check_bound("max_len", max_len)
-    check_offsets("offsets", offsets, "qkv", qkv.shape[0], "max_len", max_len, _resolve_check(check))
+    settings = settings_module.current() if settings is None else settings
+    check_offsets("offsets", offsets, "qkv", qkv.shape[0], "max_len", max_len, _resolve_check(check, settings))
     head_dim = qkv.shape[-1]
     backend = resolve_backend(backend, qkv)
-    fused = backend == "triton" and head_dim >= 16 and not head_dim & (head_dim - 1) and settings.current().rotary_fused
+    fused = backend == "triton" and head_dim >= 16 and not head_dim & (head_dim - 1) and settings.rotary_fused
     if fused:  # its own kernels, checked as such (the two calls below check theirs)
         variant = (fallback.dtype_name(qkv), head_dim, bool(causal), window is not None)
         backend = resolve_backend(backend, qkv, "rotary_self_attention", variant)
@@ -283,6 +291,7 @@ def rotary_self_attention(
             scale=scale,
             backend=backend,
             check=False,  # checked above
+            settings=settings,
         )
     qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
     cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
@@ -296,7 +305,7 @@ def rotary_self_attention(
         -1 if window is None else int(window),
         packing="qkv",
         rotary=True,
-        settings=settings.current(),
+        settings=settings,
     )
     return op.rotary_self_attention_triton(qkv, cos, sin, offsets, call)
 
@@ -310,6 +319,7 @@ def packed_kv_attention(
     scale: float | None = None,
     backend: str | None = None,
     check: bool | None = None,
+    settings: KernelSettings | None = None,
 ) -> torch.Tensor:
     """Softmax attention of the same queries over each example's rows of a packed K/V projection:
     ``jagged_attention(q, kv[:, 0], kv[:, 1], None, offsets, None, max_len)`` (pooling by
@@ -319,7 +329,7 @@ def packed_kv_attention(
         q: ``[N, H, D]``, the queries every example shares.
         kv: ``[T, 2, H, D]``, each row's K and V (one linear layer's output, viewed).
         offsets, max_len: the rows' ``[B+1]`` offsets and a host-side bound on the lengths.
-        scale, backend, check: as :func:`jagged_attention`'s.
+        scale, backend, check, settings: as :func:`jagged_attention`'s.
 
     Returns ``[B, N, H, D]``, differentiable in ``q`` and ``kv``; an example without rows gets
     zeros. On the Triton backend the dK/dV kernel writes the gradient of ``kv`` whole, where the
@@ -332,17 +342,18 @@ def packed_kv_attention(
     if offsets.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"offsets must be int32 or int64, got {offsets.dtype}")
     _check_bound("max_len", max_len)
-    check_offsets("offsets", offsets, "kv", kv.shape[0], "max_len", max_len, _resolve_check(check))
+    settings = settings_module.current() if settings is None else settings
+    check_offsets("offsets", offsets, "kv", kv.shape[0], "max_len", max_len, _resolve_check(check, settings))
     backend = resolve_backend(backend, kv, "packed_kv_attention", (fallback.dtype_name(kv), kv.shape[-1]))
     if backend != "triton":
         k, v = kv.unbind(1)
-        return jagged_attention(q, k, v, None, offsets, None, max_len, scale=scale, backend=backend, check=False)
+        return jagged_attention(
+            q, k, v, None, offsets, None, max_len, scale=scale, backend=backend, check=False, settings=settings
+        )
     q, kv = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, kv))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     num_batches = offsets.numel() - 1
-    call = AttentionCall(
-        q.shape[0], int(max_len), "softmax", scale, q_broadcast=True, packing="kv", settings=settings.current()
-    )
+    call = AttentionCall(q.shape[0], int(max_len), "softmax", scale, q_broadcast=True, packing="kv", settings=settings)
     out = op.packed_kv_attention_triton(q, kv, _equal_offsets(num_batches, q.shape[0], q.device), offsets, call)
     return out.view(num_batches, *q.shape)
 
@@ -361,11 +372,11 @@ def _check_bound(name: str, value) -> None:
         raise ValueError(f"{name}={value!r} must be a non-negative integer: a host-side upper bound on the lengths")
 
 
-def _resolve_check(check: bool | None) -> bool:
+def _resolve_check(check: bool | None, settings: KernelSettings) -> bool:
     """``check``, or the ``check`` setting where None; never while compiling: the check syncs, and
     torch 2.11's Dynamo fails to guard on settings."""
     if check is None:
-        return not torch.compiler.is_compiling() and settings.current().check
+        return not torch.compiler.is_compiling() and settings.check
     return check
 
 

@@ -430,9 +430,9 @@ def jagged_attention_triton(q, k, v, q_offsets, kv_offsets, call: AttentionCall)
         and call.settings.gluon_compiled
     )
     if opaque and q.is_cuda and isinstance(q.shape[-1], int):
-        fallback.gluon_checked(
-            "gluon_gdpa", (call.activation, fallback.dtype_name(q), q.shape[-1], q.device.index or 0)
-        )
+        s = call.settings  # the Gluon kernels it turns on, and the rows they take
+        variant = (call.activation, fallback.dtype_name(q), q.shape[-1], q.device.index or 0)
+        fallback.gluon_checked("gluon_gdpa", (*variant, int(s.gluon), int(s.gluon_bwd), s.gluon_min_q_len))
     fwd_op = torch.ops.gem_kernels.jagged_attention_fwd_eager if opaque else torch.ops.gem_kernels.jagged_attention_fwd
     out, _, _ = fwd_op(q, k, v, q_offsets, kv_offsets, *call.op_args())
     return out

@@ -1,7 +1,7 @@
 """Build checks (``kernels.fallback.triton_usable``): each builds and launches every Triton kernel
 of one variant of an op once, on tiny inputs, through the launchers themselves (no dispatcher, no
 autograd, no tracing: it runs as it would eagerly, also when Dynamo calls it while it traces), with
-the Gluon kernels off (its calls' settings). A size given as None (the check under
+the Gluon kernels off (``settings.TRITON_ONLY``, whatever a call's settings). A size given as None (the check under
 ``torch.compile``) takes gem_base's: head dim 128. Without a GPU the kernels run on the CPU (in
 Triton's interpreter, or failing to launch without it, which is a fallback too)."""
 
@@ -16,11 +16,6 @@ from kernels.jagged_attention import op, settings
 from kernels.jagged_attention.call import AttentionCall
 from kernels.jagged_attention.inputs import make_inputs
 from kernels.jagged_attention.triton_common import identity
-
-
-def _triton_only() -> settings.KernelSettings:
-    """The settings of a Triton build check's calls: those in force, the Gluon kernels off."""
-    return settings.current().replace(gluon=False, gluon_bwd=False)
 
 
 def _equal_offsets(num_batches: int, rows: int, device) -> torch.Tensor:
@@ -62,21 +57,22 @@ def jagged_attention(activation, dtype, head_dim, causal, windowed, blocked, lay
         1 if windowed else -1,
         2 if blocked else 0,
         layout == "broadcast_q",
-        settings=_triton_only(),
+        settings=settings.TRITON_ONLY,
     )
     _forward_backward(q, k, v, q_offsets, kv_offsets, call)
 
 
-def gluon_gdpa(activation, dtype, head_dim, device) -> None:
+def gluon_gdpa(activation, dtype, head_dim, device, gluon=True, gluon_bwd=True, gluon_min_q_len=128) -> None:
     """The Gluon kernels that a GDPA variant's opaque ops may launch (the forward, the stored-dS
-    dK/dV), on one example and head of ``settings.gluon_min_q_len + 1`` rows, which they take
-    where they apply; on real tensors while Dynamo traces (``gluon_common.real_tensors``). Each
-    launch falls back where it fails (``launch.forward`` / ``launch.backward``)."""
+    dK/dV; ``gluon`` / ``gluon_bwd``: those the call's settings turn on), on one example and head of
+    ``gluon_min_q_len + 1`` rows, which they take where they apply; on real tensors while Dynamo
+    traces (``gluon_common.real_tensors``). Each launch falls back where it fails
+    (``launch.forward`` / ``launch.backward``)."""
     if not torch.cuda.is_available():
         return  # the Gluon kernels run on sm_90 GPUs only
     from kernels.jagged_attention import gluon_common
 
-    config = settings.current()
+    config = settings.KernelSettings(gluon=bool(gluon), gluon_bwd=bool(gluon_bwd), gluon_min_q_len=gluon_min_q_len)
     rows = config.gluon_min_q_len + 1
     inputs = make_inputs([rows], [rows], num_heads=1, head_dim=head_dim, dtype=getattr(torch, dtype),
                          device=device_of(device), requires_grad=False)  # fmt: skip
@@ -94,7 +90,7 @@ def rotary_self_attention(dtype, head_dim, causal, windowed, device) -> None:
     cos, sin = angles.cos(), angles.sin()
     offsets = torch.tensor([0, 5, 7], device=device)
     call = AttentionCall(5, 5, "softmax", 1 / math.sqrt(head_dim), 1.0, bool(causal), 1 if windowed else -1,
-                         packing="qkv", rotary=True, settings=_triton_only())  # fmt: skip
+                         packing="qkv", rotary=True, settings=settings.TRITON_ONLY)  # fmt: skip
     sizes, activation, scales = call.op_args()
     out, lse, order, q, k = op._rope_forward(qkv, cos, sin, offsets, sizes, activation, scales, identity)
     op._rope_backward_kernels(
@@ -109,7 +105,7 @@ def packed_kv_attention(dtype, head_dim, device) -> None:
     kv = torch.randn(7, 2, 1, head_dim, device=device, dtype=q.dtype)
     kv_offsets, q_offsets = torch.tensor([0, 5, 7], device=device), _equal_offsets(2, 3, device)
     call = AttentionCall(3, 5, "softmax", 1 / math.sqrt(head_dim), q_broadcast=True, packing="kv",
-                         settings=_triton_only())  # fmt: skip
+                         settings=settings.TRITON_ONLY)  # fmt: skip
     sizes, activation, scales = call.op_args()
     out, lse, order = op._kv_forward(q, kv, q_offsets, kv_offsets, sizes, activation, scales, identity)
     grad_out = torch.randn_like(out)

@@ -1,15 +1,17 @@
-"""The jagged attention kernels' switches: one frozen object, built once, read at each launch.
+"""The jagged attention kernels' switches: one frozen object, built once and handed down.
 
 Every switch has one default (the dataclass below) and may be set by the run's config
-(``configs/kernels/*.yaml`` and ``experimental.kernels``, -> :func:`configure`, called once before
-the model is built). A few may be overridden for debugging by a ``GEM_KERNELS_*`` environment
-variable (:data:`ENV`), in any process, with a warning where it changes what the config set.
-Without a :func:`configure` call, the first :func:`current` call builds the defaults plus the
-environment. The measurements behind each default are in docs/log/kernels.md.
+(``configs/kernels/*.yaml`` and ``experimental.kernels``). The trainer turns the config into one
+object with :func:`resolve` and hands it to the model's attention modules
+(``gem.models.sequence.use_kernel_settings``), which pass it to each call
+(``jagged_attention(..., settings=...)``); a call without settings takes the process default,
+:func:`current`. A few may be overridden for debugging by a ``GEM_KERNELS_*`` environment variable
+(:data:`ENV`), in any process, with a warning where it changes what the config set. The
+measurements behind each default are in docs/log/kernels.md.
 
     from kernels.jagged_attention import settings
-    settings.configure(store_ds=False)
-    settings.current().store_ds
+    mine = settings.resolve(store_ds=False)       # defaults, these values, the environment
+    jagged_attention(q, k, v, ..., settings=mine)
 """
 
 from __future__ import annotations
@@ -163,27 +165,39 @@ def from_environment(base: KernelSettings | None = None) -> KernelSettings:
     return dataclasses.replace(base, **values)
 
 
-def configure(**values) -> KernelSettings:
-    """Sets the kernels' settings once for the process: the defaults, then ``values`` (config
-    keys, e.g. ``store_ds=False``; a bad one raises naming ``kernels.<key>``), then the
-    environment's overrides. Returns the settings now in force."""
-    global _current
+def resolve(**values) -> KernelSettings:
+    """The kernels' settings of a run: the defaults, then ``values`` (config keys, e.g.
+    ``store_ds=False``; a bad one raises naming ``kernels.<key>``), then the environment's
+    debugging overrides, each with a warning where it changes a value given here."""
     configured = KernelSettings().replace(**values)
-    _current = from_environment(configured)
+    resolved = from_environment(configured)
     for name, variable in ENV.items():
-        if name in values and getattr(_current, name) != getattr(configured, name):
+        if name in values and getattr(resolved, name) != getattr(configured, name):
             warnings.warn(
                 f"{variable} overrides kernels.{name}={getattr(configured, name)!r} with "
-                f"{getattr(_current, name)!r} (a debugging switch: unset it to use the config)",
+                f"{getattr(resolved, name)!r} (a debugging switch: unset it to use the config)",
                 stacklevel=2,
             )
+    return resolved
+
+
+def configure(**values) -> KernelSettings:
+    """Sets the process default (:func:`current`) to :func:`resolve` ``(**values)`` and returns it:
+    for direct users of the kernels. (Deprecated for runs: the trainer no longer calls it, it hands
+    its settings to the model.)"""
+    global _current
+    _current = resolve(**values)
     return _current
 
 
 def current() -> KernelSettings:
-    """The settings in force (built on the first call from the defaults and the environment,
-    unless :func:`configure` ran)."""
+    """The process default: the settings of a call that is given none (built on the first call
+    from the defaults and the environment, unless :func:`configure` ran)."""
     return _current if _current is not None else configure()
+
+
+# The settings of the Triton kernels' build checks (``probes.py``): the Gluon kernels off.
+TRITON_ONLY = KernelSettings(gluon=False, gluon_bwd=False)
 
 
 def _set(value: KernelSettings) -> None:

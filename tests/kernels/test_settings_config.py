@@ -1,5 +1,5 @@
 """The kernels' settings as the run sets them: configs/kernels/ (``kernels.*``) and
-``experimental.kernels.*`` -> settings.configure.
+``experimental.kernels.*`` -> settings.resolve -> the model's attention modules.
 
 One source of defaults, ``KernelSettings``: gem's typed schema is made from its fields, split into
 the user's and the experimental ones; no option of the group changes a setting; a config value
@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from gem.train.config import EXPERIMENTAL_KERNEL_SETTINGS, Config, ConfigError, kernel_settings_of, validate
 from kernels.jagged_attention import settings as kernel_config
@@ -65,13 +66,17 @@ def test_bad_kernel_values_name_the_key():
         validate(compose(["model=dlrm", "experimental.kernels.store_ds_max_mib=-1"]))
 
 
-def test_the_trainer_applies_the_settings_before_it_builds_the_model(restored, tmp_path):
+def test_the_trainer_hands_the_settings_to_the_model(restored, tmp_path):
+    """The config's settings reach every attention module of the built model (gem_tiny: its
+    self-attention, personalized FFNs and pooling), not the process default."""
+    from gem.models.sequence import ATTENTION_MODULES
     from gem.train.trainer import build_model, init_distributed, load_data
 
     config = validate(
         compose(
             [
                 "debug=tiny",
+                "model=gem_tiny",
                 "sparse=native",
                 f"data.cache_dir={tmp_path / 'cache'}",
                 f"trainer.run_dir={tmp_path / 'run'}",
@@ -82,10 +87,35 @@ def test_the_trainer_applies_the_settings_before_it_builds_the_model(restored, t
     )
     env = init_distributed("cpu", need_process_group=False)
     schema, _ = load_data(config, env)
-    assert kernel_config.configure() == kernel_config.KernelSettings()
-    build_model(config, schema, env)
-    applied = kernel_config.current()
-    assert (applied.gluon_min_q_len, applied.store_ds) == (512, False)
+    default = kernel_config.configure()
+    model = build_model(config, schema, env)
+    modules = [m for m in model.modules() if isinstance(m, ATTENTION_MODULES)]
+    assert {type(m).__name__ for m in modules} >= {"JaggedSelfAttention", "PersonalizedFFN"}
+    for module in modules:
+        assert (module.kernel_settings.gluon_min_q_len, module.kernel_settings.store_ds) == (512, False)
+    assert kernel_config.current() is default == kernel_config.KernelSettings()
+
+
+def test_a_module_with_its_own_settings_compiles_in_one_graph(restored):
+    """A module's settings reach its calls under torch.compile(fullgraph=True): rotary_fused on in
+    the module, off in the process default, traces the fused rotary op; outputs as eager."""
+    from torch._dynamo.testing import EagerAndRecordGraphs
+
+    from gem.models.sequence import JaggedSelfAttention, use_kernel_settings
+
+    torch.manual_seed(0)
+    layer = JaggedSelfAttention(32, 2, backend="triton")
+    assert use_kernel_settings(layer, kernel_config.KernelSettings(rotary_fused=True)) == 1
+    assert not kernel_config.current().rotary_fused
+    x = torch.randn(11, 32)
+    offsets = torch.tensor([0, 4, 4, 11])
+    graphs = EagerAndRecordGraphs()
+    torch._dynamo.reset()
+    out = torch.compile(layer, fullgraph=True, backend=graphs)(x, offsets, 7)
+    torch.testing.assert_close(out, layer(x, offsets, 7))
+    (graph,) = graphs.graphs
+    ops = [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
+    assert "gem_kernels.rotary_self_attention_fwd" in ops
 
 
 @pytest.mark.parametrize("key", ["experimental.kernels.gluon_bwd_softmax", "kernels.gluon_bwd_softmax"])
