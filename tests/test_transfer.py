@@ -257,6 +257,21 @@ def test_a_fused_table_frozen_without_its_own_kernel_group_is_refused(tiny_datas
         freeze(model, ["sparse_arch.ebc.embedding_bags.t_ad_id"])
 
 
+def test_the_teacher_runs_on_the_runs_kernel_settings(tiny_dataset, teacher_ckpt):
+    """The online teacher's attention modules take the run's kernel settings, as the student's do."""
+    from gem.models.sequence import ATTENTION_MODULES
+    from gem.train.config import validate
+    from gem.transfer.student import attach_teacher
+
+    extra = ("model=dlrm", "kernels.store_ds=false", "trainer.distill.source=model")
+    config = validate(compose(_data(tiny_dataset, *extra, f"trainer.distill.checkpoint={teacher_ckpt}")))
+    data, model = _student(tiny_dataset, *extra, f"trainer.distill.checkpoint={teacher_ckpt}")
+    teacher, handle = attach_teacher(config, data.schema, model, torch.device("cpu"))
+    handle.remove()
+    modules = [m for m in teacher.model.modules() if isinstance(m, ATTENTION_MODULES)]
+    assert modules and all(m.kernel_settings.store_ds is False for m in modules)
+
+
 def test_train_a_student_with_shared_frozen_tables_and_an_online_teacher(tiny_dataset, teacher_ckpt, tmp_path):
     from gem.train.trainer import train
 

@@ -275,11 +275,15 @@ def attach_teacher(config, schema: FeatureSchema, model: nn.Module, device: torc
     ``model`` (a forward pre-hook: training and evaluation alike). Returns the teacher and the
     hook's handle. The teacher is held by the hook only: not a submodule, so neither in the
     model's parameters (the optimizers) nor in its checkpoints."""
+    from gem.train.config import kernel_settings_of
     from gem.transfer.teacher import load_teacher
+    from kernels.jagged_attention import settings as kernel_settings
 
     dd = config.trainer.distill
     tasks = needed_tasks(config, schema)
-    teacher = load_teacher(dd.checkpoint, schema, tuple(tasks), device)
+    # the run's kernel settings, as the student's attention modules have them (gem.train.setup.build_model)
+    settings = kernel_settings.resolve(**kernel_settings_of(config))
+    teacher = load_teacher(dd.checkpoint, schema, tuple(tasks), device, kernel_settings=settings)
     index = torch.tensor([schema.tasks.index(k) for k in tasks], device=device, dtype=torch.long)
     keep_repr = dd.representation > 0
     if keep_repr and not hasattr(teacher.model.dense_arch, "heads"):

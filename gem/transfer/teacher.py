@@ -250,14 +250,17 @@ def load_teacher(
     tasks: tuple[str, ...] | None,
     device: torch.device,
     key: str = "trainer.distill.checkpoint",
+    kernel_settings=None,
 ) -> Teacher:
     """Rebuild and load the model of checkpoint ``path`` as a frozen :class:`Teacher` over the
-    student's ``tasks`` (None: every task the teacher has)."""
+    student's ``tasks`` (None: every task the teacher has). ``kernel_settings``: its attention
+    kernels' settings (``gem.models.sequence.use_kernel_settings``; None: the process default)."""
     import torch.distributed.checkpoint as dcp
     from hydra.utils import instantiate
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
     from gem.models.gem import GEMModel
+    from gem.models.sequence import use_kernel_settings
     from gem.sparse.arch import SparseArch
 
     path = resolve_checkpoint(path, key)
@@ -274,6 +277,7 @@ def load_teacher(
         model_cfg.attention_backend = None
     dense = instantiate(model_cfg, _partial_=True, _convert_="all")(schema=schema, feature_dims=feature_dims)
     dense.to(device)
+    use_kernel_settings(dense, kernel_settings)
     model = GEMModel(sparse, dense)
     state = {f"model.sparse.{k}": v for k, v in sparse.state_dict().items()}
     state |= {f"model.dense.{k}": v for k, v in dense.state_dict().items()}
