@@ -25,6 +25,7 @@ Triton's interpreter (``TRITON_INTERPRET=1``) compiles nothing, so no check runs
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from collections.abc import Callable
@@ -54,6 +55,7 @@ class Fallback:
 _failed: dict[tuple[str, str], Fallback] = {}
 _probed: dict[tuple, bool] = {}  # triton_usable's answers; True while a probe runs (its own calls)
 PROBES: dict[str, Callable[..., None]] = {}  # kernel -> probe(*variant): a tiny forward and backward
+_checking = 0  # > 0 while a check's probe runs (checking(): its launches are not the caller's)
 
 
 def device_of(index: int) -> torch.device:
@@ -122,9 +124,7 @@ def triton_usable(kernel: str, variant: tuple) -> bool:
             return True  # no probe inside a CUDA graph's capture: its kernels ran before it
         _probed[key] = True  # the probe's own calls go through
         try:
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-            with unset_fake_temporarily(), torch.enable_grad():
+            with _probe():
                 PROBES[kernel](*variant)
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()  # a launch that fails, fails here
@@ -146,11 +146,30 @@ def gluon_checked(kernel: str, variant: tuple) -> bool:
     key = ("gluon", kernel, *variant)
     if key not in _probed and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         _probed[key] = True
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-        with unset_fake_temporarily(), torch.enable_grad():
+        with _probe():
             PROBES[kernel](*variant)
     return True
+
+
+def checking() -> bool:
+    """Whether a build check's probe is running (test-facing: ``testing.record_paths`` leaves its
+    launches out)."""
+    return _checking > 0
+
+
+@contextlib.contextmanager
+def _probe():
+    """Around a probe: fake tensors off (it launches on real ones, also while Dynamo traces),
+    gradients on, :func:`checking` true."""
+    global _checking
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    _checking += 1
+    try:
+        with unset_fake_temporarily(), torch.enable_grad():
+            yield
+    finally:
+        _checking -= 1
 
 
 def clear() -> None:

@@ -182,6 +182,7 @@ def jagged_attention(
         window is not None,
         block_size is not None,
         layout,
+        *settings_module.build_flags(settings),
     )
     if resolve_backend(backend, q, "jagged_attention", variant) == "reference":
         return jagged_attention_reference(
@@ -273,7 +274,13 @@ def rotary_self_attention(
     backend = resolve_backend(backend, qkv)
     fused = backend == "triton" and head_dim >= 16 and not head_dim & (head_dim - 1) and settings.rotary_fused
     if fused:  # its own kernels, checked as such (the two calls below check theirs)
-        variant = (fallback.dtype_name(qkv), head_dim, bool(causal), window is not None)
+        variant = (
+            fallback.dtype_name(qkv),
+            head_dim,
+            bool(causal),
+            window is not None,
+            *settings_module.build_flags(settings),
+        )
         backend = resolve_backend(backend, qkv, "rotary_self_attention", variant)
         fused = backend == "triton"
     if not fused:
@@ -344,7 +351,8 @@ def packed_kv_attention(
     _check_bound("max_len", max_len)
     settings = settings_module.current() if settings is None else settings
     check_offsets("offsets", offsets, "kv", kv.shape[0], "max_len", max_len, _resolve_check(check, settings))
-    backend = resolve_backend(backend, kv, "packed_kv_attention", (fallback.dtype_name(kv), kv.shape[-1]))
+    variant = (fallback.dtype_name(kv), kv.shape[-1], *settings_module.build_flags(settings))
+    backend = resolve_backend(backend, kv, "packed_kv_attention", variant)
     if backend != "triton":
         k, v = kv.unbind(1)
         return jagged_attention(

@@ -1,8 +1,9 @@
 """Build checks (``kernels.fallback.triton_usable``): each builds and launches every Triton kernel
 of one variant of an op once, on tiny inputs, through the launchers themselves (no dispatcher, no
 autograd, no tracing: it runs as it would eagerly, also when Dynamo calls it while it traces), with
-the Gluon kernels off (``settings.TRITON_ONLY``, whatever a call's settings). A size given as None (the check under
-``torch.compile``) takes gem_base's: head dim 128. Without a GPU the kernels run on the CPU (in
+the call's settings that the Triton builds depend on (``settings.build_flags``, the variant's last
+items before the device) and the Gluon kernels off (``settings.triton_only``). A size given as None
+(the check under ``torch.compile``) takes gem_base's: head dim 128. Without a GPU the kernels run on the CPU (in
 Triton's interpreter, or failing to launch without it, which is a fallback too)."""
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ def _forward_backward(q, k, v, q_offsets, kv_offsets, call: AttentionCall) -> No
     op._backward_kernels(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, order, sizes, activation, scales, identity)
 
 
-def jagged_attention(activation, dtype, head_dim, causal, windowed, blocked, layout, device) -> None:
+def jagged_attention(
+    activation, dtype, head_dim, causal, windowed, blocked, layout, autotune, tune_space, packed_act, store_ds, device
+) -> None:
     """Every kernel of one variant of ``kernels.jagged_attention`` (its layout as the entry point
     hands it to the ops: dense K/V as jagged rows of equal lengths, a broadcast Q's offsets)."""
     head_dim = head_dim or 128
@@ -57,7 +60,7 @@ def jagged_attention(activation, dtype, head_dim, causal, windowed, blocked, lay
         1 if windowed else -1,
         2 if blocked else 0,
         layout == "broadcast_q",
-        settings=settings.TRITON_ONLY,
+        settings=settings.triton_only(autotune, tune_space, packed_act, store_ds),
     )
     _forward_backward(q, k, v, q_offsets, kv_offsets, call)
 
@@ -82,15 +85,18 @@ def gluon_gdpa(activation, dtype, head_dim, device, gluon=True, gluon_bwd=True, 
         _forward_backward(q, k, v, q_offsets, kv_offsets, call)
 
 
-def rotary_self_attention(dtype, head_dim, causal, windowed, device) -> None:
+def rotary_self_attention(
+    dtype, head_dim, causal, windowed, autotune, tune_space, packed_act, store_ds, device
+) -> None:
     """The fused rotary self-attention's kernels (Q and K rotated on load, d qkv written whole)."""
     device, head_dim = device_of(device), head_dim or 128
     qkv = torch.randn(7, 3, 1, head_dim, device=device, dtype=getattr(torch, dtype))
     angles = torch.randn(7, head_dim // 2, device=device)
     cos, sin = angles.cos(), angles.sin()
     offsets = torch.tensor([0, 5, 7], device=device)
+    config = settings.triton_only(autotune, tune_space, packed_act, store_ds)
     call = AttentionCall(5, 5, "softmax", 1 / math.sqrt(head_dim), 1.0, bool(causal), 1 if windowed else -1,
-                         packing="qkv", rotary=True, settings=settings.TRITON_ONLY)  # fmt: skip
+                         packing="qkv", rotary=True, settings=config)  # fmt: skip
     sizes, activation, scales = call.op_args()
     out, lse, order, q, k = op._rope_forward(qkv, cos, sin, offsets, sizes, activation, scales, identity)
     op._rope_backward_kernels(
@@ -98,14 +104,14 @@ def rotary_self_attention(dtype, head_dim, causal, windowed, device) -> None:
     )
 
 
-def packed_kv_attention(dtype, head_dim, device) -> None:
+def packed_kv_attention(dtype, head_dim, autotune, tune_space, packed_act, store_ds, device) -> None:
     """Softmax attention of broadcast queries over a packed K/V projection."""
     device, head_dim = device_of(device), head_dim or 128
     q = torch.randn(3, 1, head_dim, device=device, dtype=getattr(torch, dtype))
     kv = torch.randn(7, 2, 1, head_dim, device=device, dtype=q.dtype)
     kv_offsets, q_offsets = torch.tensor([0, 5, 7], device=device), _equal_offsets(2, 3, device)
     call = AttentionCall(3, 5, "softmax", 1 / math.sqrt(head_dim), q_broadcast=True, packing="kv",
-                         settings=settings.TRITON_ONLY)  # fmt: skip
+                         settings=settings.triton_only(autotune, tune_space, packed_act, store_ds))  # fmt: skip
     sizes, activation, scales = call.op_args()
     out, lse, order = op._kv_forward(q, kv, q_offsets, kv_offsets, sizes, activation, scales, identity)
     grad_out = torch.randn_like(out)

@@ -196,8 +196,19 @@ def current() -> KernelSettings:
     return _current if _current is not None else configure()
 
 
-# The settings of the Triton kernels' build checks (``probes.py``): the Gluon kernels off.
-TRITON_ONLY = KernelSettings(gluon=False, gluon_bwd=False)
+def build_flags(settings: KernelSettings) -> tuple[bool, str, bool, bool]:
+    """What of a call's ``settings`` its Triton kernels' build check must share with it (the launch
+    configs, the activation's path, the dQ kernel): ``(autotune, tune_space, packed_act, store_ds)``,
+    as constants Dynamo keeps (``triton_common.resolve_backend``)."""
+    return settings.autotune, settings.tune_space, settings.packed_act, settings.store_ds
+
+
+def triton_only(autotune: bool, tune_space: str, packed_act: bool, store_ds: bool) -> KernelSettings:
+    """The settings of a Triton build check (``probes.py``): the call's :func:`build_flags`, the
+    Gluon kernels off."""
+    return KernelSettings(
+        autotune=autotune, tune_space=tune_space, packed_act=packed_act, store_ds=store_ds, gluon=False, gluon_bwd=False
+    )
 
 
 def _set(value: KernelSettings) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 
+from kernels import fallback
 from kernels.jagged_attention import autotune, call, settings
 from kernels.jagged_attention.call import AttentionCall, store_ds_row
 from kernels.jagged_attention.launch import backward as launch_backward
@@ -83,8 +84,8 @@ _LAUNCHERS = (
 @contextlib.contextmanager
 def record_paths():
     """Yields a list to which every launch of a jagged attention kernel inside the block appends
-    its name (``_LAUNCHERS``) as it starts, one that then fails to build included (a build check's
-    launches too)."""
+    its name (``_LAUNCHERS``) as it starts, one that then fails to build included; a build check's
+    launches (``kernels.fallback.checking``) are left out."""
     import importlib
 
     paths, saved = [], []
@@ -94,7 +95,8 @@ def record_paths():
         saved.append((module, attr, launcher))
 
         def spy(*args, _launcher=launcher, _name=name, **kwargs):
-            paths.append(_name)
+            if not fallback.checking():
+                paths.append(_name)
             return _launcher(*args, **kwargs)
 
         setattr(module, attr, spy)

@@ -20,6 +20,8 @@ HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 gpu = pytest.mark.gpu
 BUILD_ERROR = "PassManager::run failed"
+# A variant's settings that its build check shares (settings.build_flags): autotune, tune_space, packed_act, store_ds
+FLAGS = (False, "default", True, True)
 
 
 def _fail(*args, **kwargs):
@@ -154,6 +156,30 @@ def test_triton_kernels_that_fail_to_build_fall_back_to_the_reference(events, mo
     assert event.variant.startswith("fast_gelu float32 32 False False False jagged")
 
 
+def test_the_build_check_builds_with_the_calls_settings(monkeypatch):
+    """The check of a call's Triton kernels launches them with the call's settings that their builds
+    depend on (launch configs, activation path, dQ kernel), whatever the process default."""
+    from kernels.jagged_attention.settings import KernelSettings
+
+    inputs = make_inputs([6, 2, 0], [4, 5, 3], dtype=torch.float32, device=DEVICE)
+    monkeypatch.setattr(triton_common, "INTERPRET", False)
+    seen = []
+    monkeypatch.setitem(fallback.PROBES, "jagged_attention", lambda *variant: seen.append(variant))
+    mine = KernelSettings(autotune=True, tune_space="wide", packed_act=False, store_ds=False)
+    with testing.override(autotune=False, store_ds=True):
+        jagged_attention(*inputs.args(), activation="fast_gelu", backend="triton", settings=mine)
+    assert seen == [("fast_gelu", "float32", 32, False, False, False, "jagged", True, "wide", False, False, 0)]
+
+
+def test_a_build_checks_launches_are_not_the_calls(monkeypatch):
+    """testing.record_paths records the call's own launches, not those of its build check."""
+    monkeypatch.setattr(triton_common, "INTERPRET", False)  # the check runs, as on a GPU
+    inputs = make_inputs([6, 2, 0], [4, 5, 3], dtype=torch.float32, device=DEVICE)
+    with testing.record_paths() as paths:
+        jagged_attention(*inputs.args(), activation="fast_gelu", backend="triton")
+    assert paths == ["triton_fwd"]
+
+
 def test_triton_fallback_under_torch_compile_keeps_one_graph(events, monkeypatch):
     """Dynamo takes the check's answer as a constant: the reference is traced into the graph."""
     inputs = make_inputs([6, 2, 0], [4, 5, 3], dtype=torch.float32, device=DEVICE)
@@ -193,7 +219,7 @@ def test_a_build_check_runs_the_triton_kernels(gluon_everywhere, events, monkeyp
     monkeypatch.setattr(gluon_fwd, "forward", _fail)
     monkeypatch.setattr(gluon_bwd, "dkdv", _fail)
     with testing.override(gluon=True, gluon_bwd=True, gluon_min_q_len=0), testing.record_paths() as paths:
-        probes.jagged_attention("fast_gelu", "float32", 32, False, False, False, "jagged", 0)
+        probes.jagged_attention("fast_gelu", "float32", 32, False, False, False, "jagged", *FLAGS, 0)
         assert paths == ["triton_fwd", "triton_dkdv", "dq_from_ds"] and not events()
         with pytest.warns(RuntimeWarning, match="falls back to triton"):  # (their build fails)
             _gdpa(inputs)
@@ -219,13 +245,13 @@ def test_the_gluon_check_runs_once_a_variant_on_real_tensors_while_dynamo_traces
 @pytest.mark.parametrize(
     "kernel, variant",
     [
-        ("jagged_attention", ("fast_gelu", "float32", 32, False, False, False, "jagged", 0)),
-        ("jagged_attention", ("silu", "float32", 32, False, False, False, "dense_kv", 0)),
-        ("jagged_attention", ("softmax", "float32", 32, False, False, False, "broadcast_q", 0)),
-        ("jagged_attention", ("softmax", "float32", None, True, True, True, "jagged", 0)),
-        ("rotary_self_attention", ("float32", 32, False, False, 0)),
-        ("rotary_self_attention", ("float32", None, True, True, 0)),
-        ("packed_kv_attention", ("float32", 32, 0)),
+        ("jagged_attention", ("fast_gelu", "float32", 32, False, False, False, "jagged", *FLAGS, 0)),
+        ("jagged_attention", ("silu", "float32", 32, False, False, False, "dense_kv", *FLAGS, 0)),
+        ("jagged_attention", ("softmax", "float32", 32, False, False, False, "broadcast_q", *FLAGS, 0)),
+        ("jagged_attention", ("softmax", "float32", None, True, True, True, "jagged", *FLAGS, 0)),
+        ("rotary_self_attention", ("float32", 32, False, False, *FLAGS, 0)),
+        ("rotary_self_attention", ("float32", None, True, True, *FLAGS, 0)),
+        ("packed_kv_attention", ("float32", 32, *FLAGS, 0)),
         ("rotary_qkv", ("float32", 32, 0)),
         ("attention_pooling", ("float32", 64, 16, 0)),
         ("generated_weights", ("float32", "float32", "float32", 0)),
