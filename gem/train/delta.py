@@ -53,7 +53,6 @@ import shutil
 import sys
 import tempfile
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -224,6 +223,8 @@ class DeltaExporter:
                 f"delta export: {step - self.last_step} steps trained but the row tracker saw no batch "
                 "(a training pipeline that bypasses the SparseArch's forward?); set sparse.pipeline=false"
             )
+        from gem.train.checkpoint import _crc32
+
         tick = time.perf_counter()
         seq = self.link.seq
         final, tmp = self.dir / f"{seq:06d}", self.dir / f".tmp-{seq:06d}"
@@ -555,6 +556,8 @@ def apply_chain(
 
 
 def _apply_one(state: dict[str, Any], folder: Path, manifest: dict) -> None:
+    from gem.train.checkpoint import _crc32
+
     for name, want in manifest["files"].items():
         file = folder / name
         if not file.is_file() or file.stat().st_size != want["size"] or _crc32(file) != want["crc32"]:
@@ -626,14 +629,6 @@ def save_state(state: dict[str, Any], out: Path, base: Path, base_step: int, app
         "step": step,
     }
     (out / "applied.json").write_text(json.dumps(record, indent=1))
-
-
-def _crc32(path: Path) -> int:
-    crc = 0
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
-    return crc
 
 
 def main(argv: list[str] | None = None) -> int:
