@@ -239,7 +239,9 @@ def main() -> None:
     from gem.data.sources import build_source
     from gem.train.checkpoint import list_checkpoints
     from gem.train.config import validate
-    from gem.train.trainer import DistEnv, evaluate, split_loader, train
+    from gem.train.evaluation import evaluate
+    from gem.train.setup import DistEnv, split_loader
+    from gem.train.trainer import train
     from gem.transfer.export import ExportConfig
     from gem.transfer.export import run as export
     from gem.transfer.teacher import load_teacher

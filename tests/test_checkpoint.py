@@ -27,7 +27,8 @@ from gem.data.sources.synthetic import synthetic_dir
 from gem.train.checkpoint import Checkpointer, CheckpointError, Progress, list_checkpoints
 from gem.train.config import ConfigError, validate
 from gem.train.optim import build_optimizers
-from gem.train.trainer import build_model, init_distributed, load_data, train
+from gem.train.setup import build_model, init_distributed, load_data
+from gem.train.trainer import train
 from tests.conftest import ROOT, compose
 from tests.faults import example_ids
 

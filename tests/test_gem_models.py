@@ -628,7 +628,7 @@ def gem_base_trajectory(
     from gem.data.pipeline.loader import build_loader
     from gem.train.config import validate
     from gem.train.optim import build_optimizers
-    from gem.train.trainer import build_model, init_distributed, load_data
+    from gem.train.setup import build_model, init_distributed, load_data
 
     config = validate(
         compose(

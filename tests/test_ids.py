@@ -323,7 +323,8 @@ def test_the_mapping_survives_resharding_two_ranks_into_one(cache_dir, tmp_path)
 
     from gem.train.checkpoint import Checkpointer, sparse_module
     from gem.train.optim import build_optimizers
-    from gem.train.trainer import build_model, init_distributed, load_data, train
+    from gem.train.setup import build_model, init_distributed, load_data
+    from gem.train.trainer import train
 
     two = tmp_path / "two"
     proc = torchrun(["-m", "gem.train", *_run(cache_dir, two, "trainer.max_steps=10")], 2, timeout=240)

@@ -9,7 +9,10 @@ gem.train`` registers gem.transfer's component).
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import ROOT
 
@@ -139,3 +142,36 @@ def test_the_checks_find_a_circle_and_an_upward_import():
     }
     assert _cycles(graph) == [sorted(graph)]
     assert _layer("gem.transfer.student")[0] > _layer("gem.train.trainer")[0]
+
+
+def test_names_moved_out_of_the_trainer_resolve_with_a_deprecation_warning():
+    """gem.train.trainer's names of before gem.train.setup / gem.train.evaluation still resolve, with a
+    DeprecationWarning naming the new import; those folded into other functions say what replaced them."""
+    from gem.train import trainer
+
+    moved = {
+        "DistEnv": "gem.train.setup",
+        "init_distributed": "gem.train.setup",
+        "seed_everything": "gem.train.setup",
+        "load_data": "gem.train.setup",
+        "parallel_dims": "gem.train.setup",
+        "build_model": "gem.train.setup",
+        "split_loader": "gem.train.setup",
+        "apply_transfer": "gem.train.setup",
+        "score_partition": "gem.train.evaluation",
+        "stream_summary": "gem.train.evaluation",
+    }
+    for name, module in moved.items():
+        new = "initialize" if name == "apply_transfer" else name
+        with pytest.warns(DeprecationWarning, match=f"from {module} import {new}"):
+            assert getattr(trainer, name) is getattr(importlib.import_module(module), new)
+    for name, replacement in [
+        ("check_eval_splits", "gem.train.setup.plan"),
+        ("distill_loss", "gem.transfer.components.Distillation.loss"),
+        ("pretrain_stage", "gem.train.pretrain.stage_and_run"),
+    ]:
+        with pytest.raises(AttributeError, match=replacement):
+            getattr(trainer, name)
+    with pytest.raises(AttributeError):
+        trainer.no_such_name  # noqa: B018
+    assert not set(moved) & set(trainer.__all__)

@@ -13,7 +13,8 @@ from gem.train.checkpoint import list_checkpoints
 from gem.train.config import ConfigError, validate
 from gem.train.losses import multitask_bce
 from gem.train.optim import build_optimizers
-from gem.train.trainer import build_model, init_distributed, load_data, train
+from gem.train.setup import build_model, init_distributed, load_data
+from gem.train.trainer import train
 from tests.conftest import compose, needs_fbgemm_cuda
 
 

@@ -341,7 +341,7 @@ def test_synthetic_drift_moves_the_world_and_zero_is_the_default(tiny_schema):
 
 def test_resuming_the_runs_own_checkpoint_takes_precedence_over_init_from(tiny_dataset, teacher_ckpt, tmp_path):
     from gem.train.initialize import model_state
-    from gem.train.trainer import apply_transfer
+    from gem.train.setup import initialize as apply_transfer
 
     data, model = _student(
         tiny_dataset,

@@ -13,9 +13,11 @@ its components (gem.train.components) at named hook points.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -28,24 +30,12 @@ from gem.train import pretrain, rundir
 from gem.train.checkpoint import Checkpointer, Progress
 from gem.train.components import Component, StepHook, builtin_components, outside_components
 from gem.train.config import Config, validate
-from gem.train.evaluation import evaluate, score_partition, stream_summary
+from gem.train.evaluation import evaluate
 from gem.train.flops import default_peak_tflops, step_flops
 from gem.train.logging import LogWindow, format_metrics, log_fallbacks, logger, open_metrics, plot_curves, setup_logging
 from gem.train.losses import multitask_bce
 from gem.train.metrics import id_mapping_counts
-from gem.train.setup import (
-    DistEnv,
-    Run,
-    build,
-    build_model,
-    environment,
-    init_distributed,
-    load_data,
-    parallel_dims,
-    seed_everything,
-    split_loader,
-)
-from gem.train.setup import initialize as apply_transfer  # (its name before gem.train.setup)
+from gem.train.setup import Run, build, environment
 from gem.train.startup import (
     StartupTimer,
     compile_breakdown,
@@ -58,23 +48,41 @@ from gem.train.step import TimedIterator, TrainStep
 from gem.train.stopping import Preempted, StopSignals
 from kernels import fallback as kernel_fallback
 
-__all__ = [
-    "DistEnv",
-    "StepHook",
-    "Trainer",
-    "apply_transfer",
-    "build_model",
-    "evaluate",
-    "fit",
-    "init_distributed",
-    "load_data",
-    "parallel_dims",
-    "score_partition",
-    "seed_everything",
-    "split_loader",
-    "stream_summary",
-    "train",
-]
+__all__ = ["StepHook", "Trainer", "evaluate", "fit", "train"]
+
+# names this module defined before gem.train.setup and gem.train.evaluation: (new module, new name)
+_MOVED = {
+    "DistEnv": ("gem.train.setup", "DistEnv"),
+    "init_distributed": ("gem.train.setup", "init_distributed"),
+    "seed_everything": ("gem.train.setup", "seed_everything"),
+    "load_data": ("gem.train.setup", "load_data"),
+    "parallel_dims": ("gem.train.setup", "parallel_dims"),
+    "build_model": ("gem.train.setup", "build_model"),
+    "split_loader": ("gem.train.setup", "split_loader"),
+    "apply_transfer": ("gem.train.setup", "initialize"),
+    "score_partition": ("gem.train.evaluation", "score_partition"),
+    "stream_summary": ("gem.train.evaluation", "stream_summary"),
+}
+# names whose functions were folded into others: what does their work now
+_FOLDED = {
+    "check_eval_splits": "gem.train.setup.plan (its eval_rows argument), which gem.train.setup.build calls",
+    "distill_loss": "gem.transfer.components.Distillation.loss (the trainer.distill component)",
+    "pretrain_stage": "gem.train.pretrain.stage_and_run (the stage's config and the run's; train() fits both)",
+}
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        module, new = _MOVED[name]
+        warnings.warn(
+            f"gem.train.trainer.{name} is deprecated: use `from {module} import {new}`",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(module), new)
+    if name in _FOLDED:
+        raise AttributeError(f"gem.train.trainer.{name} was removed: its work is done by {_FOLDED[name]}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def train(cfg: DictConfig | dict, hooks: Sequence[StepHook] = ()) -> dict[str, float]:

@@ -178,7 +178,7 @@ def run(cfg: ExportConfig, overrides: list[str]) -> dict:
     from gem.train.api import compose
     from gem.train.config import validate
     from gem.train.logging import logger, setup_logging
-    from gem.train.trainer import DistEnv, load_data
+    from gem.train.setup import DistEnv, load_data
     from gem.transfer.teacher import check_candidate_features, load_teacher
 
     setup_logging(None, 0)

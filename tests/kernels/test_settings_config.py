@@ -70,7 +70,7 @@ def test_the_trainer_hands_the_settings_to_the_model(restored, tmp_path):
     """The config's settings reach every attention module of the built model (gem_tiny: its
     self-attention, personalized FFNs and pooling), not the process default."""
     from gem.models.sequence import ATTENTION_MODULES
-    from gem.train.trainer import build_model, init_distributed, load_data
+    from gem.train.setup import build_model, init_distributed, load_data
 
     config = validate(
         compose(
