@@ -270,13 +270,15 @@ def _baselines(inputs, activation, mask, compiled_reference):
 
 
 # --variants: the kernels' settings (kernels/jagged_attention/settings.py) measured in the same
-# run as the default, forward and backward. Not all apply to every activation.
+# run as the default, forward and backward, each set here on the settings object (testing.override);
+# in a training run, by the config key in its comment (docs/kernels.md, "Settings"). Not all apply
+# to every activation.
 KERNEL_VARIANTS = {
-    "gem triton (float32 activation)": dict(packed_act=False),  # GEM_KERNELS_PACKED_ACT=0
-    "gem triton (no gluon forward)": dict(gluon=False),  # GEM_KERNELS_GLUON=0
-    "gem triton (gluon forward at every length)": dict(gluon_min_q_len=0),
-    "gem triton (recomputing dQ backward)": dict(store_ds=False),  # GEM_KERNELS_STORE_DS=0
-    "gem triton (triton dK/dV)": dict(gluon_bwd=False),  # GEM_KERNELS_GLUON_BWD=0
+    "gem triton (float32 activation)": dict(packed_act=False),  # experimental.kernels.packed_act=false
+    "gem triton (no gluon forward)": dict(gluon=False),  # kernels.gluon=false (or GEM_KERNELS_GLUON=0)
+    "gem triton (gluon forward at every length)": dict(gluon_min_q_len=0),  # experimental.kernels.gluon_min_q_len=0
+    "gem triton (recomputing dQ backward)": dict(store_ds=False),  # kernels.store_ds=false
+    "gem triton (triton dK/dV)": dict(gluon_bwd=False),  # kernels.gluon_bwd=false
     "gem triton (no gluon: the kernels under torch.compile)": dict(gluon=False, gluon_bwd=False),
 }
 _GDPA_ONLY = {"packed_act", "gluon", "gluon_min_q_len", "gluon_bwd"}  # settings that change nothing for softmax

@@ -7,7 +7,7 @@ subprocess (the interpreter's settings are fixed at import time), so the inline 
 GPU-only paths is checked in CI.
 
 Autotuned kernels compile their first config, and the forward's LATE_PV config where it applies;
-the backward also with GEM_KERNELS_STORE_DS's kernels.
+the backward also with the stored-dS kernels (``store_ds``).
 The pooling kernels (``kernels.attention_pooling``) compile at width 512 for 16 and 128 columns.
 Last, the Gluon forward (``gluon_fwd.py``: inline PTX, TMA, warp specialization) for every
 pointwise activation, whose cubins must not spill, and the Gluon dK/dV kernel (bf16 silu and
