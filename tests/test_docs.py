@@ -35,6 +35,8 @@ from tests.conftest import ROOT
 README = ROOT / "README.md"
 DOCS = [README, *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "log").glob("*.md"))]
 README_LIMIT = 10_500  # characters; the issue (#26) asks for "at most about 10k", this is the hard stop
+GUIDE_LIMIT = 20_000  # characters of each guide, docs/*.md (the engineering logs, docs/log/, are not guides)
+CONFIG_COMMENT_LIMIT = 10  # comment lines of each configs/**/*.yaml: what it is, briefly; the rest is in docs/
 # First components of a path that is one of this repository's (anything else, e.g. runs/, is a run's).
 REPO_ROOTS = ("gem", "kernels", "configs", "tests", "benchmarks", "tools", "examples", "docs", ".ci")
 REPO_FILES = ("README.md", "Makefile", "pyproject.toml", "setup.py", "requirements-cpu.txt")
@@ -184,6 +186,37 @@ def test_readme_is_a_map_not_a_notebook():
         f"README.md has {size:,} characters, over the limit of {README_LIMIT:,} "
         "(the issue asks for about 10k); move details and results into docs/ and link them"
     )
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "docs").glob("*.md")), ids=lambda p: p.name)
+def test_each_guide_fits_its_limit(path):
+    size = len(path.read_text())
+    assert size <= GUIDE_LIMIT, (
+        f"docs/{path.name} has {size:,} characters, over the limit of {GUIDE_LIMIT:,}; move history and "
+        "measurements into docs/log/ and link them"
+    )
+
+
+CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(ROOT / "configs")))
+def test_each_config_says_what_it_is_in_a_few_comment_lines(path):
+    """A config file opens with a comment line saying what it is (after Hydra's ``# @package``
+    header, where it has one) and keeps its comments short: the explanations live in docs/."""
+    lines = path.read_text().splitlines()
+    comments = [line for line in lines if line.lstrip().startswith("#")]
+    opening = lines[1] if lines and lines[0].startswith("# @package") else (lines[0] if lines else "")
+    where = path.relative_to(ROOT)
+    assert re.match(r"# \S", opening), f"{where} does not open with a comment line saying what it is"
+    assert len(comments) <= CONFIG_COMMENT_LIMIT, (
+        f"{where} has {len(comments)} comment lines, over the limit of {CONFIG_COMMENT_LIMIT}; "
+        "move the explanation into docs/"
+    )
+
+
+def test_the_limits_see_the_files():
+    assert len(CONFIGS) > 20 and (ROOT / "configs" / "train.yaml") in CONFIGS
 
 
 # --- (c) links and paths -----------------------------------------------------------------------------
