@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import gem
@@ -66,6 +67,67 @@ def test_a_loop_on_the_api_trains_like_train(cache_dir, tmp_path):
     assert model.training
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def test_the_api_model_starts_from_init_from_and_freezes_init_frozen(cache_dir, tmp_path):
+    """build_model initializes as the trainer's set-up does: a custom loop's model with
+    ``checkpoint.init_from`` holds that checkpoint's tensors, and ``init_frozen``'s are frozen."""
+    from gem.train.checkpoint import list_checkpoints
+    from gem.train.initialize import model_state
+    from gem.transfer.teacher import load_teacher
+
+    base = ["debug=tiny", "sparse=native", f"data.cache_dir={cache_dir}", "trainer.plots=false", "trainer.test=false"]
+    pre = tmp_path / "pre"
+    gem.train.train(gem.compose([*base, f"trainer.run_dir={pre}", "trainer.max_steps=2", "checkpoint.enabled=true"]))
+    step = list_checkpoints(pre / "checkpoints")[-1]
+    run = [*base, f"trainer.run_dir={tmp_path / 'loop'}"]
+    random = model_state(gem.build_model(gem.build_data(gem.compose(run))))
+    data = gem.build_data(
+        gem.compose(
+            [
+                *run,
+                f"checkpoint.init_from={step}",
+                "checkpoint.init_modules=[sparse_arch,dense_arch]",
+                "checkpoint.init_frozen=[sparse_arch]",
+            ]
+        )
+    )
+    model = gem.build_model(data)
+    saved = load_teacher(step, data.schema, None, data.device).model
+    want = {f"sparse_arch.{k}": v for k, v in saved.sparse_arch.state_dict().items()}
+    want |= {f"dense_arch.{k}": v for k, v in saved.dense_arch.state_dict().items()}
+    got = model_state(model)
+    assert got.keys() == want.keys()
+    for name, tensor in got.items():
+        assert torch.equal(tensor, want[name]), name
+    assert any(not torch.equal(random[name], want[name]) for name in want)  # trained, not the seed's weights
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen and all(n.startswith("sparse_arch.") for n in frozen)
+    assert all(p.requires_grad for p in model.dense_arch.parameters())
+
+
+def test_two_components_wrapping_the_dense_arch_are_refused(cache_dir, tmp_path, monkeypatch):
+    """As in train(), at most one registered component may wrap the dense arch."""
+    from gem.train import registry
+    from gem.train.config import ConfigError
+
+    for section in ("tests.first", "tests.second"):
+        monkeypatch.setitem(registry._REGISTRY, section, "tests.test_api:_wrapping_component")
+    data = gem.build_data(
+        gem.compose(["debug=tiny", "sparse=native", f"data.cache_dir={cache_dir}", f"trainer.run_dir={tmp_path}"])
+    )
+    with pytest.raises(ConfigError, match="2 components wrap the dense arch; at most one may"):
+        gem.build_model(data)
+
+
+def _wrapping_component(config):
+    from gem.train.components import Component
+
+    class Wrapping(Component):
+        def dense_builder(self):
+            return lambda schema, feature_dims, build: build()
+
+    return Wrapping()
 
 
 def test_compose_works_from_any_directory(tmp_path, monkeypatch):

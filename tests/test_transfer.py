@@ -340,20 +340,26 @@ def test_synthetic_drift_moves_the_world_and_zero_is_the_default(tiny_schema):
 
 
 def test_resuming_the_runs_own_checkpoint_takes_precedence_over_init_from(tiny_dataset, teacher_ckpt, tmp_path):
+    from gem.train.config import validate
     from gem.train.initialize import model_state
     from gem.train.setup import initialize as apply_transfer
 
-    data, model = _student(
-        tiny_dataset,
-        "checkpoint.enabled=true",
-        f"checkpoint.init_from={teacher_ckpt}",
-        "checkpoint.init_modules=[sparse_arch]",
+    _, model = _student(tiny_dataset, "checkpoint.enabled=true")  # (build_model would apply init_from itself)
+    config = validate(
+        compose(
+            _data(
+                tiny_dataset,
+                "checkpoint.enabled=true",
+                f"checkpoint.init_from={teacher_ckpt}",
+                "checkpoint.init_modules=[sparse_arch]",
+            )
+        )
     )
     before = {k: _full(v).clone() for k, v in model_state(model).items()}
     (tmp_path / "step_000000004").mkdir()  # the run's own checkpoint: the restore loads every tensor from it
-    apply_transfer(data.config, model, tmp_path)
+    apply_transfer(config, model, tmp_path)
     assert all(torch.equal(before[k], _full(v)) for k, v in model_state(model).items())
-    apply_transfer(data.config, model, tmp_path / "empty")  # nothing to resume: the teacher's tables
+    apply_transfer(config, model, tmp_path / "empty")  # nothing to resume: the teacher's tables
     assert not torch.equal(
         before["sparse_arch.ec.embeddings.t_hist_item.weight"],
         _full(model_state(model)["sparse_arch.ec.embeddings.t_hist_item.weight"]),

@@ -136,14 +136,18 @@ def build_data(cfg: DictConfig | dict | Config) -> Data:
 def build_model(data: Data) -> nn.Module:
     """The :class:`gem.models.gem.GEMModel` the config describes (TorchRec-sharded tables with their
     fused optimizer, or plain ones; FSDP2 on the dense arch with several ranks), on ``data.device``,
-    its dense arch wrapped as the registered components ask (gem.transfer's students)."""
+    its dense arch wrapped as the registered components ask (gem.transfer's students; at most one
+    may), its parameters loaded from ``checkpoint.init_from`` and frozen by ``checkpoint.init_frozen``
+    as the trainer's set-up does (gem.train.setup.build)."""
     from gem.train.components import outside_components
     from gem.train.setup import build_model as _build_model
+    from gem.train.setup import checkpoint_dir, initialize, one_dense_builder
 
-    builders = [b for c in outside_components(data.config) if (b := c.dense_builder()) is not None]
-    return _build_model(
-        data.config, data.schema, data.env, source=data.source, dense_builder=next(iter(builders), None)
-    )
+    config = data.config
+    builder = one_dense_builder([b for c in outside_components(config) if (b := c.dense_builder()) is not None])
+    model = _build_model(config, data.schema, data.env, source=data.source, dense_builder=builder)
+    initialize(config, model, checkpoint_dir(config))
+    return model
 
 
 def build_optimizers(model: nn.Module, data: Data, total_steps: int) -> Optimizers:

@@ -6,6 +6,7 @@ stages one by one for a custom loop. Nothing here trains: see gem.train.trainer.
     env = environment(config)                         # device, process group, threads, seed
     source = data(config, env)                        # the data set (rank 0 prepares it)
     model = build_model(config, source.schema, env, source=source)
+    initialize(config, model, checkpoint_dir(config))  # checkpoint.init_from / init_frozen
     optimizers = Optimizers(model, config, total_steps)
     loader = split_loader(config, env, source, "train")
 """
@@ -338,6 +339,19 @@ def build_model(
     )
 
 
+def checkpoint_dir(config: Config, run_dir: Path | str | None = None) -> Path:
+    """Where the run's checkpoints go: ``checkpoint.dir``, else ``<run_dir>/checkpoints`` (``run_dir``
+    defaults to ``trainer.run_dir``)."""
+    return Path(config.checkpoint.dir or Path(run_dir or config.trainer.run_dir) / "checkpoints")
+
+
+def one_dense_builder(dense_builders: Sequence[DenseBuilder]) -> DenseBuilder | None:
+    """The components' wrapper around the dense arch, if any; more than one is a ConfigError."""
+    if len(dense_builders) > 1:
+        raise ConfigError(f"{len(dense_builders)} components wrap the dense arch; at most one may")
+    return dense_builders[0] if dense_builders else None
+
+
 def initialize(config: Config, model: nn.Module, ckpt_dir: Path) -> None:
     """Parameter sharing (``checkpoint.init_from`` / ``init_modules``) and freezing (``init_frozen``),
     before the optimizers are built. Resuming the run's own checkpoint takes precedence: then the
@@ -425,7 +439,7 @@ class Run:
 
     @property
     def checkpoint_dir(self) -> Path:
-        return Path(self.config.checkpoint.dir or self.run_dir / "checkpoints")
+        return checkpoint_dir(self.config, self.run_dir)
 
     def loader(self, split: str, batch_size: int | None = None) -> BatchLoader:
         return split_loader(self.config, self.env, self.source, split, batch_size)
@@ -522,8 +536,7 @@ def build(
 ) -> Run:
     """Data, model (``dense_builders``: the components' wrappers, at most one), the training loader
     and plan, the parameters shared or frozen (``checkpoint.init_*``), the optimizers."""
-    if len(dense_builders) > 1:
-        raise ConfigError(f"{len(dense_builders)} components wrap the dense arch; at most one may")
+    dense_builder = one_dense_builder(dense_builders)
     with timer.phase("data"):
         source = data(config, env)
     logger.info(
@@ -535,11 +548,11 @@ def build(
     )
     logger.info(env.threads)
     with timer.phase("model build"):
-        model = build_model(config, source.schema, env, timer, source, dense_builders[0] if dense_builders else None)
+        model = build_model(config, source.schema, env, timer, source, dense_builder)
     timer.phases["model build"] -= timer.phases.get("sharding", 0.0)
     train_loader = split_loader(config, env, source, "train")
     eval_rows = _rows(lambda split: split_loader(config, env, source, split))
     run_plan = plan(config, train_loader, env.world_size, source.dir, eval_rows)
-    initialize(config, model, Path(config.checkpoint.dir or run_dir / "checkpoints"))
+    initialize(config, model, checkpoint_dir(config, run_dir))
     optimizers = Optimizers(model, config, run_plan.total_steps)
     return Run(config, env, source, model, optimizers, train_loader, run_plan, run_dir, timer)
