@@ -301,6 +301,18 @@ def test_analytic_flops_match_flop_counter_on_the_reference(tiny_schema, tiny_da
     assert mfu(1e12, 2.0, 1.0) == 0.5 and mfu(1e12, 2.0, None) is None
 
 
+def test_the_dense_archs_declare_their_flop_count_and_representations(tiny_schema):
+    """What the trainer's FLOP count, gem.plan and gem.transfer read is declared, not probed."""
+    from gem.models.capabilities import capabilities
+    from gem.models.dlrm import DLRM
+
+    gem_arch = capabilities(build(tiny_schema).dense_arch)
+    assert gem_arch.counts_flops and gem_arch.head_representation and gem_arch.sequence_summaries
+    dims = {f: 8 for f in tiny_schema.id_feature_names} | {g.name: 8 for g in tiny_schema.sequence_groups}
+    dlrm = capabilities(DLRM(tiny_schema, dims))
+    assert dlrm.head_representation and not dlrm.counts_flops and not dlrm.sequence_summaries
+
+
 @pytest.mark.parametrize("pool_rows", [True, False])
 def test_pooling_by_attention_is_softmax_attention_over_projected_keys_and_values(pool_rows):
     """PoolingByAttention, whether it pools the rows unprojected or projects them, equals the

@@ -755,7 +755,8 @@ def test_a_task_the_teacher_never_learned_stops_the_student_run(tiny_dataset, te
 
 
 def test_a_gem_student_reading_representations_counts_the_projections_flops(exported):
-    from gem.train.flops import batch_lengths
+    from gem.models.capabilities import capabilities
+    from gem.train.flops import batch_lengths, step_flops
 
     data, model = _student(exported, "model=gem_tiny", "trainer.distill.representation=8")
     dense = model.dense_arch
@@ -765,4 +766,6 @@ def test_a_gem_student_reading_representations_counts_the_projections_flops(expo
     assert outer["forward"] - inner["forward"] == 2 * batch.batch_size * 32 * 8
     assert outer["backward"] - inner["backward"] == 2 * batch.batch_size * 32 * 8
     _, dlrm = _student(exported, "model=dlrm", "trainer.distill.representation=8")
-    assert dlrm.dense_arch.flops is None  # DLRM has no analytic count
+    assert capabilities(dense).counts_flops and step_flops(dense, batch, data.schema) == sum(outer.values())
+    assert not capabilities(dlrm.dense_arch).counts_flops  # DLRM has no analytic count
+    assert step_flops(dlrm.dense_arch, batch, data.schema) is None

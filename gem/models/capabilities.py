@@ -22,12 +22,22 @@ class Capabilities:
             ``teacher_repr=``; gem.transfer's students).
         item_cooccurrence: the arch's ranking prior needs the items' co-occurrence over the
             training split, handed over by ``set_cooccurrence(keys, values)`` when it is built.
+        counts_flops: the arch counts a training step's FLOPs analytically,
+            ``flops(batch_size, lengths, max_lens=None, padded=False) -> {"forward": .., "backward": ..}``
+            (the trainer's TFLOP/s and MFU, gem.plan's step time).
+        head_representation: the output of the arch's ``top`` MLP (width ``top.out_dim``) is the
+            example's representation, the input of its ``heads`` module (gem.transfer's teachers).
+        sequence_summaries: the arch's ``final`` ModuleDict holds, per event stream, the module whose
+            output is that stream's sequence summary tokens (gem.transfer's history representation).
     """
 
     returns_loss: bool = False
     sequence_ids: tuple[str, ...] = ()
     teacher_inputs: bool = False
     item_cooccurrence: bool = False
+    counts_flops: bool = False
+    head_representation: bool = False
+    sequence_summaries: bool = False
 
     @property
     def reads_more_than_embeddings(self) -> bool:

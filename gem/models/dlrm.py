@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from gem.data.pipeline.schema import FeatureSchema
+from gem.models.capabilities import Capabilities
 from gem.models.heads import MultiTaskHeads
 from gem.models.layers import MLP, dot_interaction
 from gem.sparse.arch import SparseOutput
@@ -30,6 +31,8 @@ class DLRM(nn.Module):
     dim: common width ``D`` of the interaction.
     bottom_mlp / top_mlp / tower_mlp: hidden widths.
     """
+
+    capabilities = Capabilities(head_representation=True)  # the top MLP's output feeds the heads
 
     def __init__(
         self,

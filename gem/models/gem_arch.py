@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from gem.data.pipeline.schema import FeatureSchema
+from gem.models.capabilities import Capabilities
 from gem.models.heads import MultiDomainHeads
 from gem.models.interformer import InterFormerLayer, NonSequenceSummary, SequenceSummary
 from gem.models.kunlun import KunlunLayer, SeedPooling
@@ -175,6 +176,9 @@ class GEMDenseArch(nn.Module):
         self.top = MLP(rep_dim, tuple(top_mlp))
         self.heads = MultiDomainHeads(
             self.top.out_dim, schema.num_tasks, schema.num_domains, tuple(tower_mlp), domain_mode
+        )
+        self.capabilities = Capabilities(
+            counts_flops=True, head_representation=True, sequence_summaries=len(self.final) > 0
         )
 
     def init_weights(self) -> None:

@@ -277,7 +277,10 @@ class GenerativeSeqArch(nn.Module):
         prior = self.candidate if cooccurrence else None
         self.sequence_ids = tuple(f for f in (self.item_feature, self.negative_feature, *slots, prior) if f is not None)
         self.capabilities = Capabilities(
-            returns_loss=self.returns_loss, sequence_ids=self.sequence_ids, item_cooccurrence=cooccurrence > 0
+            returns_loss=self.returns_loss,
+            sequence_ids=self.sequence_ids,
+            item_cooccurrence=cooccurrence > 0,
+            counts_flops=True,
         )
         self.num_items = schema.cardinality(self.item_feature)
         self.item_dim = feature_dims[self.candidate]

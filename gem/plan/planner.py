@@ -260,10 +260,12 @@ def meta_model(config: Config, schema: FeatureSchema):
 
 def dense_flops(dense: nn.Module, batch_size: int, lengths: Lengths) -> tuple[float, float, str]:
     """Forward + backward FLOPs of one rank's step and the forward's alone: the arch's own
-    ``flops()`` on ``batch_size`` sampled lengths, else 6 (forward: 2) x parameters x examples
-    (each weight used once per example)."""
-    count = getattr(dense, "flops", None)
-    if count is not None:
+    ``flops()`` (``capabilities.counts_flops``) on ``batch_size`` sampled lengths, else 6
+    (forward: 2) x parameters x examples (each weight used once per example)."""
+    from gem.models.capabilities import capabilities
+
+    if capabilities(dense).counts_flops:
+        count = dense.flops
         sample = {
             g: torch.from_numpy(v[:batch_size] if v.size >= batch_size else np.resize(v, batch_size))
             for g, v in lengths.sample.items()

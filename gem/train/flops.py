@@ -1,7 +1,8 @@
 """FLOPs per training step on the true jagged lengths, and MFU.
 
-The dense arch counts its own FLOPs analytically (``dense_arch.flops(batch_size, lengths)``,
-e.g. :meth:`gem.models.gem_arch.GEMDenseArch.flops`); embedding lookups are not FLOPs.
+A dense arch that declares ``capabilities.counts_flops`` (gem.models.capabilities) counts its own
+FLOPs analytically (``dense_arch.flops(batch_size, lengths)``, e.g.
+:meth:`gem.models.gem_arch.GEMDenseArch.flops`); embedding lookups are not FLOPs.
 ``MFU = step FLOPs / step seconds / peak FLOP/s``, summed over ranks (each rank counts its own
 batch). On CPU there is no meaningful peak: MFU is None unless ``trainer.peak_tflops`` is set.
 """
@@ -12,6 +13,7 @@ import torch
 
 from gem.data.pipeline.batch import Batch
 from gem.data.pipeline.schema import FeatureSchema
+from gem.models.capabilities import capabilities
 
 # Dense bf16 peak (TFLOP/s, without sparsity) by GPU name, from the vendors' data sheets.
 # The first key found in the device name wins (so "H100 PCIe" before "H100").
@@ -39,11 +41,10 @@ def batch_lengths(batch: Batch, schema: FeatureSchema) -> dict[str, torch.Tensor
 
 
 def step_flops(dense_arch: torch.nn.Module, batch: Batch, schema: FeatureSchema) -> int | None:
-    """Forward + backward FLOPs of one training step of ``dense_arch`` on ``batch`` (None if it cannot count)."""
-    count = getattr(dense_arch, "flops", None)
-    if count is None:
+    """Forward + backward FLOPs of one training step of ``dense_arch`` on ``batch`` (None if it declares no count)."""
+    if not capabilities(dense_arch).counts_flops:
         return None
-    flops = count(batch.batch_size, batch_lengths(batch, schema))
+    flops = dense_arch.flops(batch.batch_size, batch_lengths(batch, schema))
     return flops["forward"] + flops["backward"]
 
 

@@ -34,7 +34,7 @@ from torch import nn
 
 from gem.data.errors import DataError
 from gem.data.pipeline.schema import FeatureSchema
-from gem.models.capabilities import Capabilities
+from gem.models.capabilities import Capabilities, capabilities
 from gem.sparse.arch import SparseOutput
 from gem.train.checkpoint import CheckpointError
 
@@ -52,8 +52,6 @@ class TransferStudent(nn.Module):
         representation_dim: ``P``, the width it is projected to.
         adapter: the logits are ``a * teacher + g * student`` (module docstring).
     """
-
-    capabilities = Capabilities(teacher_inputs=True)  # GEMModel passes teacher= / teacher_repr=
 
     def __init__(
         self,
@@ -73,6 +71,8 @@ class TransferStudent(nn.Module):
         self.student = build(
             schema=dataclasses.replace(schema, num_dense=schema.num_dense + extra), feature_dims=feature_dims
         )
+        # GEMModel passes teacher= / teacher_repr=; a FLOP count when the student arch has one
+        self.capabilities = Capabilities(teacher_inputs=True, counts_flops=capabilities(self.student).counts_flops)
         if adapter:
             self.teacher_scale = nn.Parameter(torch.empty(num_tasks))
             self.student_gate = nn.Parameter(torch.empty(num_tasks))
@@ -86,23 +86,16 @@ class TransferStudent(nn.Module):
             nn.init.ones_(self.teacher_scale)
             nn.init.zeros_(self.student_gate)
 
-    @property
-    def flops(self) -> Callable[..., dict[str, int]] | None:
-        """The student arch's analytic FLOP count (None without one) plus the projection's: what the
-        trainer logs as TFLOP/s. The appended inputs' share of the student's first layer is in its own."""
-        count = getattr(self.student, "flops", None)
-        if count is None:
-            return None
-
-        def total(batch_size: int, *args, **kwargs) -> dict[str, int]:
-            out = dict(count(batch_size, *args, **kwargs))
-            if self.project is not None:
-                extra = 2 * batch_size * self.project.in_features * self.project.out_features
-                out["forward"] += extra
-                out["backward"] += extra  # the weight gradient (its input, the teacher's, needs none)
-            return out
-
-        return total
+    def flops(self, batch_size: int, *args, **kwargs) -> dict[str, int]:
+        """The student arch's analytic FLOP count plus the projection's: what the trainer logs as
+        TFLOP/s (declared, ``capabilities.counts_flops``, when the student arch counts its own). The
+        appended inputs' share of the student's first layer is in its own."""
+        out = dict(self.student.flops(batch_size, *args, **kwargs))
+        if self.project is not None:
+            extra = 2 * batch_size * self.project.in_features * self.project.out_features
+            out["forward"] += extra
+            out["backward"] += extra  # the weight gradient (its input, the teacher's, needs none)
+        return out
 
     def forward(
         self,
@@ -220,13 +213,12 @@ def teacher_representation_dim(checkpoint: str, student: FeatureSchema) -> int:
         model.attention_backend = None
     with torch.device("meta"):
         dense = instantiate(model, _partial_=True, _convert_="all")(schema=schema, feature_dims=dims)
-    width = getattr(getattr(dense, "top", None), "out_dim", None)
-    if width is None:
+    if not capabilities(dense).head_representation:
         raise CheckpointError(
             f"trainer.distill.checkpoint={path}: the teacher's dense arch {type(dense).__name__} has no top MLP "
             "(`top.out_dim`) whose output is the representation its heads read"
         )
-    return int(width)
+    return int(dense.top.out_dim)
 
 
 def wrap_dense(config, schema: FeatureSchema, feature_dims: dict[str, int], build: Callable[..., nn.Module]):
@@ -286,7 +278,7 @@ def attach_teacher(config, schema: FeatureSchema, model: nn.Module, device: torc
     teacher = load_teacher(dd.checkpoint, schema, tuple(tasks), device, kernel_settings=settings)
     index = torch.tensor([schema.tasks.index(k) for k in tasks], device=device, dtype=torch.long)
     keep_repr = dd.representation > 0
-    if keep_repr and not hasattr(teacher.model.dense_arch, "heads"):
+    if keep_repr and not capabilities(teacher.model.dense_arch).head_representation:
         raise CheckpointError(
             f"trainer.distill.representation: the teacher {dd.checkpoint} has no `heads` module whose input "
             "is its representation"

@@ -22,6 +22,7 @@ from torch import nn
 
 from gem.data.pipeline.batch import Batch
 from gem.data.pipeline.schema import FeatureSchema
+from gem.models.capabilities import capabilities
 from gem.sparse.arch import SparseOutput
 from gem.train.checkpoint import CheckpointError
 from gem.train.initialize import resolve_checkpoint
@@ -171,9 +172,8 @@ class Teacher(nn.Module):
         self.index = torch.tensor([teacher_tasks.index(t) for t in tasks], device=device)
         self.device = device
         self._repr: torch.Tensor | None = None
-        heads = getattr(model.dense_arch, "heads", None)
-        if heads is not None:
-            heads.register_forward_pre_hook(self._keep_repr)
+        if capabilities(model.dense_arch).head_representation:
+            model.dense_arch.heads.register_forward_pre_hook(self._keep_repr)
 
     def _keep_repr(self, module, args) -> None:
         self._repr = args[0]
@@ -203,13 +203,13 @@ class Teacher(nn.Module):
         (and the dense features), and every module of the arch is a function of its own example's
         rows (no batch statistics; eval mode), so rows of one request give the same vector.
         ``candidate_features``: checked by :func:`check_candidate_features`."""
-        final = getattr(self.model.dense_arch, "final", None)
-        if not isinstance(final, nn.ModuleDict) or not len(final):
+        if not capabilities(self.model.dense_arch).sequence_summaries:
             raise CheckpointError(
                 f"{self.where}: the teacher's dense arch {type(self.model.dense_arch).__name__} has no `final` "
                 "sequence summaries (GEMDenseArch's), so it has no history representation; use the head input "
                 "(transfer.representation=heads)"
             )
+        final = self.model.dense_arch.final
         kept: dict[str, torch.Tensor] = {}
         hooks = [m.register_forward_hook(lambda _, a, out, n=n: kept.__setitem__(n, out)) for n, m in final.items()]
         hooks.append(self.model.sparse_arch.register_forward_hook(_leave_out(candidate_features)))
