@@ -184,8 +184,10 @@ def main() -> None:
     parser.add_argument("--experiment", default="seqrec_gen")
     parser.add_argument("--generic", action="store_true", help="--experiment for every set, not a set's own variant")
     parser.add_argument("--split", default="test", choices=["test", "val"])
-    parser.add_argument("--out-dir", default=str(ROOT / "runs" / "seqrec"))
     parser.add_argument("--tag", default=None, help="file name suffix (default: the hardware, slugged)")
+    parser.add_argument(
+        "--out-dir", default=None, help="the runs' folders (default: runs/seqrec/<experiment>-<tag>); each must be new"
+    )
     parser.add_argument(
         "--pretrain",
         nargs="+",
@@ -199,9 +201,18 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = parser.parse_args()
     env = environment()
+    tag = args.tag or "".join(c if c.isalnum() else "-" for c in env["hardware"].lower()).strip("-")
+    out_dir = Path(args.out_dir or ROOT / "runs" / "seqrec" / f"{args.experiment}-{tag}")
+    names, seeds = zip(*[(name, seed) for name in args.sets for seed in args.seeds])
+    for name, seed in zip(names, seeds):  # a run folder with a checkpoint would resume that run instead of training
+        if (out_dir / f"{name}-{seed}").exists():
+            raise SystemExit(
+                f"{out_dir / f'{name}-{seed}'} holds an earlier run, which the trainer would resume: remove it, "
+                "or give this invocation another --tag or --out-dir"
+            )
 
     def one(name: str, seed: int) -> dict:
-        run_dir = Path(args.out_dir) / f"{name}-{seed}"
+        run_dir = out_dir / f"{name}-{seed}"
         return run(
             args.experiment,
             name,
@@ -214,7 +225,6 @@ def main() -> None:
             args.without_prior,
         )
 
-    names, seeds = zip(*[(name, seed) for name in args.sets for seed in args.seeds])
     with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
         results = list(pool.map(one, names, seeds))
     summary = summarize(results)
@@ -234,7 +244,6 @@ def main() -> None:
             alone = lambda m, s=s: f"{s['without_prior'][m]['mean']:.4f}+-{s['without_prior'][m]['std']:.4f}"  # noqa: E731
             cells = " ".join(f"{alone(m):>15}" for m in ("hr@10", "ndcg@10", "hr@1", "mrr"))
             print(f"{'  without the prior':<22} {cells}")
-    tag = args.tag or "".join(c if c.isalnum() else "-" for c in env["hardware"].lower()).strip("-")
     out = ROOT / "benchmarks" / "results" / f"seqrec-{args.experiment}-{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(

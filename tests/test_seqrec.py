@@ -304,3 +304,17 @@ def test_the_seqrec_benchmark_chooses_on_validation_without_reading_the_test_spl
     assert run_overrides(["a=1"], "val", None, False) == ["a=1", "trainer.test=false", "trainer.eval_every=-1"]
     assert run_overrides(["trainer.eval_every=100"], "val", None, False)[-1] == "trainer.test=false"
     assert run_overrides(["a=1"], "test", None, True) == ["a=1", "checkpoint.enabled=true"]
+
+
+def test_the_seqrec_benchmark_refuses_a_run_folder_that_holds_an_earlier_run(tmp_path, monkeypatch, capsys):
+    """Two invocations with the same run folders: the second would resume the first's final
+    checkpoint and report its model as its own, so it stops before running anything."""
+    import sys
+
+    from benchmarks import seqrec
+
+    (tmp_path / "LastFM-1").mkdir()
+    monkeypatch.setattr(seqrec, "run", lambda *a, **k: pytest.fail("a run started"))
+    monkeypatch.setattr(sys, "argv", ["seqrec.py", "--sets", "LastFM", "--seeds", "0", "1", "--out-dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="LastFM-1 holds an earlier run, which the trainer would resume"):
+        seqrec.main()
