@@ -88,17 +88,23 @@ def environment() -> dict:
 
 def commit(root: Path = ROOT) -> str | None:
     """The commit of the tree at ``root``: ``$GIT_COMMIT`` if set (for a copy of the tree, such as a
-    ``git archive`` snapshot), else ``HEAD`` of the checkout whose top level ``root`` is; None for a
-    tree that is not a checkout, rather than the commit of a repository that merely contains it."""
+    ``git archive`` snapshot), else ``HEAD`` of the checkout whose top level ``root`` is, with
+    ``+modified`` where tracked files differ from it (uncommitted edits, or a copied tree whose
+    ``.git`` is older than its files, as on a lent GPU machine); None for a tree that is not a
+    checkout, rather than the commit of a repository that merely contains it."""
     if os.environ.get("GIT_COMMIT"):
         return os.environ["GIT_COMMIT"]
     try:
         top, head = subprocess.run(
             ["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=root, capture_output=True, text=True, check=True
         ).stdout.split()
+        status = ["git", "status", "--porcelain", "--untracked-files=no"]
+        changed = subprocess.run(status, cwd=root, capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, ValueError, subprocess.CalledProcessError):
         return None
-    return head if Path(top).resolve() == Path(root).resolve() else None
+    if Path(top).resolve() != Path(root).resolve():
+        return None
+    return f"{head}+modified" if changed else head
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -32,6 +32,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.scaling import commit  # noqa: E402
+
 TABLES = ("t_user_id", "t_ad_id", "t_hist_item")
 VARIANTS = {
     "mch_lru": {"policy": "mch", "eviction": "lru", "eviction_interval": 5},
@@ -75,13 +78,6 @@ def configure(args, name: str, work: Path):
     return cfg
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--days", type=int, default=7)
@@ -121,7 +117,7 @@ def main() -> None:
     out = {
         "benchmark": "stream",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": git_commit(),
+        "git_commit": commit(),
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

@@ -111,7 +111,8 @@ def test_python_m_gem_train_prints_the_version_error_as_one_line(tmp_path):
 
 
 def test_benchmarks_record_the_commit_of_their_own_checkout_only(tmp_path, monkeypatch):
-    """benchmarks' provenance: HEAD of the checkout whose top level the tree is; a copy inside another
+    """benchmarks' provenance: HEAD of the checkout whose top level the tree is (``+modified`` when its
+    tracked files differ, as in a copy whose ``.git`` is older than its files); a copy inside another
     checkout (a ``git archive`` snapshot) has no commit of its own unless ``$GIT_COMMIT`` names it."""
     from benchmarks.scaling import commit
 
@@ -127,6 +128,8 @@ def test_benchmarks_record_the_commit_of_their_own_checkout_only(tmp_path, monke
     snapshot = tmp_path / "snapshot"
     snapshot.mkdir()
     assert commit(tmp_path) == head.strip()
+    (tmp_path / "a.txt").write_text("b")  # a tracked file changed: the tree is not HEAD's
+    assert commit(tmp_path) == head.strip() + "+modified"
     assert commit(snapshot) is None
     monkeypatch.setenv("GIT_COMMIT", "abc123")
     assert commit(snapshot) == "abc123"
