@@ -19,7 +19,9 @@ a baseline that is missing or runs out of memory is recorded as such.
     python benchmarks/attention.py --lengths    # GDPA without a mask, 128..2048 at fill 0.5: which
                                                 # forward and backward win where (its own JSON)
     python benchmarks/attention.py --flagship   # gem_base's two attention calls at its history lengths,
-                                                # kernel time and error of every backend (its own JSON)
+                                                # kernel time and error of every backend (its own JSON);
+                                                # and the personalized FFN's forward with K/V generated
+                                                # in the kernel against the model's path (a second JSON)
 """
 
 from __future__ import annotations
@@ -667,6 +669,65 @@ def flagship(out_dir: pathlib.Path) -> None:
         if r["status"] == "ok":
             errors = " ".join(f"{k} {v:.1e}" for k, v in r["rel_err"].items())
             print(f"{r['shape']:<26} {r['impl']:<34} kernels {r['kernel_ms']:6.3f} ms | errors {errors}")
+    generated = generated_kv_rows(lengths)
+    _write_rows(
+        out_dir / "attention-h200-flagship-generated-kv.json",
+        versions,
+        generated,
+        lengths=f"lognormal({FLAGSHIP_LOG_MEAN}, {FLAGSHIP_LOG_STD}), in [1, {FLAGSHIP_MAX_LEN}]",
+        what="gem_base's personalized FFN forward (no backward): the model's path against K/V generated in the kernel",
+        rel_err="max |out - ref| / max |ref| against generated_kv_reference on the same inputs",
+    )
+    for r in generated:
+        print(f"{'personalized FFN, forward':<26} {r['impl']:<60} {r['fwd_ms']:6.3f} ms | error {r['rel_err']:.1e}")
+
+
+# The generated-K/V forward's launch configs (no autotuner yet): (BLOCK_M, BLOCK_N, warps, stages).
+GENERATED_KV_CONFIGS = [(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 4, 3)]
+
+
+def generated_kv_rows(lengths: torch.Tensor) -> list[dict]:
+    """The personalized FFN's forward at gem_base's shapes (256 generated rows from 4 summary
+    tokens, silu) two ways: the model's path (``generate_weights`` compiled, writing K and V, then
+    the op's forward) and ``generated_kv_forward`` (K/V built in the kernel), at each of
+    GENERATED_KV_CONFIGS. Forward only: the in-kernel path has no backward yet."""
+    from gem.models.sequence import generate_weights
+    from kernels.jagged_attention.generated_kv import generated_kv_forward, generated_kv_reference
+
+    gen = torch.Generator().manual_seed(0)
+    num_kv, num_summary, width = 256, 4, NUM_HEADS * HEAD_DIM
+    num_batches, max_len = lengths.numel(), int(lengths.max())
+    offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).cuda()
+    q = torch.randn(int(lengths.sum()), NUM_HEADS, HEAD_DIM, generator=gen).to("cuda", DTYPE)
+    shared_k, shared_v = (torch.randn(num_kv, width, generator=gen).cuda() * HEAD_DIM**-0.5 for _ in range(2))
+    mix = torch.randn(num_kv, num_summary, generator=gen).cuda()
+    gen_k, gen_v = (torch.randn(num_batches, num_summary, width, generator=gen).to("cuda", DTYPE) for _ in range(2))
+    args = (q, offsets, max_len, shared_k, shared_v, mix, gen_k, gen_v)
+    reference = generated_kv_reference(*args)
+    generate = torch.compile(generate_weights)
+
+    def model_path():
+        k, v = (
+            generate(w, mix, g).view(num_batches, num_kv, NUM_HEADS, HEAD_DIM)
+            for w, g in ((shared_k, gen_k), (shared_v, gen_v))
+        )
+        return jagged_attention(q, k, v, offsets, None, max_len, None, activation="silu", post_scale=1 / num_kv)
+
+    flops = 4 * NUM_HEADS * HEAD_DIM * int(lengths.sum()) * num_kv
+    runs = [("the model's path: generate_weights compiled, then gem triton's forward", model_path)]
+    for block_m, block_n, warps, stages in GENERATED_KV_CONFIGS:
+        config = dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
+        runs.append((f"generated in the kernel {config}", lambda config=config: generated_kv_forward(*args, **config)))
+    rows = []
+    with torch.no_grad():
+        for impl, fn in runs:
+            time.sleep(SETTLE_S)  # every implementation starts from the same idle GPU
+            error = ((fn().float() - reference.float()).abs().max() / reference.float().abs().max()).item()
+            ms = bench(fn)
+            rows.append(
+                dict(impl=impl, fwd_ms=ms, fwd_tflops=flops / ms / 1e9, rel_err=error, num_tokens=int(lengths.sum()))
+            )
+    return rows
 
 
 def _tuned_configs() -> dict:

@@ -1,0 +1,79 @@
+"""kernels.jagged_attention.generated_kv: GDPA with the personalized FFN's keys and values generated
+inside the forward kernel, against its reference (the generation, then the op's reference) and
+against the model's path (``generate_weights``, then ``jagged_attention``).
+
+CPU tier: Triton's interpreter at small shapes whose N, S, D and lengths are not multiples of the
+blocks, with empty examples. GPU tier (``-m gpu``): gem_base's personalized FFN shapes in bf16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.jagged_attention import jagged_attention
+from kernels.jagged_attention.generated_kv import POINTWISE, generated_kv_forward, generated_kv_reference
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def _inputs(lengths, num_heads, head_dim, num_kv, num_summary, dtype, device=DEVICE, seed=0):
+    """q and offsets, and the generation's operands as the model holds them: W0 and M float32
+    parameters, G in the attention's dtype."""
+    gen = torch.Generator().manual_seed(seed)
+    width = num_heads * head_dim
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64, device=device)
+    q = torch.randn(sum(lengths), num_heads, head_dim, generator=gen).to(device, dtype)
+    shared_k, shared_v = (torch.randn(num_kv, width, generator=gen).to(device) * head_dim**-0.5 for _ in range(2))
+    mix = torch.randn(num_kv, num_summary, generator=gen).to(device)
+    gen_k, gen_v = (torch.randn(len(lengths), num_summary, width, generator=gen).to(device, dtype) for _ in range(2))
+    return q, offsets, max(lengths), shared_k, shared_v, mix, gen_k, gen_v
+
+
+def _error(got, want):
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+@pytest.mark.parametrize("activation", POINTWISE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_the_reference(activation, dtype):
+    args = _inputs([5, 0, 17, 1, 70], num_heads=2, head_dim=24, num_kv=37, num_summary=3, dtype=dtype)
+    got = generated_kv_forward(*args, activation=activation, block_m=16, block_n=16, num_warps=1, num_stages=1)
+    want = generated_kv_reference(*args, activation=activation)
+    assert got.shape == want.shape and got.dtype == dtype
+    assert _error(got, want) < (1e-5 if dtype == torch.float32 else 2e-2), activation
+
+
+def test_equals_the_models_generation_then_the_op():
+    """The model's path, ``generate_weights`` (eager: float32 baddbmm, rounded to G's dtype) and the
+    op on the generated K/V: the same function, scales included (the op's post_scale 1/N)."""
+    from gem.models.sequence import generate_weights
+
+    q, offsets, max_len, shared_k, shared_v, mix, gen_k, gen_v = _inputs(
+        [9, 3, 0, 33], num_heads=2, head_dim=16, num_kv=20, num_summary=4, dtype=torch.float32, seed=1
+    )
+    k, v = (generate_weights(w, mix, g).view(4, 20, 2, 16) for w, g in ((shared_k, gen_k), (shared_v, gen_v)))
+    want = jagged_attention(q, k, v, offsets, None, max_len, None, activation="silu", post_scale=1 / 20)
+    got = generated_kv_forward(
+        q, offsets, max_len, shared_k, shared_v, mix, gen_k, gen_v, block_m=16, block_n=16, num_warps=1, num_stages=1
+    )
+    assert _error(got, want) < 1e-5
+
+
+def test_bad_inputs_name_the_argument():
+    args = list(_inputs([3, 4], num_heads=2, head_dim=16, num_kv=8, num_summary=2, dtype=torch.float32))
+    with pytest.raises(ValueError, match="generated K/V take a pointwise activation"):
+        generated_kv_forward(*args, activation="softmax")
+    args[6] = args[6][:, :1]  # gen_k with one summary row of two
+    with pytest.raises(ValueError, match=r"gen_k must be \[B, S, H \* D\] = \(2, 2, 32\), got \(2, 1, 32\)"):
+        generated_kv_forward(*args)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_gem_base_shapes():
+    """gem_base's personalized FFN: 4 heads of 128, 256 generated rows, 4 summary tokens, bf16."""
+    lengths = torch.randint(0, 512, (256,), generator=torch.Generator().manual_seed(0)).tolist()
+    args = _inputs(lengths, num_heads=4, head_dim=128, num_kv=256, num_summary=4, dtype=torch.bfloat16)
+    assert _error(generated_kv_forward(*args), generated_kv_reference(*args)) < 2e-2
