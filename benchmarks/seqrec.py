@@ -17,9 +17,11 @@ With ``--pretrain OVERRIDES``, each run starts from a pretraining stage of the s
 ``trainer.pretrain``. ``--without-prior`` also scores each run's final model with its
 co-occurrence prior off (``model.cooccurrence``: the neural model alone), from the run's last
 checkpoint, and reports those rows apart. ``--parallel N`` runs N at a time (on a GPU that the small
-models leave mostly idle; the figures do not depend on it). Writes
-``benchmarks/results/seqrec-<experiment>-<hardware>.json`` with every run's metrics and time, and
-prints mean +- standard deviation per set.
+models leave mostly idle; the figures do not depend on it). The runs' folders are new ones,
+``runs/seqrec/<experiment>-<tag>/<set>-<seed>`` (``--out-dir``), since the trainer resumes a
+folder's checkpoint. Writes ``benchmarks/results/seqrec-<experiment>-<tag>.json`` (the tag: the
+hardware unless ``--tag``) with every run's metrics and time, and prints mean +- standard deviation
+per set.
 """
 
 from __future__ import annotations

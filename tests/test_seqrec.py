@@ -306,7 +306,7 @@ def test_the_seqrec_benchmark_chooses_on_validation_without_reading_the_test_spl
     assert run_overrides(["a=1"], "test", None, True) == ["a=1", "checkpoint.enabled=true"]
 
 
-def test_the_seqrec_benchmark_refuses_a_run_folder_that_holds_an_earlier_run(tmp_path, monkeypatch, capsys):
+def test_the_seqrec_benchmark_refuses_a_run_folder_that_holds_an_earlier_run(tmp_path, monkeypatch):
     """Two invocations with the same run folders: the second would resume the first's final
     checkpoint and report its model as its own, so it stops before running anything."""
     import sys
