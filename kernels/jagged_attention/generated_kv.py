@@ -207,14 +207,12 @@ def generated_kv_forward(
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     post_scale = 1.0 / num_kv if post_scale is None else float(post_scale)
     out = q.new_empty(num_rows, num_heads, head_dim)
-    if num_rows == 0 or num_heads == 0 or num_batches == 0 or max_len == 0:
-        return out.zero_()
-    if num_kv == 0:
+    if num_rows == 0 or num_heads == 0 or num_batches == 0 or max_len == 0 or num_kv == 0:
         return out.zero_()
     kv_offsets = torch.arange(num_batches + 1, device=q.device, dtype=offsets.dtype) * num_kv
     order = batch_order(offsets, kv_offsets, wrap=wrap)
     block_d = max(triton.next_power_of_2(head_dim), 16)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # the generation's too: W0 and M are float32
     grid = (triton.cdiv(max_len, block_m) * num_batches * num_heads,)
     wrap(_generated_kv_fwd_kernel)[grid](
         q,
@@ -249,7 +247,7 @@ def generated_kv_forward(
         EVEN_D=block_d == head_dim,
         BLOCK_S=max(triton.next_power_of_2(num_summary), 16),
         DOT_PRECISION=precision,
-        GEN_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        GEN_PRECISION=precision,
         PACKED_ACT=packed_act(q, activation, kernel_settings.current(), arch),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
