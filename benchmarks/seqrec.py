@@ -214,21 +214,27 @@ def main() -> None:
             )
 
     def one(name: str, seed: int) -> dict:
+        """A run's record, or the reason it failed (the others' records are kept either way)."""
         run_dir = out_dir / f"{name}-{seed}"
-        return run(
-            args.experiment,
-            name,
-            seed,
-            args.split,
-            args.overrides,
-            run_dir,
-            args.pretrain,
-            args.generic,
-            args.without_prior,
-        )
+        try:
+            return run(
+                args.experiment,
+                name,
+                seed,
+                args.split,
+                args.overrides,
+                run_dir,
+                args.pretrain,
+                args.generic,
+                args.without_prior,
+            )
+        except (subprocess.CalledProcessError, SystemExit) as error:
+            reason = f"exit status {error.returncode}" if isinstance(error, subprocess.CalledProcessError) else error
+            return {"set": name, "seed": seed, "failed": f"{reason} (its error is in the output above; {run_dir})"}
 
     with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
-        results = list(pool.map(one, names, seeds))
+        records = list(pool.map(one, names, seeds))
+    results, failed = [r for r in records if "failed" not in r], [r for r in records if "failed" in r]
     summary = summarize(results)
     print(
         f"\n{'set':<22} {'HR@10':>15} {'NDCG@10':>15} {'HR@1':>15} {'MRR':>15} {'s/run':>6}  published HR@10 / NDCG@10"
@@ -262,12 +268,18 @@ def main() -> None:
                 "summary": summary,
                 "published": PUBLISHED,
                 "runs": results,
+                **({"failed": failed} if failed else {}),
             },
             indent=2,
         )
         + "\n"
     )
     print(f"wrote {out}")
+    if failed:
+        raise SystemExit(
+            "runs that failed (left out of the summary): "
+            + "; ".join(f"{r['set']} seed {r['seed']}: {r['failed']}" for r in failed)
+        )
 
 
 if __name__ == "__main__":

@@ -318,3 +318,26 @@ def test_the_seqrec_benchmark_refuses_a_run_folder_that_holds_an_earlier_run(tmp
     monkeypatch.setattr(sys, "argv", ["seqrec.py", "--sets", "LastFM", "--seeds", "0", "1", "--out-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="LastFM-1 holds an earlier run, which the trainer would resume"):
         seqrec.main()
+
+
+def test_the_seqrec_benchmark_keeps_the_runs_that_finished_when_one_fails(tmp_path, monkeypatch):
+    """A failed run is named and left out of the summary; the others' records are written."""
+    import subprocess
+    import sys
+
+    from benchmarks import seqrec
+
+    def run(experiment, name, seed, *args):
+        if seed == 1:
+            raise subprocess.CalledProcessError(1, ["python", "-m", "gem.train"])
+        scores = {m: 0.5 for m in seqrec.METRICS}
+        return {"set": name, "seed": seed, "seconds": 1.0, "hr@10_se": 0.01, "ndcg@10_se": 0.01, **scores}
+
+    monkeypatch.setattr(seqrec, "ROOT", tmp_path)
+    monkeypatch.setattr(seqrec, "run", run)
+    monkeypatch.setattr(sys, "argv", ["seqrec.py", "--sets", "LastFM", "--seeds", "0", "1", "2", "--tag", "t"])
+    with pytest.raises(SystemExit, match="LastFM seed 1: exit status 1"):
+        seqrec.main()
+    record = json.loads((tmp_path / "benchmarks" / "results" / "seqrec-seqrec_gen-t.json").read_text())
+    assert [r["seed"] for r in record["runs"]] == [0, 2] and [r["seed"] for r in record["failed"]] == [1]
+    assert record["summary"]["LastFM"]["hr@10"] == {"mean": 0.5, "std": 0.0}
