@@ -42,13 +42,14 @@ POINTWISE = tuple(a for a in ACTIVATIONS if a != "softmax")
 
 
 @triton.jit
-def _generated_tile(W0, stride_w0, MIX, stride_mix, g, cols, num_kv, offs_s, smask, offs_d, dmask, GEN_PRECISION):
-    """Rows ``cols`` of ``W0 + M G`` for one head (``W0`` at the head's first column, ``g`` its
-    ``[BLOCK_S, BLOCK_D]`` float32 rows of ``G``), float32; zero beyond ``num_kv``."""
-    nmask = cols < num_kv
-    mix = tl.load(MIX + cols[:, None] * stride_mix + offs_s[None, :], mask=nmask[:, None] & smask[None, :], other=0.0)
-    w0 = tl.load(W0 + cols[:, None] * stride_w0 + offs_d[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0)
-    return dot(mix.to(tl.float32), g, w0.to(tl.float32), GEN_PRECISION)
+def _generated_tile(W0, stride_w0, mix, g, cols, num_kv, offs_d, dmask, GEN_PRECISION: tl.constexpr):
+    """Rows ``cols`` of ``W0 + M G`` for one head, float32, zero beyond ``num_kv``: ``W0`` points at
+    the head's first column, ``mix`` holds the rows' ``[BLOCK_N, BLOCK_S]`` of ``M`` and ``g`` the
+    head's ``[BLOCK_S, BLOCK_D]`` of ``G`` (float32 both)."""
+    w0 = tl.load(
+        W0 + cols[:, None] * stride_w0 + offs_d[None, :], mask=(cols < num_kv)[:, None] & dmask[None, :], other=0.0
+    )
+    return dot(mix, g, w0.to(tl.float32), GEN_PRECISION)
 
 
 @triton.jit(do_not_specialize=["max_q_len"])
@@ -120,12 +121,11 @@ def _generated_kv_fwd_kernel(
     for n0 in range(0, num_kv, BLOCK_N):
         cols = n0 + offs_n
         # Keys past num_kv are zero, so their scores are 0 and every pointwise activation of 0 is 0.
-        k = _generated_tile(
-            W0K + column, stride_w0k, MIX, stride_mix, gk, cols, num_kv, offs_s, smask, offs_d, dmask, GEN_PRECISION
-        ).to(Q.dtype.element_ty)
-        v = _generated_tile(
-            W0V + column, stride_w0v, MIX, stride_mix, gv, cols, num_kv, offs_s, smask, offs_d, dmask, GEN_PRECISION
-        ).to(Q.dtype.element_ty)
+        mix_mask = (cols < num_kv)[:, None] & smask[None, :]
+        mix = tl.load(MIX + cols[:, None] * stride_mix + offs_s[None, :], mask=mix_mask, other=0.0).to(tl.float32)
+        k = _generated_tile(W0K + column, stride_w0k, mix, gk, cols, num_kv, offs_d, dmask, GEN_PRECISION)
+        v = _generated_tile(W0V + column, stride_w0v, mix, gv, cols, num_kv, offs_d, dmask, GEN_PRECISION)
+        k, v = k.to(Q.dtype.element_ty), v.to(Q.dtype.element_ty)
         x = dot(q, tl.trans(k), None, DOT_PRECISION)
         p = gdpa_p(x, qk_scale, v.dtype, ACTIVATION, PACKED_ACT, DOT_PRECISION)
         acc = dot(p, v, acc, DOT_PRECISION)
