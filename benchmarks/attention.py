@@ -43,7 +43,7 @@ from benchmarks.scaling import commit  # noqa: E402
 from kernels import jagged_attention  # noqa: E402
 from kernels.jagged_attention import jagged_attention_reference, num_visible_pairs, settings, testing  # noqa: E402
 from kernels.jagged_attention.autotune import tuned_configs  # noqa: E402
-from kernels.jagged_attention.inputs import make_inputs, random_lengths  # noqa: E402
+from kernels.jagged_attention.inputs import generated_kv_inputs, make_inputs, random_lengths  # noqa: E402
 
 NUM_HEADS, HEAD_DIM, DTYPE = 4, 128, torch.bfloat16
 # (name, layout, B, max_len, fill): PERFORMANCE_TARGETS.md rows.
@@ -695,15 +695,18 @@ def generated_kv_rows(lengths: torch.Tensor) -> list[dict]:
     from gem.models.sequence import generate_weights
     from kernels.jagged_attention.generated_kv import generated_kv_forward, generated_kv_reference
 
-    gen = torch.Generator().manual_seed(0)
-    num_kv, num_summary, width = 256, 4, NUM_HEADS * HEAD_DIM
-    num_batches, max_len = lengths.numel(), int(lengths.max())
-    offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).cuda()
-    q = torch.randn(int(lengths.sum()), NUM_HEADS, HEAD_DIM, generator=gen).to("cuda", DTYPE)
-    shared_k, shared_v = (torch.randn(num_kv, width, generator=gen).cuda() * HEAD_DIM**-0.5 for _ in range(2))
-    mix = torch.randn(num_kv, num_summary, generator=gen).cuda()
-    gen_k, gen_v = (torch.randn(num_batches, num_summary, width, generator=gen).to("cuda", DTYPE) for _ in range(2))
-    args = (q, offsets, max_len, shared_k, shared_v, mix, gen_k, gen_v)
+    num_kv, num_batches = 256, lengths.numel()
+    args = generated_kv_inputs(
+        lengths,
+        num_heads=NUM_HEADS,
+        head_dim=HEAD_DIM,
+        num_kv=num_kv,
+        num_summary=4,
+        dtype=DTYPE,
+        device="cuda",
+        generator=torch.Generator().manual_seed(0),
+    )
+    q, offsets, max_len, shared_k, shared_v, mix, gen_k, gen_v = args
     reference = generated_kv_reference(*args)
     generate = torch.compile(generate_weights)
 

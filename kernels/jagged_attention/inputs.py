@@ -101,3 +101,32 @@ def make_inputs(
         kv_offsets = lengths_to_offsets(kv_lengths, offsets_dtype).to(device)
         max_kv_len = max_len(kv_lengths)
     return JaggedAttentionInputs(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, q_lengths, kv_lengths)
+
+
+def generated_kv_inputs(
+    lengths: torch.Tensor | list[int],
+    *,
+    num_heads: int,
+    head_dim: int,
+    num_kv: int,
+    num_summary: int,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    generator: torch.Generator | None = None,
+) -> tuple:
+    """The positional arguments of :func:`kernels.jagged_attention.generated_kv.generated_kv_forward`
+    (``q, offsets, max_len, shared_k, shared_v, mix, gen_k, gen_v``), drawn as the personalized FFN
+    holds them: ``W0`` (scaled by ``head_dim ** -0.5``) and ``M`` float32 parameters, ``q`` and ``G``
+    in ``dtype``."""
+    lengths = torch.as_tensor(lengths, dtype=torch.int64)
+    width = num_heads * head_dim
+
+    def randn(*shape, to_dtype=dtype):
+        return torch.randn(*shape, generator=generator, dtype=torch.float32).to(device=device, dtype=to_dtype)
+
+    q = randn(int(lengths.sum()), num_heads, head_dim)
+    shared_k, shared_v = (randn(num_kv, width, to_dtype=torch.float32) * head_dim**-0.5 for _ in range(2))
+    mix = randn(num_kv, num_summary, to_dtype=torch.float32)
+    gen_k, gen_v = (randn(lengths.numel(), num_summary, width) for _ in range(2))
+    max_len = int(lengths.max()) if lengths.numel() else 0
+    return q, lengths_to_offsets(lengths).to(device), max_len, shared_k, shared_v, mix, gen_k, gen_v

@@ -13,22 +13,23 @@ import torch
 
 from kernels.jagged_attention import jagged_attention
 from kernels.jagged_attention.generated_kv import POINTWISE, generated_kv_forward, generated_kv_reference
+from kernels.jagged_attention.inputs import generated_kv_inputs
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
-def _inputs(lengths, num_heads, head_dim, num_kv, num_summary, dtype, device=DEVICE, seed=0):
-    """q and offsets, and the generation's operands as the model holds them: W0 and M float32
-    parameters, G in the attention's dtype."""
-    gen = torch.Generator().manual_seed(seed)
-    width = num_heads * head_dim
-    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64, device=device)
-    q = torch.randn(sum(lengths), num_heads, head_dim, generator=gen).to(device, dtype)
-    shared_k, shared_v = (torch.randn(num_kv, width, generator=gen).to(device) * head_dim**-0.5 for _ in range(2))
-    mix = torch.randn(num_kv, num_summary, generator=gen).to(device)
-    gen_k, gen_v = (torch.randn(len(lengths), num_summary, width, generator=gen).to(device, dtype) for _ in range(2))
-    return q, offsets, max(lengths), shared_k, shared_v, mix, gen_k, gen_v
+def _inputs(lengths, num_heads, head_dim, num_kv, num_summary, dtype, seed=0):
+    return generated_kv_inputs(
+        lengths,
+        num_heads=num_heads,
+        head_dim=head_dim,
+        num_kv=num_kv,
+        num_summary=num_summary,
+        dtype=dtype,
+        device=DEVICE,
+        generator=torch.Generator().manual_seed(seed),
+    )
 
 
 def _error(got, want):
