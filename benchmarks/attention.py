@@ -22,6 +22,7 @@ a baseline that is missing or runs out of memory is recorded as such.
                                                 # kernel time and error of every backend (its own JSON);
                                                 # and the personalized FFN's forward with K/V generated
                                                 # in the kernel against the model's path (a second JSON)
+    python benchmarks/attention.py --generated-kv   # that second JSON only
 """
 
 from __future__ import annotations
@@ -471,6 +472,12 @@ def main() -> None:
         "times and errors; writes attention-h200-flagship.json",
     )
     parser.add_argument(
+        "--generated-kv",
+        action="store_true",
+        help="only the personalized FFN's forward with K/V generated in the kernel against the model's "
+        "path (the end of --flagship); writes attention-h200-flagship-generated-kv.json",
+    )
+    parser.add_argument(
         "--only-sweeps",
         metavar="NAMES",
         help=f"run only these sweeps (comma-separated, of {list(SWEEP_MODES)}) and "
@@ -487,6 +494,8 @@ def main() -> None:
         return length_sweep(pathlib.Path(args.out))
     if args.flagship:
         return flagship(pathlib.Path(args.out))
+    if args.generated_kv:
+        return generated_kv(pathlib.Path(args.out))
 
     rows = []
     shapes = [TARGET_SHAPES[1], TARGET_SHAPES[4]] if args.quick else TARGET_SHAPES
@@ -669,10 +678,16 @@ def flagship(out_dir: pathlib.Path) -> None:
         if r["status"] == "ok":
             errors = " ".join(f"{k} {v:.1e}" for k, v in r["rel_err"].items())
             print(f"{r['shape']:<26} {r['impl']:<34} kernels {r['kernel_ms']:6.3f} ms | errors {errors}")
+    generated_kv(out_dir)
+
+
+def generated_kv(out_dir: pathlib.Path) -> None:
+    """--generated-kv (and the end of --flagship): generated_kv_rows at the flagship's lengths, one JSON."""
+    lengths = flagship_lengths()
     generated = generated_kv_rows(lengths)
     _write_rows(
         out_dir / "attention-h200-flagship-generated-kv.json",
-        versions,
+        _versions(),
         generated,
         lengths=f"lognormal({FLAGSHIP_LOG_MEAN}, {FLAGSHIP_LOG_STD}), in [1, {FLAGSHIP_MAX_LEN}]",
         what="gem_base's personalized FFN forward (no backward): the model's path against K/V generated in the kernel",
