@@ -23,6 +23,7 @@ a baseline that is missing or runs out of memory is recorded as such.
                                                 # and the personalized FFN's forward with K/V generated
                                                 # in the kernel against the model's path (a second JSON)
     python benchmarks/attention.py --generated-kv   # that second JSON only
+    python benchmarks/attention.py --persistent     # the self-attention forward against the persistent kernel
 """
 
 from __future__ import annotations
@@ -478,6 +479,12 @@ def main() -> None:
         "path (the end of --flagship); writes attention-h200-flagship-generated-kv.json",
     )
     parser.add_argument(
+        "--persistent",
+        action="store_true",
+        help="only gem_base's self-attention forward at the flagship's lengths, the op's against the "
+        "persistent kernel; writes attention-h200-flagship-persistent.json",
+    )
+    parser.add_argument(
         "--only-sweeps",
         metavar="NAMES",
         help=f"run only these sweeps (comma-separated, of {list(SWEEP_MODES)}) and "
@@ -496,6 +503,8 @@ def main() -> None:
         return flagship(pathlib.Path(args.out))
     if args.generated_kv:
         return generated_kv(pathlib.Path(args.out))
+    if args.persistent:
+        return persistent(pathlib.Path(args.out))
 
     rows = []
     shapes = [TARGET_SHAPES[1], TARGET_SHAPES[4]] if args.quick else TARGET_SHAPES
@@ -758,6 +767,66 @@ def generated_kv_rows(lengths: torch.Tensor) -> list[dict]:
                 )
             )
     return rows
+
+
+# The persistent forward's launch configs (no autotuner yet): (BLOCK_M, BLOCK_N, warps, stages, runs per SM).
+PERSISTENT_CONFIGS = [(128, 64, 8, 2, 1), (128, 64, 8, 2, 2), (128, 64, 8, 3, 2), (64, 64, 4, 2, 3), (128, 32, 4, 3, 2)]
+
+
+def persistent(out_dir: pathlib.Path) -> None:
+    """--persistent: gem_base's self-attention forward (softmax, no mask, 4 heads of 128, bf16) at the
+    flagship's lengths, the op's forward against ``persistent_softmax_forward`` at each of
+    PERSISTENT_CONFIGS; forward only (the persistent kernel has no backward yet). One JSON."""
+    from kernels.jagged_attention.persistent_fwd import persistent_softmax_forward
+
+    lengths = flagship_lengths()
+    inputs = make_inputs(
+        lengths, num_heads=NUM_HEADS, head_dim=HEAD_DIM, dtype=DTYPE, device="cuda", requires_grad=False
+    )
+    q, k, v, offsets, max_len = inputs.q, inputs.k, inputs.v, inputs.q_offsets, inputs.max_q_len
+    reference = jagged_attention(q, k, v, offsets, offsets, max_len, max_len, activation="softmax")
+    flops = 4 * NUM_HEADS * HEAD_DIM * int((lengths * lengths).sum())
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    runs = [
+        (
+            "the op's forward",
+            lambda: jagged_attention(q, k, v, offsets, offsets, max_len, max_len, activation="softmax"),
+        )
+    ]
+    for block_m, block_n, warps, stages, per_sm in PERSISTENT_CONFIGS:
+        config = dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, num_runs=per_sm * sms)
+        runs.append(
+            (
+                f"persistent {config}",
+                lambda config=config: persistent_softmax_forward(q, k, v, offsets, max_len, **config)[0],
+            )
+        )
+    rows = []
+    with torch.no_grad():
+        for impl, fn in runs:
+            time.sleep(SETTLE_S)  # every implementation starts from the same idle GPU
+            try:
+                error = ((fn().float() - reference.float()).abs().max() / reference.float().abs().max()).item()
+                ms = bench(fn)
+            except Exception as failure:  # a config that does not build here: recorded, the others still run
+                rows.append(dict(impl=impl, status=f"{type(failure).__name__}: {str(failure).splitlines()[0]}"))
+                continue
+            rows.append(dict(impl=impl, status="ok", fwd_ms=ms, fwd_tflops=flops / ms / 1e9, rel_err=error))
+    _write_rows(
+        out_dir / "attention-h200-flagship-persistent.json",
+        _versions(),
+        rows,
+        lengths=f"lognormal({FLAGSHIP_LOG_MEAN}, {FLAGSHIP_LOG_STD}), in [1, {FLAGSHIP_MAX_LEN}]",
+        what="gem_base's self-attention forward (softmax, no mask): the op's forward against the persistent kernel",
+        rel_err="max |out - ref| / max |ref| against the op's forward on the same inputs",
+    )
+    for r in rows:
+        result = (
+            f"{r['fwd_ms']:6.3f} ms, {r['fwd_tflops']:5.0f} TFLOP/s | error {r['rel_err']:.1e}"
+            if r["status"] == "ok"
+            else r["status"]
+        )
+        print(f"{'self-attention, forward':<26} {r['impl']:<80} {result}")
 
 
 def _tuned_configs() -> dict:

@@ -1,0 +1,222 @@
+"""A persistent softmax forward for short jagged self-attention (issue #71; experimental, forward only).
+
+At the flagship's lengths (mean 201 rows) a query tile of the Triton forward meets about three
+key tiles: its programs spend much of their time loading Q and storing O, with no key loop long
+enough for the software pipeliner to hide either, and the forward runs at 3.2x its memory floor
+(``benchmarks/kernel_floors.py``). Here a fixed number of programs walk one flat list of key
+tiles instead: every entry names a work item (example, query tile, head) and one of its key
+tiles, the items ordered longest first and cut into contiguous, item-aligned runs of about equal
+cost (:func:`persistent_schedule`, torch ops on the device, no host sync). Each program runs one
+loop over its run, so the loads of the next item's first tiles are issued while the current
+item's last tile computes; the running max and sum restart at an item's first tile, and its last
+tile writes O and the log-sum-exp.
+
+Softmax, no mask, the same rows for queries and keys (the flagship's self-attention). The math
+and the outputs (``out``, ``lse [H, T]`` in log2 units) are the Triton forward's
+(``triton_fwd.forward``). Not wired into the op, no backward, not yet run on a GPU:
+``benchmarks/attention.py --persistent`` times it against the op's forward at the flagship's
+lengths, which decides whether it is built out (the op's dispatch, a dK/dV of the same
+structure) or deleted.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.jagged_attention.triton_common import LOG2E, dot, identity, load_tile
+
+
+@triton.jit
+def _persistent_fwd_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    offsets,
+    tile_item,
+    tile_index,
+    run_start,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_lse_h,
+    num_heads,
+    head_dim,
+    m_blocks,
+    qk_scale,
+    BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # Inductor passes Python floats as fp64 scalars: keep the math (and acc) in float32.
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    run = tl.program_id(0)
+    first_tile = tl.load(run_start + run)
+    end_tile = tl.load(run_start + run + 1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < head_dim
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for t in range(first_tile, end_tile):
+        item = tl.load(tile_item + t)
+        n_tile = tl.load(tile_index + t)
+        h = item % num_heads
+        m_block = (item // num_heads) % m_blocks
+        b = item // (num_heads * m_blocks)
+        start = tl.load(offsets + b).to(tl.int64)
+        length = (tl.load(offsets + b + 1) - start).to(tl.int32)
+        rows = m_block * BLOCK_M + offs_m
+        cols = n_tile * BLOCK_N + offs_n
+        # Q is read at every key tile (from L2 after the first), so that its load pipelines as the
+        # tiles' do. At an item's first tile the running max restarts at -inf, so the old sum and
+        # accumulator are scaled by exp2(-inf) = 0.
+        q = load_tile(Q + start * stride_qt + h * stride_qh, stride_qt, 0, rows, length, offs_d, dmask, True, EVEN_D)
+        k = load_tile(K + start * stride_kt + h * stride_kh, stride_kt, 0, cols, length, offs_d, dmask, True, EVEN_D)
+        v = load_tile(V + start * stride_vt + h * stride_vh, stride_vt, 0, cols, length, offs_d, dmask, True, EVEN_D)
+        m_i = tl.where(n_tile == 0, float("-inf"), m_i)
+        s = dot(q, tl.trans(k), None, DOT_PRECISION) * qk_scale
+        s = tl.where((cols < length)[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
+        m_i = m_new
+        if (n_tile + 1) * BLOCK_N >= length:  # the item's last key tile: its rows are done
+            row_mask = rows < length
+            tl.store(LSE + h * stride_lse_h + start + rows, m_i + tl.math.log2(l_i), mask=row_mask)
+            out = acc / l_i[:, None]
+            o_ptrs = O + (start + rows)[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
+            tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_mask[:, None] & dmask[None, :])
+
+
+def persistent_schedule(
+    offsets: torch.Tensor, max_len: int, num_heads: int, block_m: int, block_n: int, num_runs: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The work of :func:`persistent_softmax_forward` as one list of key tiles, cut into runs.
+
+    Work items are (example ``b``, query tile ``m``, head ``h``), numbered ``(b * M + m) * H + h``
+    with ``M = cdiv(max_len, block_m)``; an item has ``cdiv(L_b, block_n)`` key tiles where
+    ``m * block_m < L_b``, else none. Items are ordered by their number of key tiles, longest first
+    (ties in number order), and their tiles listed in turn. Run ``r`` covers entries
+    ``run_start[r]:run_start[r + 1]``: each starts at an item's first tile, at about ``r / num_runs``
+    of the list's cost (a tile counting 1, an item 1 more, for its Q and its output). Torch ops on
+    ``offsets``' device, sized by ``max_len`` (no host sync).
+
+    Returns:
+        tile_item, tile_index: ``[B * M * H * cdiv(max_len, block_n)]`` int32, each entry's item and
+            key tile (entries past the list's end repeat the last item's).
+        run_start: ``[num_runs + 1]`` int32, non-decreasing, from 0 to the number of tiles.
+    """
+    lengths = (offsets[1:] - offsets[:-1]).long()
+    device, m_blocks = offsets.device, triton.cdiv(max(max_len, 1), block_m)
+    starts_m = torch.arange(m_blocks, device=device) * block_m
+    key_tiles = torch.where(starts_m[None, :] < lengths[:, None], (lengths[:, None] + block_n - 1) // block_n, 0)
+    tiles = key_tiles[:, :, None].expand(-1, -1, num_heads).reshape(-1)
+    order = torch.argsort(tiles, descending=True, stable=True)
+    ordered = tiles[order]
+    ends = ordered.cumsum(0)
+    begins = ends - ordered
+    cost_ends = (ordered + (ordered > 0)).cumsum(0)
+    num_entries = tiles.numel() * triton.cdiv(max(max_len, 1), block_n)
+    entries = torch.arange(num_entries, device=device)
+    position = torch.searchsorted(ends, entries, right=True).clamp_max(tiles.numel() - 1)
+    tile_item = order[position].to(torch.int32)
+    tile_index = (entries - begins[position]).to(torch.int32)
+    # each run starts at the first item whose cost begins at or after its share of the total
+    targets = torch.arange(num_runs + 1, device=device) * cost_ends[-1] // num_runs
+    first_item = torch.searchsorted(cost_ends - (ordered + (ordered > 0)), targets)
+    run_start = torch.where(first_item < tiles.numel(), begins[first_item.clamp_max(tiles.numel() - 1)], ends[-1])
+    run_start[-1] = ends[-1]
+    return tile_item, tile_index, run_start.to(torch.int32)
+
+
+def persistent_softmax_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    max_len: int,
+    scale: float | None = None,
+    *,
+    block_m: int = 128,
+    block_n: int = 64,
+    num_warps: int = 8,
+    num_stages: int = 2,
+    num_runs: int | None = None,
+    wrap=identity,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax self-attention of jagged rows, no mask: ``out [T, H, D]`` and ``lse [H, T]`` (float32,
+    log2 units), as ``triton_fwd.forward`` computes them; no gradient.
+
+    Args:
+        q, k, v: ``[T, H, D]``, the same rows (``offsets [B+1]``, lengths at most ``max_len``),
+            last dimension contiguous.
+        scale: of the scores (default ``1 / sqrt(D)``).
+        block_m, block_n, num_warps, num_stages: the launch config (no autotuning yet).
+        num_runs: programs launched (default twice the GPU's SMs; 4 off a GPU).
+        wrap: ``torch.library.wrap_triton`` or a compile-only stand-in.
+    """
+    if q.dim() != 3 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"q, k, v must be [T, H, D] alike, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}'s last dimension must be contiguous")
+    num_rows, num_heads, head_dim = q.shape
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    out = q.new_empty(q.shape)
+    lse = q.new_empty((num_heads, num_rows), dtype=torch.float32)
+    if num_rows == 0 or num_heads == 0 or max_len == 0 or offsets.numel() < 2:
+        return out.zero_(), lse.fill_(float("inf"))
+    if num_runs is None:
+        num_runs = 2 * torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+    tile_item, tile_index, run_start = persistent_schedule(offsets, max_len, num_heads, block_m, block_n, num_runs)
+    block_d = max(triton.next_power_of_2(head_dim), 16)
+    wrap(_persistent_fwd_kernel)[(num_runs,)](
+        q,
+        k,
+        v,
+        out,
+        lse,
+        offsets,
+        tile_item,
+        tile_index,
+        run_start,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0),
+        num_heads,
+        head_dim,
+        triton.cdiv(max_len, block_m),
+        scale * LOG2E,
+        BLOCK_D=block_d,
+        EVEN_D=block_d == head_dim,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out, lse
