@@ -778,7 +778,7 @@ def persistent(out_dir: pathlib.Path) -> None:
     """--persistent: gem_base's self-attention forward (softmax, no mask, 4 heads of 128, bf16) at the
     flagship's lengths, the op's forward against ``persistent_softmax_forward`` at each of
     PERSISTENT_CONFIGS; forward only (the persistent kernel has no backward yet). One JSON."""
-    from kernels.jagged_attention.persistent_fwd import persistent_softmax_forward
+    from kernels.jagged_attention.persistent_fwd import persistent_schedule, persistent_softmax_forward
 
     lengths = flagship_lengths()
     inputs = make_inputs(
@@ -794,14 +794,16 @@ def persistent(out_dir: pathlib.Path) -> None:
             lambda: jagged_attention(q, k, v, offsets, offsets, max_len, max_len, activation="softmax"),
         )
     ]
-    for block_m, block_n, warps, stages, per_sm in PERSISTENT_CONFIGS:
+    for index, (block_m, block_n, warps, stages, per_sm) in enumerate(PERSISTENT_CONFIGS):
         config = dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, num_runs=per_sm * sms)
-        runs.append(
-            (
-                f"persistent {config}",
-                lambda config=config: persistent_softmax_forward(q, k, v, offsets, max_len, **config)[0],
-            )
-        )
+
+        def call(config):
+            return lambda: persistent_softmax_forward(q, k, v, offsets, max_len, **config)[0]
+
+        if index == 0:  # once with the schedule built in the call, as a layer without a shared one
+            runs.append((f"persistent {config}, schedule built", call(config)))
+        schedule = persistent_schedule(offsets, max_len, NUM_HEADS, block_m, block_n, per_sm * sms)
+        runs.append((f"persistent {config}", call(config | dict(schedule=schedule))))
     rows = []
     with torch.no_grad():
         for impl, fn in runs:

@@ -160,6 +160,7 @@ def persistent_softmax_forward(
     num_warps: int = 8,
     num_stages: int = 2,
     num_runs: int | None = None,
+    schedule: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     wrap=identity,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax self-attention of jagged rows, no mask: ``out [T, H, D]`` and ``lse [H, T]`` (float32,
@@ -171,6 +172,8 @@ def persistent_softmax_forward(
         scale: of the scores (default ``1 / sqrt(D)``).
         block_m, block_n, num_warps, num_stages: the launch config (no autotuning yet).
         num_runs: programs launched (default twice the GPU's SMs; 4 off a GPU).
+        schedule: :func:`persistent_schedule`'s result for these offsets, blocks and ``num_runs``
+            (computed here when None; one batch's layers can share it).
         wrap: ``torch.library.wrap_triton`` or a compile-only stand-in.
     """
     if q.dim() != 3 or k.shape != q.shape or v.shape != q.shape:
@@ -186,7 +189,11 @@ def persistent_softmax_forward(
         return out.zero_(), lse.fill_(float("inf"))
     if num_runs is None:
         num_runs = 2 * torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-    tile_item, tile_index, run_start = persistent_schedule(offsets, max_len, num_heads, block_m, block_n, num_runs)
+    if schedule is None:
+        schedule = persistent_schedule(offsets, max_len, num_heads, block_m, block_n, num_runs)
+    tile_item, tile_index, run_start = schedule
+    if run_start.numel() != num_runs + 1:
+        raise ValueError(f"schedule has {run_start.numel() - 1} runs, num_runs is {num_runs}")
     block_d = max(triton.next_power_of_2(head_dim), 16)
     wrap(_persistent_fwd_kernel)[(num_runs,)](
         q,

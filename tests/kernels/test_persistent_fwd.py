@@ -67,6 +67,9 @@ def test_equals_the_ops_forward_with_a_scale():
     want = jagged_attention(q, k, v, offsets, offsets, max_len, max_len, activation="softmax", scale=0.3)
     out, _ = persistent_softmax_forward(q, k, v, offsets, max_len, 0.3, num_runs=2, **SMALL)
     assert _error(out, want) < 1e-5
+    shared = persistent_schedule(offsets, max_len, 3, 16, 16, 2)
+    again, _ = persistent_softmax_forward(q, k, v, offsets, max_len, 0.3, num_runs=2, schedule=shared, **SMALL)
+    assert torch.equal(again, out)
 
 
 def test_the_schedule_lists_every_key_tile_once_in_runs_of_whole_items():
@@ -96,6 +99,9 @@ def test_bad_inputs_name_the_argument():
     q, k, v, offsets, max_len = _inputs([3, 4], num_heads=2, head_dim=16, dtype=torch.float32)
     with pytest.raises(ValueError, match=r"q, k, v must be \[T, H, D\] alike"):
         persistent_softmax_forward(q, k[:3], v, offsets, max_len)
+    schedule = persistent_schedule(offsets, max_len, 2, 16, 16, 3)
+    with pytest.raises(ValueError, match="schedule has 3 runs, num_runs is 2"):
+        persistent_softmax_forward(q, k, v, offsets, max_len, num_runs=2, schedule=schedule, **SMALL)
     with pytest.raises(ValueError, match="v's last dimension must be contiguous"):
         persistent_softmax_forward(q, k, v.transpose(1, 2).contiguous().transpose(1, 2), offsets, max_len)
 
