@@ -23,7 +23,7 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 SMALL = dict(block_m=16, block_n=16, num_warps=1, num_stages=1)
 
 
-def _inputs(lengths, num_heads, head_dim, dtype, seed=0):
+def _inputs(lengths, num_heads, head_dim, dtype, seed=0, **options):
     inputs = make_inputs(
         lengths,
         num_heads=num_heads,
@@ -32,6 +32,7 @@ def _inputs(lengths, num_heads, head_dim, dtype, seed=0):
         device=DEVICE,
         requires_grad=False,
         generator=torch.Generator().manual_seed(seed),
+        **options,
     )
     return inputs.q, inputs.k, inputs.v, inputs.q_offsets, inputs.max_q_len
 
@@ -63,7 +64,10 @@ def test_matches_the_reference(dtype, num_runs):
 
 
 def test_equals_the_ops_forward_with_a_scale():
-    q, k, v, offsets, max_len = _inputs([9, 31, 2], num_heads=3, head_dim=16, dtype=torch.float32, seed=1)
+    """Also with int32 offsets and a max_len above the longest example (one query tile of none)."""
+    q, k, v, offsets, max_len = _inputs(
+        [9, 31, 2], num_heads=3, head_dim=16, dtype=torch.float32, seed=1, offsets_dtype=torch.int32, max_len_slack=20
+    )
     want = jagged_attention(q, k, v, offsets, offsets, max_len, max_len, activation="softmax", scale=0.3)
     out, _ = persistent_softmax_forward(q, k, v, offsets, max_len, 0.3, num_runs=2, **SMALL)
     assert _error(out, want) < 1e-5
