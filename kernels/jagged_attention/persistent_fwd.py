@@ -8,8 +8,8 @@ tiles instead: every entry names a work item (example, query tile, head) and one
 tiles, the items ordered longest first and cut into contiguous, item-aligned runs of about equal
 cost (:func:`persistent_schedule`, torch ops on the device, no host sync). Each program runs one
 loop over its run, so the loads of the next item's first tiles are issued while the current
-item's last tile computes; the running max and sum restart at an item's first tile, and its last
-tile writes O and the log-sum-exp.
+item's last tile computes; the running max restarts at an item's first tile, and its last tile
+writes O and the log-sum-exp.
 
 Softmax, no mask, the same rows for queries and keys (the flagship's self-attention). The math
 and the outputs (``out``, ``lse [H, T]`` in log2 units) are the Triton forward's
@@ -133,7 +133,8 @@ def persistent_schedule(
     ordered = tiles[order]
     ends = ordered.cumsum(0)
     begins = ends - ordered
-    cost_ends = (ordered + (ordered > 0)).cumsum(0)
+    cost = ordered + (ordered > 0)  # a tile counts 1, an item 1 more
+    cost_ends = cost.cumsum(0)
     num_entries = tiles.numel() * triton.cdiv(max(max_len, 1), block_n)
     entries = torch.arange(num_entries, device=device)
     position = torch.searchsorted(ends, entries, right=True).clamp_max(tiles.numel() - 1)
@@ -141,7 +142,7 @@ def persistent_schedule(
     tile_index = (entries - begins[position]).to(torch.int32)
     # each run starts at the first item whose cost begins at or after its share of the total
     targets = torch.arange(num_runs + 1, device=device) * cost_ends[-1] // num_runs
-    first_item = torch.searchsorted(cost_ends - (ordered + (ordered > 0)), targets)
+    first_item = torch.searchsorted(cost_ends - cost, targets)
     run_start = torch.where(first_item < tiles.numel(), begins[first_item.clamp_max(tiles.numel() - 1)], ends[-1])
     run_start[-1] = ends[-1]
     return tile_item, tile_index, run_start.to(torch.int32)
@@ -171,7 +172,8 @@ def persistent_softmax_forward(
             last dimension contiguous.
         scale: of the scores (default ``1 / sqrt(D)``).
         block_m, block_n, num_warps, num_stages: the launch config (no autotuning yet).
-        num_runs: programs launched (default twice the GPU's SMs; 4 off a GPU).
+        num_runs: programs launched (default one per SM, as 128 x 64 tiles in two stages fill its
+            shared memory; 4 off a GPU).
         schedule: :func:`persistent_schedule`'s result for these offsets, blocks and ``num_runs``
             (computed here when None; one batch's layers can share it).
         wrap: ``torch.library.wrap_triton`` or a compile-only stand-in.
@@ -188,7 +190,7 @@ def persistent_softmax_forward(
     if num_rows == 0 or num_heads == 0 or max_len == 0 or offsets.numel() < 2:
         return out.zero_(), lse.fill_(float("inf"))
     if num_runs is None:
-        num_runs = 2 * torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+        num_runs = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
     if schedule is None:
         schedule = persistent_schedule(offsets, max_len, num_heads, block_m, block_n, num_runs)
     tile_item, tile_index, run_start = schedule
