@@ -702,9 +702,26 @@ def generated_kv(out_dir: pathlib.Path) -> None:
         what="gem_base's personalized FFN forward (no backward): the model's path against K/V generated in the kernel",
         rel_err="max |out - ref| / max |ref| against generated_kv_reference on the same inputs",
     )
-    for r in generated:
-        result = f"{r['fwd_ms']:6.3f} ms | error {r['rel_err']:.1e}" if r["status"] == "ok" else r["status"]
-        print(f"{'personalized FFN, forward':<26} {r['impl']:<60} {result}")
+
+
+def time_forwards(runs, reference: torch.Tensor, flops: int, **fields) -> list[dict]:
+    """A row per ``(impl, fn)`` of ``runs``: the forward's median time from an idle GPU, its rate and
+    its error against ``reference`` (``fields`` added to each), printed as it is measured. A run
+    that fails (a config that does not build here) is recorded with its error; the others still run."""
+    rows = []
+    with torch.no_grad():
+        for impl, fn in runs:
+            time.sleep(SETTLE_S)  # every implementation starts from the same idle GPU
+            try:
+                error = ((fn().float() - reference.float()).abs().max() / reference.float().abs().max()).item()
+                ms = bench(fn)
+            except Exception as failure:
+                rows.append(dict(impl=impl, status=f"{type(failure).__name__}: {str(failure).splitlines()[0]}"))
+                print(f"{impl:<80} {rows[-1]['status']}", flush=True)
+                continue
+            rows.append(dict(impl=impl, status="ok", fwd_ms=ms, fwd_tflops=flops / ms / 1e9, rel_err=error, **fields))
+            print(f"{impl:<80} {ms:6.3f} ms, {flops / ms / 1e9:5.0f} TFLOP/s | error {error:.1e}", flush=True)
+    return rows
 
 
 # The generated-K/V forward's launch configs (no autotuner yet): (BLOCK_M, BLOCK_N, warps, stages).
@@ -746,27 +763,7 @@ def generated_kv_rows(lengths: torch.Tensor) -> list[dict]:
     for block_m, block_n, warps, stages in GENERATED_KV_CONFIGS:
         config = dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
         runs.append((f"generated in the kernel {config}", lambda config=config: generated_kv_forward(*args, **config)))
-    rows = []
-    with torch.no_grad():
-        for impl, fn in runs:
-            time.sleep(SETTLE_S)  # every implementation starts from the same idle GPU
-            try:
-                error = ((fn().float() - reference.float()).abs().max() / reference.float().abs().max()).item()
-                ms = bench(fn)
-            except Exception as failure:  # a config that does not build here: recorded, the others still run
-                rows.append(dict(impl=impl, status=f"{type(failure).__name__}: {str(failure).splitlines()[0]}"))
-                continue
-            rows.append(
-                dict(
-                    impl=impl,
-                    status="ok",
-                    fwd_ms=ms,
-                    fwd_tflops=flops / ms / 1e9,
-                    rel_err=error,
-                    tokens=int(lengths.sum()),
-                )
-            )
-    return rows
+    return time_forwards(runs, reference, flops, tokens=int(lengths.sum()))
 
 
 # The persistent forward's launch configs (no autotuner yet): (BLOCK_M, BLOCK_N, warps, stages, runs per SM).
@@ -804,18 +801,7 @@ def persistent(out_dir: pathlib.Path) -> None:
             runs.append((f"persistent {config}, schedule built", call(config)))
         schedule = persistent_schedule(offsets, max_len, NUM_HEADS, block_m, block_n, per_sm * sms)
         runs.append((f"persistent {config}", call(config | dict(schedule=schedule))))
-    rows = []
-    with torch.no_grad():
-        for impl, fn in runs:
-            time.sleep(SETTLE_S)  # every implementation starts from the same idle GPU
-            try:
-                error = ((fn().float() - reference.float()).abs().max() / reference.float().abs().max()).item()
-                ms = bench(fn)
-            except Exception as failure:  # a config that does not build here: recorded, the others still run
-                rows.append(dict(impl=impl, status=f"{type(failure).__name__}: {str(failure).splitlines()[0]}"))
-                continue
-            rows.append(dict(impl=impl, status="ok", fwd_ms=ms, fwd_tflops=flops / ms / 1e9, rel_err=error))
-            print(f"{impl:<80} {ms:6.3f} ms, {flops / ms / 1e9:5.0f} TFLOP/s | error {error:.1e}", flush=True)
+    rows = time_forwards(runs, reference, flops)
     _write_rows(
         out_dir / "attention-h200-flagship-persistent.json",
         _versions(),
@@ -824,9 +810,6 @@ def persistent(out_dir: pathlib.Path) -> None:
         what="gem_base's self-attention forward (softmax, no mask): the op's forward against the persistent kernel",
         rel_err="max |out - ref| / max |ref| against the op's forward on the same inputs",
     )
-    for r in rows:
-        if r["status"] != "ok":
-            print(f"{r['impl']:<80} {r['status']}")
 
 
 def _tuned_configs() -> dict:
