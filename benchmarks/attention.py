@@ -783,7 +783,7 @@ def persistent(out_dir: pathlib.Path) -> None:
     )
     q, k, v, offsets, max_len = inputs.q, inputs.k, inputs.v, inputs.q_offsets, inputs.max_q_len
     reference = jagged_attention(q, k, v, offsets, offsets, max_len, max_len, activation="softmax")
-    flops = 4 * NUM_HEADS * HEAD_DIM * int((lengths * lengths).sum())
+    flops = 4 * NUM_HEADS * HEAD_DIM * num_visible_pairs(lengths, lengths)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     runs = [
         (
