@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import pathlib
 import platform
@@ -772,9 +773,10 @@ PERSISTENT_CONFIGS = [(128, 64, 8, 2, 1), (128, 32, 8, 2, 1), (64, 64, 4, 2, 2),
 
 
 def persistent(out_dir: pathlib.Path) -> None:
-    """--persistent: gem_base's self-attention forward (softmax, no mask, 4 heads of 128, bf16) at the
-    flagship's lengths, the op's forward against ``persistent_softmax_forward`` at each of
-    PERSISTENT_CONFIGS; forward only (the persistent kernel has no backward yet). One JSON."""
+    """--persistent: gem_base's self-attention (softmax, no mask, 4 heads of 128, bf16) at the
+    flagship's lengths: the op's forward against ``persistent_softmax_forward`` at each of
+    PERSISTENT_CONFIGS, then the op's dK/dV kernel against ``persistent_softmax_dkdv`` at each of
+    PERSISTENT_BWD_CONFIGS (:func:`persistent_dkdv_rows`). One JSON."""
     from kernels.jagged_attention.persistent_fwd import persistent_schedule, persistent_softmax_forward
 
     lengths = flagship_lengths()
@@ -802,14 +804,100 @@ def persistent(out_dir: pathlib.Path) -> None:
         schedule = persistent_schedule(offsets, max_len, NUM_HEADS, block_m, block_n, per_sm * sms)
         runs.append((f"persistent {config}", call(config | dict(schedule=schedule))))
     rows = time_forwards(runs, reference, flops)
+    rows += persistent_dkdv_rows(q, k, v, offsets, max_len, 2 * flops)
     _write_rows(
         out_dir / "attention-h200-flagship-persistent.json",
         _versions(),
         rows,
         lengths=f"lognormal({FLAGSHIP_LOG_MEAN}, {FLAGSHIP_LOG_STD}), in [1, {FLAGSHIP_MAX_LEN}]",
-        what="gem_base's self-attention forward (softmax, no mask): the op's forward against the persistent kernel",
-        rel_err="max |out - ref| / max |ref| against the op's forward on the same inputs",
+        what="gem_base's self-attention (softmax, no mask): the op's forward and dK/dV kernel against the "
+        "persistent kernels",
+        rel_err="max |x - ref| / max |ref| against the op's output (forward rows) or dK and dV (dK/dV rows)",
+        kernel_ms="device time of the named kernel a call (torch.profiler, 10 calls)",
     )
+
+
+# The persistent dK/dV's launch configs: (BLOCK_M query rows streamed, BLOCK_N key rows held, warps,
+# stages, runs per SM); the first is the op's tuned choice for this kernel at head dim 128.
+PERSISTENT_BWD_CONFIGS = [
+    (64, 128, 8, 2, 1),
+    (32, 128, 4, 3, 1),
+    (64, 64, 4, 3, 2),
+    (32, 64, 4, 3, 2),
+    (64, 64, 8, 2, 1),
+]
+
+
+def kernel_times(fn, steps=10) -> dict[str, float]:
+    """{CUDA kernel name: device ms a call of ``fn``} (torch.profiler, ``steps`` calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            times[event.name] = times.get(event.name, 0.0) + event.device_time / 1e3 / steps
+    return times
+
+
+def persistent_dkdv_rows(q, k, v, offsets, max_len, flops) -> list[dict]:
+    """The op's ``_bwd_dkdv_kernel`` (its time in a profile of the op's forward+backward, which
+    stores dS at these lengths) against ``persistent_softmax_dkdv`` storing dS, each config with a
+    shared schedule: the kernel's device time, its rate (``flops``: S, dP, dV and dK, recomputed S
+    counted) and its dK, dV errors against the op's. A config that does not build is recorded with
+    its error."""
+    from kernels.jagged_attention.persistent_bwd import persistent_softmax_dkdv
+    from kernels.jagged_attention.persistent_fwd import persistent_schedule, persistent_softmax_forward
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    grad_out = torch.randn_like(q)
+
+    def op_step():
+        out = jagged_attention(*leaves, offsets, offsets, max_len, max_len, activation="softmax")
+        return out, torch.autograd.grad(out, leaves, grad_out)
+
+    out, (_, want_dk, want_dv) = op_step()
+    lse = persistent_softmax_forward(q, k, v, offsets, max_len)[1]
+    delta = (out.detach().float() * grad_out.float()).sum(-1).t().contiguous()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def row(impl, ms, dk, dv, **fields):
+        errors = {
+            f"rel_err_{n}": ((x.float() - r.float()).abs().max() / r.float().abs().max()).item()
+            for n, x, r in (("dk", dk, want_dk), ("dv", dv, want_dv))
+        }
+        print(f"{impl:<80} {ms:6.3f} ms, {flops / ms / 1e9:5.0f} TFLOP/s | dK {errors['rel_err_dk']:.1e}", flush=True)
+        return dict(impl=impl, status="ok", kernel_ms=ms, tflops=flops / ms / 1e9, **errors, **fields)
+
+    time.sleep(SETTLE_S)
+    times = kernel_times(op_step)
+    dkdv_ms = sum(ms for name, ms in times.items() if "_bwd_dkdv" in name)
+    rows = [row("the op's dK/dV kernel", dkdv_ms, want_dk, want_dv, step_kernels_ms=sum(times.values()))]
+    for block_m, block_n, warps, stages, per_sm in PERSISTENT_BWD_CONFIGS:
+        config = dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, num_runs=per_sm * sms)
+        impl = f"persistent dK/dV {config}"
+        time.sleep(SETTLE_S)
+        try:
+            schedule = persistent_schedule(offsets, max_len, NUM_HEADS, block_n, block_m, per_sm * sms)
+
+            call = functools.partial(
+                persistent_softmax_dkdv,
+                *(q, k, v, grad_out, lse, delta, offsets, max_len),
+                store_ds=True,
+                schedule=schedule,
+                **config,
+            )
+            dk, dv, _ = call()
+            times = kernel_times(call)
+        except Exception as failure:
+            rows.append(dict(impl=impl, status=f"{type(failure).__name__}: {str(failure).splitlines()[0]}"))
+            print(f"{impl:<80} {rows[-1]['status']}", flush=True)
+            continue
+        rows.append(row(impl, sum(ms for name, ms in times.items() if "_persistent_dkdv" in name), dk, dv))
+    return rows
 
 
 def _tuned_configs() -> dict:
