@@ -46,6 +46,7 @@ from kernels.jagged_attention.autotune import late_pv_applies  # noqa: E402
 from kernels.jagged_attention.batch_order import batch_order  # noqa: E402
 from kernels.jagged_attention.generated_kv import generated_kv_forward  # noqa: E402
 from kernels.jagged_attention.inputs import make_inputs  # noqa: E402
+from kernels.jagged_attention.persistent_bwd import persistent_softmax_dkdv  # noqa: E402
 from kernels.jagged_attention.persistent_fwd import persistent_softmax_forward  # noqa: E402
 from kernels.rotary import _backward as rotary_backward  # noqa: E402
 from kernels.rotary import _forward as rotary_forward  # noqa: E402
@@ -283,13 +284,16 @@ def main() -> None:
             gen_q, inputs.q_offsets, inputs.max_q_len, w0k, w0v, torch.randn(256, 4), gen_k, gen_v, activation,
             wrap=compile_only, arch=HOPPER,
         )  # fmt: skip
-    # the experimental persistent softmax forward: bf16 at head dim 128, float32 at 24 (masked D)
+    # the experimental persistent softmax forward and dK/dV (storing dS): bf16 at head dim 128,
+    # float32 at 24 (masked D)
     for dtype, head_dim in ((torch.bfloat16, 128), (torch.float32, 24)):
         self_inputs = make_inputs([5, 0, 130], num_heads=2, head_dim=head_dim, dtype=dtype, requires_grad=False)
-        persistent_softmax_forward(
-            self_inputs.q, self_inputs.k, self_inputs.v, self_inputs.q_offsets, self_inputs.max_q_len,
-            wrap=compile_only,
+        q, k, v, offsets, max_len = (
+            self_inputs.q, self_inputs.k, self_inputs.v, self_inputs.q_offsets, self_inputs.max_q_len
         )  # fmt: skip
+        persistent_softmax_forward(q, k, v, offsets, max_len, wrap=compile_only)
+        lse = torch.zeros(2, q.shape[0])
+        persistent_softmax_dkdv(q, k, v, q, lse, lse, offsets, max_len, store_ds=True, wrap=compile_only)
     # the experimental Gluon forward: every pointwise activation in bf16 at head dim 128 (silu
     # and fast_gelu on the bf16x2 path), and fp16 at head dim 64
     cases = [(torch.bfloat16, 128, name) for name in ("silu", "gelu", "fast_gelu", "relu", "identity")]
