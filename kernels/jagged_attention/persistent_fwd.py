@@ -1,4 +1,4 @@
-"""A persistent softmax forward for short jagged self-attention (issue #71; experimental, forward only).
+"""A persistent softmax forward for short jagged attention (issue #71; experimental, off).
 
 At the flagship's lengths (mean 201 rows) a query tile of the Triton forward meets about three
 key tiles: its programs spend much of their time loading Q and storing O, with no key loop long
@@ -11,12 +11,10 @@ loop over its run, so the loads of the next item's first tiles are issued while 
 item's last tile computes; the running max restarts at an item's first tile, and its last tile
 writes O and the log-sum-exp.
 
-Softmax, no mask, the same rows for queries and keys (the flagship's self-attention). The math
-and the outputs (``out``, ``lse [H, T]`` in log2 units) are the Triton forward's
-(``triton_fwd.forward``). Not wired into the op, no backward, not yet run on a GPU:
-``benchmarks/attention.py --persistent`` times it against the op's forward at the flagship's
-lengths, which decides whether it is built out (the op's dispatch, a dK/dV of the same
-structure) or deleted.
+Softmax, no mask, jagged queries and keys. The math and the outputs (``out``, ``lse [H, Tq]`` in
+log2 units) are the Triton forward's (``triton_fwd.forward``); the dK/dV of the same structure is
+``persistent_bwd.py``. The op runs both with ``settings.persistent`` (off: not yet run on a GPU);
+``benchmarks/attention.py --persistent`` times them against the op's kernels.
 """
 
 from __future__ import annotations
@@ -37,7 +35,8 @@ def _persistent_fwd_kernel(
     V,
     O,
     LSE,
-    offsets,
+    q_offsets,
+    kv_offsets,
     tile_item,
     tile_index,
     run_start,
@@ -79,63 +78,80 @@ def _persistent_fwd_kernel(
         h = item % num_heads
         m_block = (item // num_heads) % m_blocks
         b = item // (num_heads * m_blocks)
-        start = tl.load(offsets + b).to(tl.int64)
-        length = (tl.load(offsets + b + 1) - start).to(tl.int32)
+        q_start = tl.load(q_offsets + b).to(tl.int64)
+        q_len = (tl.load(q_offsets + b + 1) - q_start).to(tl.int32)
+        kv_start = tl.load(kv_offsets + b).to(tl.int64)
+        kv_len = (tl.load(kv_offsets + b + 1) - kv_start).to(tl.int32)
         rows = m_block * BLOCK_M + offs_m
         cols = n_tile * BLOCK_N + offs_n
         # Q is read at every key tile (from L2 after the first), so that its load pipelines as the
         # tiles' do. At an item's first tile the running max restarts at -inf, so the old sum and
         # accumulator are scaled by exp2(-inf) = 0.
-        q = load_tile(Q + start * stride_qt + h * stride_qh, stride_qt, 0, rows, length, offs_d, dmask, True, EVEN_D)
-        k = load_tile(K + start * stride_kt + h * stride_kh, stride_kt, 0, cols, length, offs_d, dmask, True, EVEN_D)
-        v = load_tile(V + start * stride_vt + h * stride_vh, stride_vt, 0, cols, length, offs_d, dmask, True, EVEN_D)
+        q = load_tile(Q + q_start * stride_qt + h * stride_qh, stride_qt, 0, rows, q_len, offs_d, dmask, True, EVEN_D)
+        k = load_tile(K + kv_start * stride_kt + h * stride_kh, stride_kt, 0, cols, kv_len, offs_d, dmask, True, EVEN_D)
+        v = load_tile(V + kv_start * stride_vt + h * stride_vh, stride_vt, 0, cols, kv_len, offs_d, dmask, True, EVEN_D)
         m_i = tl.where(n_tile == 0, float("-inf"), m_i)
         s = dot(q, tl.trans(k), None, DOT_PRECISION) * qk_scale
-        s = tl.where((cols < length)[None, :], s, float("-inf"))
+        s = tl.where((cols < kv_len)[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # (an example without keys)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
         m_i = m_new
-        if (n_tile + 1) * BLOCK_N >= length:  # the item's last key tile: its rows are done
-            row_mask = rows < length
-            tl.store(LSE + h * stride_lse_h + start + rows, m_i + tl.math.log2(l_i), mask=row_mask)
-            out = acc / l_i[:, None]
-            o_ptrs = O + (start + rows)[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
+        if (n_tile + 1) * BLOCK_N >= kv_len:  # the item's last key tile: its rows are done
+            row_mask = rows < q_len
+            seen = l_i > 0.0  # a query without keys: out 0, lse +inf, as the Triton forward's
+            lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
+            tl.store(LSE + h * stride_lse_h + q_start + rows, lse, mask=row_mask)
+            out = acc / tl.where(seen, l_i, 1.0)[:, None]
+            o_ptrs = O + (q_start + rows)[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
             tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_mask[:, None] & dmask[None, :])
 
 
 def persistent_schedule(
-    offsets: torch.Tensor, max_len: int, num_heads: int, block_m: int, block_n: int, num_runs: int
+    item_offsets: torch.Tensor,
+    tile_offsets: torch.Tensor,
+    max_item_len: int,
+    max_tile_len: int,
+    num_heads: int,
+    item_block: int,
+    tile_block: int,
+    num_runs: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The work of :func:`persistent_softmax_forward` as one list of key tiles, cut into runs.
+    """The work of a persistent kernel as one list of tiles, cut into runs.
 
-    Work items are (example ``b``, query tile ``m``, head ``h``), numbered ``(b * M + m) * H + h``
-    with ``M = cdiv(max_len, block_m)``; an item has ``cdiv(L_b, block_n)`` key tiles where
-    ``m * block_m < L_b``, else none. Items are ordered by their number of key tiles, longest first
-    (ties in number order), and their tiles listed in turn. Run ``r`` covers entries
-    ``run_start[r]:run_start[r + 1]``: each starts at an item's first tile, at about ``r / num_runs``
-    of the list's cost (a tile counting 1, an item 1 more, for its Q and its output). Torch ops on
-    ``offsets``' device, sized by ``max_len`` (no host sync).
+    Work items are (example ``b``, block ``m`` of its ``item_offsets`` rows, head ``h``),
+    numbered ``(b * M + m) * H + h`` with ``M = cdiv(max_item_len, item_block)``. An item exists
+    where ``m * item_block`` is below the example's item rows, and has ``cdiv(L, tile_block)``
+    tiles of its ``tile_offsets`` rows (``L`` of them), at least one (a tile of none then stands
+    for an example without keys, or without queries). The forward's items are query blocks over
+    key tiles; the dK/dV's, key blocks over query tiles. Items are ordered by their number of
+    tiles, longest first (ties in number order), and their tiles listed in turn. Run ``r`` covers
+    entries ``run_start[r]:run_start[r + 1]``: each starts at an item's first tile, at about
+    ``r / num_runs`` of the list's cost (a tile counting 1, an item 1 more, for its first loads and
+    its stores). Torch ops on the offsets' device, sized by the max lengths (no host sync).
 
     Returns:
-        tile_item, tile_index: ``[B * M * H * cdiv(max_len, block_n)]`` int32, each entry's item and
-            key tile (entries past the list's end repeat the last item's).
+        tile_item, tile_index: ``[B * M * H * cdiv(max_tile_len, tile_block)]`` int32, each entry's
+            item and tile (entries past the list's end repeat the last item's).
         run_start: ``[num_runs + 1]`` int32, non-decreasing, from 0 to the number of tiles.
     """
-    lengths = (offsets[1:] - offsets[:-1]).long()
-    device, m_blocks = offsets.device, triton.cdiv(max(max_len, 1), block_m)
-    starts_m = torch.arange(m_blocks, device=device) * block_m
-    key_tiles = torch.where(starts_m[None, :] < lengths[:, None], (lengths[:, None] + block_n - 1) // block_n, 0)
-    tiles = key_tiles[:, :, None].expand(-1, -1, num_heads).reshape(-1)
+    item_lengths = (item_offsets[1:] - item_offsets[:-1]).long()
+    tile_lengths = (tile_offsets[1:] - tile_offsets[:-1]).long()
+    device, blocks = item_offsets.device, triton.cdiv(max(max_item_len, 1), item_block)
+    block_starts = torch.arange(blocks, device=device) * item_block
+    per_item = ((tile_lengths + tile_block - 1) // tile_block).clamp_min(1)
+    item_tiles = torch.where(block_starts[None, :] < item_lengths[:, None], per_item[:, None], 0)
+    tiles = item_tiles[:, :, None].expand(-1, -1, num_heads).reshape(-1)
     order = torch.argsort(tiles, descending=True, stable=True)
     ordered = tiles[order]
     ends = ordered.cumsum(0)
     begins = ends - ordered
     cost = ordered + (ordered > 0)  # a tile counts 1, an item 1 more
     cost_ends = cost.cumsum(0)
-    num_entries = tiles.numel() * triton.cdiv(max(max_len, 1), block_n)
+    num_entries = tiles.numel() * triton.cdiv(max(max_tile_len, 1), tile_block)
     entries = torch.arange(num_entries, device=device)
     position = torch.searchsorted(ends, entries, right=True).clamp_max(tiles.numel() - 1)
     tile_item = order[position].to(torch.int32)
@@ -148,12 +164,19 @@ def persistent_schedule(
     return tile_item, tile_index, run_start.to(torch.int32)
 
 
+def default_runs(q: torch.Tensor) -> int:
+    """Programs a persistent kernel launches by default: one per SM (4 off a GPU)."""
+    return torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+
+
 def persistent_softmax_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    offsets: torch.Tensor,
-    max_len: int,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    max_q_len: int,
+    max_kv_len: int,
     scale: float | None = None,
     *,
     block_m: int = 128,
@@ -164,22 +187,25 @@ def persistent_softmax_forward(
     schedule: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     wrap=identity,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax self-attention of jagged rows, no mask: ``out [T, H, D]`` and ``lse [H, T]`` (float32,
-    log2 units), as ``triton_fwd.forward`` computes them; no gradient.
+    """Softmax attention of jagged rows, no mask: ``out [Tq, H, D]`` and ``lse [H, Tq]`` (float32,
+    log2 units; ``+inf`` and an output of 0 for a query without keys), as ``triton_fwd.forward``
+    computes them; no gradient.
 
     Args:
-        q, k, v: ``[T, H, D]``, the same rows (``offsets [B+1]``, lengths at most ``max_len``),
-            last dimension contiguous.
+        q: ``[Tq, H, D]`` (``q_offsets [B+1]``, lengths at most ``max_q_len``); k, v: ``[Tk, H, D]``
+            (``kv_offsets``, ``max_kv_len``); last dimension contiguous.
         scale: of the scores (default ``1 / sqrt(D)``).
         block_m, block_n, num_warps, num_stages: the launch config (no autotuning yet).
-        num_runs: programs launched (default one per SM, as 128 x 64 tiles in two stages fill its
-            shared memory; 4 off a GPU).
-        schedule: :func:`persistent_schedule`'s result for these offsets, blocks and ``num_runs``
-            (computed here when None; one batch's layers can share it).
+        num_runs: programs launched (default :func:`default_runs`: 128 x 64 tiles in two stages
+            fill an SM's shared memory).
+        schedule: ``persistent_schedule(q_offsets, kv_offsets, max_q_len, max_kv_len, H, block_m,
+            block_n, num_runs)`` (computed here when None; one batch's layers can share it).
         wrap: ``torch.library.wrap_triton`` or a compile-only stand-in.
     """
-    if q.dim() != 3 or k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(f"q, k, v must be [T, H, D] alike, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.dim() != 3 or k.shape != v.shape or k.shape[1:] != q.shape[1:]:
+        raise ValueError(
+            f"q must be [Tq, H, D] and k, v [Tk, H, D] alike, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name}'s last dimension must be contiguous")
@@ -187,12 +213,13 @@ def persistent_softmax_forward(
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     out = q.new_empty(q.shape)
     lse = q.new_empty((num_heads, num_rows), dtype=torch.float32)
-    if num_rows == 0 or num_heads == 0 or max_len == 0 or offsets.numel() < 2:
+    if num_rows == 0 or num_heads == 0 or max_q_len == 0 or q_offsets.numel() < 2:
         return out.zero_(), lse.fill_(float("inf"))
-    if num_runs is None:
-        num_runs = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+    num_runs = default_runs(q) if num_runs is None else num_runs
     if schedule is None:
-        schedule = persistent_schedule(offsets, max_len, num_heads, block_m, block_n, num_runs)
+        schedule = persistent_schedule(
+            q_offsets, kv_offsets, max_q_len, max_kv_len, num_heads, block_m, block_n, num_runs
+        )
     tile_item, tile_index, run_start = schedule
     if run_start.numel() != num_runs + 1:
         raise ValueError(f"schedule has {run_start.numel() - 1} runs, num_runs is {num_runs}")
@@ -203,7 +230,8 @@ def persistent_softmax_forward(
         v,
         out,
         lse,
-        offsets,
+        q_offsets,
+        kv_offsets,
         tile_item,
         tile_index,
         run_start,
@@ -218,7 +246,7 @@ def persistent_softmax_forward(
         lse.stride(0),
         num_heads,
         head_dim,
-        triton.cdiv(max_len, block_m),
+        triton.cdiv(max_q_len, block_m),
         scale * LOG2E,
         BLOCK_D=block_d,
         EVEN_D=block_d == head_dim,
