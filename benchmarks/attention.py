@@ -776,7 +776,8 @@ def persistent(out_dir: pathlib.Path) -> None:
     """--persistent: gem_base's self-attention (softmax, no mask, 4 heads of 128, bf16) at the
     flagship's lengths: the op's forward against ``persistent_softmax_forward`` at each of
     PERSISTENT_CONFIGS, then the op's dK/dV kernel against ``persistent_softmax_dkdv`` at each of
-    PERSISTENT_BWD_CONFIGS (:func:`persistent_dkdv_rows`). One JSON."""
+    PERSISTENT_BWD_CONFIGS (:func:`persistent_dkdv_rows`), then the op's forward, backward and
+    both with its default kernels and with ``settings.persistent`` (:func:`persistent_op_rows`). One JSON."""
     from kernels.jagged_attention.persistent_fwd import persistent_schedule, persistent_softmax_forward
 
     lengths = flagship_lengths()
@@ -784,27 +785,29 @@ def persistent(out_dir: pathlib.Path) -> None:
         lengths, num_heads=NUM_HEADS, head_dim=HEAD_DIM, dtype=DTYPE, device="cuda", requires_grad=False
     )
     q, k, v, offsets, max_len = inputs.q, inputs.k, inputs.v, inputs.q_offsets, inputs.max_q_len
-    reference = jagged_attention(q, k, v, offsets, offsets, max_len, max_len, activation="softmax")
+    args = (offsets, offsets, max_len, max_len)
+    reference = jagged_attention(q, k, v, *args, activation="softmax")
     flops = 4 * NUM_HEADS * HEAD_DIM * num_visible_pairs(lengths, lengths)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     runs = [
         (
             "the op's forward",
-            lambda: jagged_attention(q, k, v, offsets, offsets, max_len, max_len, activation="softmax"),
+            lambda: jagged_attention(q, k, v, *args, activation="softmax"),
         )
     ]
     for index, (block_m, block_n, warps, stages, per_sm) in enumerate(PERSISTENT_CONFIGS):
         config = dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, num_runs=per_sm * sms)
 
         def call(config):
-            return lambda: persistent_softmax_forward(q, k, v, offsets, max_len, **config)[0]
+            return lambda: persistent_softmax_forward(q, k, v, *args, **config)[0]
 
         if index == 0:  # once with the schedule built in the call, as a layer without a shared one
             runs.append((f"persistent {config}, schedule built", call(config)))
-        schedule = persistent_schedule(offsets, max_len, NUM_HEADS, block_m, block_n, per_sm * sms)
+        schedule = persistent_schedule(*args, NUM_HEADS, block_m, block_n, per_sm * sms)
         runs.append((f"persistent {config}", call(config | dict(schedule=schedule))))
     rows = time_forwards(runs, reference, flops)
-    rows += persistent_dkdv_rows(q, k, v, offsets, max_len, 2 * flops)
+    rows += persistent_dkdv_rows(q, k, v, args, 2 * flops)
+    rows += persistent_op_rows(q, k, v, args, flops)
     _write_rows(
         out_dir / "attention-h200-flagship-persistent.json",
         _versions(),
@@ -814,7 +817,44 @@ def persistent(out_dir: pathlib.Path) -> None:
         "persistent kernels",
         rel_err="max |x - ref| / max |ref| against the op's output (forward rows) or dK and dV (dK/dV rows)",
         kernel_ms="device time of the named kernel a call (torch.profiler, 10 calls)",
+        op_rows="the op's forward, backward and forward+backward (median ms), default kernels and persistent",
     )
+
+
+def persistent_op_rows(q, k, v, args, flops) -> list[dict]:
+    """The op (softmax, no mask) with its default kernels and with ``settings.persistent`` (a
+    schedule built in each call): median forward, backward and forward+backward, their rates and the
+    persistent path's errors against the default's output and gradients."""
+    tensors = [t.clone().requires_grad_() for t in (q, k, v)]
+    rows, results = [], {}
+    for name, config in (
+        ("default", settings.KernelSettings()),
+        ("persistent", settings.KernelSettings(persistent=True)),
+    ):
+
+        def forward(config=config):
+            return jagged_attention(*tensors, *args, activation="softmax", settings=config)
+
+        time.sleep(SETTLE_S)
+        out = forward()
+        grads = torch.autograd.grad(out, tensors, torch.ones_like(out))
+        results[name] = (out, *grads)
+        timing = measure(forward, tensors)
+        rates = dict(fwd_tflops=flops / timing["fwd_ms"] / 1e9, full_tflops=3.5 * flops / timing["full_ms"] / 1e9)
+        row = dict(impl=f"the op, {name} kernels", status="ok", **timing, **rates)
+        if name == "persistent":
+            pairs = zip(("out", "dq", "dk", "dv"), results[name], results["default"])
+            row |= {
+                f"rel_err_{n}": ((x.float() - r.float()).abs().max() / r.float().abs().max()).item()
+                for n, x, r in pairs
+            }
+        print(
+            f"{row['impl']:<80} fwd {timing['fwd_ms']:.3f} bwd {timing['bwd_ms']:.3f} "
+            f"fwd+bwd {timing['full_ms']:.3f} ms ({row['full_tflops']:.0f} TFLOP/s)",
+            flush=True,
+        )
+        rows.append(row)
+    return rows
 
 
 # The persistent dK/dV's launch configs: (BLOCK_M query rows streamed, BLOCK_N key rows held, warps,
@@ -843,7 +883,7 @@ def kernel_times(fn, steps=10) -> dict[str, float]:
     return times
 
 
-def persistent_dkdv_rows(q, k, v, offsets, max_len, flops) -> list[dict]:
+def persistent_dkdv_rows(q, k, v, args, flops) -> list[dict]:
     """The op's ``_bwd_dkdv_kernel`` (its time in a profile of the op's forward+backward, which
     stores dS at these lengths) against ``persistent_softmax_dkdv`` storing dS, each config with a
     shared schedule: the kernel's device time, its rate (``flops``: S, dP, dV and dK, recomputed S
@@ -856,11 +896,11 @@ def persistent_dkdv_rows(q, k, v, offsets, max_len, flops) -> list[dict]:
     grad_out = torch.randn_like(q)
 
     def op_step():
-        out = jagged_attention(*leaves, offsets, offsets, max_len, max_len, activation="softmax")
+        out = jagged_attention(*leaves, *args, activation="softmax")
         return out, torch.autograd.grad(out, leaves, grad_out)
 
     out, (_, want_dk, want_dv) = op_step()
-    lse = persistent_softmax_forward(q, k, v, offsets, max_len)[1]
+    lse = persistent_softmax_forward(q, k, v, *args)[1]
     delta = (out.detach().float() * grad_out.float()).sum(-1).t().contiguous()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
 
@@ -881,16 +921,18 @@ def persistent_dkdv_rows(q, k, v, offsets, max_len, flops) -> list[dict]:
         impl = f"persistent dK/dV {config}"
         time.sleep(SETTLE_S)
         try:
-            schedule = persistent_schedule(offsets, max_len, NUM_HEADS, block_n, block_m, per_sm * sms)
-
+            schedule = persistent_schedule(
+                args[1], args[0], args[3], args[2], NUM_HEADS, block_n, block_m, per_sm * sms
+            )
+            ds = q.new_empty(NUM_HEADS, k.shape[0], testing.store_ds_row(args[2]))
             call = functools.partial(
                 persistent_softmax_dkdv,
-                *(q, k, v, grad_out, lse, delta, offsets, max_len),
-                store_ds=True,
+                *(q, k, v, grad_out, lse, delta, *args),
+                ds=ds,
                 schedule=schedule,
                 **config,
             )
-            dk, dv, _ = call()
+            dk, dv = call()
             times = kernel_times(call)
         except Exception as failure:
             rows.append(dict(impl=impl, status=f"{type(failure).__name__}: {str(failure).splitlines()[0]}"))
