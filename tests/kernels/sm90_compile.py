@@ -178,7 +178,7 @@ def _compile(fn, args, kwargs, float_type):
         line += " rope=1"
     if RESOURCES:
         tiles = {key: kwargs[key] for key in ("BLOCK_M", "BLOCK_N") if key in kwargs}
-        line += f" {tiles} {options} {_resources(compiled.asm['cubin'])}"
+        line += f" {tiles} {options} {_resources(compiled.asm['cubin'])} shared={compiled.metadata.shared}"
     print(line, flush=True)
 
 
@@ -186,7 +186,9 @@ def main() -> None:
     global RESOURCES
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--resources", action="store_true", help="compile every autotune config and print its registers and spill bytes"
+        "--resources",
+        action="store_true",
+        help="compile every autotune config and print its registers, spill and shared memory bytes",
     )
     parser.add_argument("activations", nargs="*", help="only these activations (default: all four)")
     args = parser.parse_args()
