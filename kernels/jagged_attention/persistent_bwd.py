@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from kernels.jagged_attention.call import store_ds_row
-from kernels.jagged_attention.persistent_fwd import default_runs, persistent_schedule
-from kernels.jagged_attention.triton_common import LOG2E, dot, identity, load_tile, store_grad
+from kernels.jagged_attention.persistent_fwd import resolve_schedule, work_item
+from kernels.jagged_attention.triton_common import LOG2E, dot, example_rows, identity, load_tile, store_grad
 
 
 @triton.jit
@@ -99,15 +99,11 @@ def _persistent_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     for t in range(first_tile, end_tile):
-        item = tl.load(tile_item + t)
         m_tile = tl.load(tile_index + t)
-        h = item % num_heads
-        n_block = (item // num_heads) % n_blocks
-        b = item // (num_heads * n_blocks)
-        q_start = tl.load(q_offsets + b).to(tl.int64)
-        q_len = (tl.load(q_offsets + b + 1) - q_start).to(tl.int32)
-        kv_start = tl.load(kv_offsets + b).to(tl.int64)
-        kv_len = (tl.load(kv_offsets + b + 1) - kv_start).to(tl.int32)
+        b, n_block, h = work_item(tl.load(tile_item + t), num_heads, n_blocks)
+        q_start, q_len, kv_start, kv_len = example_rows(
+            tl.load(q_offsets + b), tl.load(q_offsets + b + 1), tl.load(kv_offsets + b), tl.load(kv_offsets + b + 1)
+        )
         cols = n_block * BLOCK_N + offs_n
         rows = m_tile * BLOCK_M + offs_m
         k = load_tile(K + kv_start * stride_kt + h * stride_kh, stride_kt, 0, cols, kv_len, offs_d, dmask, True, EVEN_D)
@@ -214,14 +210,9 @@ def persistent_softmax_dkdv(
     dv = torch.empty_like(v) if dv is None else dv
     if k.shape[0] == 0 or num_heads == 0 or max_kv_len == 0 or kv_offsets.numel() < 2:
         return dk, dv
-    num_runs = default_runs(q) if num_runs is None else num_runs
-    if schedule is None:
-        schedule = persistent_schedule(
-            kv_offsets, q_offsets, max_kv_len, max_q_len, num_heads, block_n, block_m, num_runs
-        )
-    tile_item, tile_index, run_start = schedule
-    if run_start.numel() != num_runs + 1:
-        raise ValueError(f"schedule has {run_start.numel() - 1} runs, num_runs is {num_runs}")
+    num_runs, (tile_item, tile_index, run_start) = resolve_schedule(
+        schedule, num_runs, q, kv_offsets, q_offsets, max_kv_len, max_q_len, block_n, block_m
+    )
     cos, sin = rope if rope is not None else (q, q)  # (unread stand-ins without ROPE)
     ds_arg = q if ds is None else ds  # unread without STORE_DS
     packed = dv is dk

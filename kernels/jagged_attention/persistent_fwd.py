@@ -25,7 +25,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.jagged_attention.triton_common import LOG2E, dot, identity, load_tile
+from kernels.jagged_attention.triton_common import LOG2E, dot, example_rows, identity, load_tile
+
+
+@triton.jit
+def work_item(item, num_heads, blocks):
+    """(example, block, head) of work item ``item``, numbered ``(b * blocks + block) * num_heads + h``
+    (:func:`persistent_schedule`)."""
+    return item // (num_heads * blocks), (item // num_heads) % blocks, item % num_heads
 
 
 @triton.jit
@@ -73,15 +80,11 @@ def _persistent_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     for t in range(first_tile, end_tile):
-        item = tl.load(tile_item + t)
         n_tile = tl.load(tile_index + t)
-        h = item % num_heads
-        m_block = (item // num_heads) % m_blocks
-        b = item // (num_heads * m_blocks)
-        q_start = tl.load(q_offsets + b).to(tl.int64)
-        q_len = (tl.load(q_offsets + b + 1) - q_start).to(tl.int32)
-        kv_start = tl.load(kv_offsets + b).to(tl.int64)
-        kv_len = (tl.load(kv_offsets + b + 1) - kv_start).to(tl.int32)
+        b, m_block, h = work_item(tl.load(tile_item + t), num_heads, m_blocks)
+        q_start, q_len, kv_start, kv_len = example_rows(
+            tl.load(q_offsets + b), tl.load(q_offsets + b + 1), tl.load(kv_offsets + b), tl.load(kv_offsets + b + 1)
+        )
         rows = m_block * BLOCK_M + offs_m
         cols = n_tile * BLOCK_N + offs_n
         # Q is read at every key tile (from L2 after the first), so that its load pipelines as the
@@ -164,9 +167,18 @@ def persistent_schedule(
     return tile_item, tile_index, run_start.to(torch.int32)
 
 
-def default_runs(q: torch.Tensor) -> int:
-    """Programs a persistent kernel launches by default: one per SM (4 off a GPU)."""
-    return torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+def resolve_schedule(schedule, num_runs: int | None, q: torch.Tensor, *sides) -> tuple[int, tuple]:
+    """``(num_runs, schedule)`` of a persistent kernel's launch: ``num_runs`` by default one per SM
+    (4 off a GPU); ``schedule`` built by ``persistent_schedule(*sides, H, ..., num_runs)`` when None
+    (``sides``: its arguments but the heads and the runs), else checked against ``num_runs``."""
+    if num_runs is None:
+        num_runs = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+    if schedule is None:
+        *offsets_and_lengths, item_block, tile_block = sides
+        schedule = persistent_schedule(*offsets_and_lengths, q.shape[1], item_block, tile_block, num_runs)
+    if schedule[2].numel() != num_runs + 1:
+        raise ValueError(f"schedule has {schedule[2].numel() - 1} runs, num_runs is {num_runs}")
+    return num_runs, schedule
 
 
 def persistent_softmax_forward(
@@ -196,7 +208,7 @@ def persistent_softmax_forward(
             (``kv_offsets``, ``max_kv_len``); last dimension contiguous.
         scale: of the scores (default ``1 / sqrt(D)``).
         block_m, block_n, num_warps, num_stages: the launch config (no autotuning yet).
-        num_runs: programs launched (default :func:`default_runs`: 128 x 64 tiles in two stages
+        num_runs: programs launched (default one per SM, :func:`resolve_schedule`: 128 x 64 tiles in two stages
             fill an SM's shared memory).
         schedule: ``persistent_schedule(q_offsets, kv_offsets, max_q_len, max_kv_len, H, block_m,
             block_n, num_runs)`` (computed here when None; one batch's layers can share it).
@@ -215,14 +227,9 @@ def persistent_softmax_forward(
     lse = q.new_empty((num_heads, num_rows), dtype=torch.float32)
     if num_rows == 0 or num_heads == 0 or max_q_len == 0 or q_offsets.numel() < 2:
         return out.zero_(), lse.fill_(float("inf"))
-    num_runs = default_runs(q) if num_runs is None else num_runs
-    if schedule is None:
-        schedule = persistent_schedule(
-            q_offsets, kv_offsets, max_q_len, max_kv_len, num_heads, block_m, block_n, num_runs
-        )
-    tile_item, tile_index, run_start = schedule
-    if run_start.numel() != num_runs + 1:
-        raise ValueError(f"schedule has {run_start.numel() - 1} runs, num_runs is {num_runs}")
+    num_runs, (tile_item, tile_index, run_start) = resolve_schedule(
+        schedule, num_runs, q, q_offsets, kv_offsets, max_q_len, max_kv_len, block_m, block_n
+    )
     block_d = max(triton.next_power_of_2(head_dim), 16)
     wrap(_persistent_fwd_kernel)[(num_runs,)](
         q,
