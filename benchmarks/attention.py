@@ -136,17 +136,30 @@ def _gpu_state() -> dict:
         return {}
 
 
-def kernel_ms(forward, tensors, grad_out, steps=10) -> float:
-    """Device time of the CUDA kernels of one forward+backward (torch.profiler), without the host's
-    work between them: what the step of a compiled model would pay for the call."""
+def kernel_times(fn, steps=10) -> dict[str, float]:
+    """{CUDA kernel name: device ms a call of ``fn``} (torch.profiler, ``steps`` calls)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            torch.autograd.grad(forward(), tensors, grad_out)
+            fn()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sum(e.device_time for e in kernels) / 1e3 / steps
+    times: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            times[event.name] = times.get(event.name, 0.0) + event.device_time / 1e3 / steps
+    return times
+
+
+def kernel_ms(forward, tensors, grad_out, steps=10) -> float:
+    """Device time of the CUDA kernels of one forward+backward (torch.profiler), without the host's
+    work between them: what the step of a compiled model would pay for the call."""
+    return sum(kernel_times(lambda: torch.autograd.grad(forward(), tensors, grad_out), steps).values())
+
+
+def max_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |x - ref| / max |ref|, in float32."""
+    return ((x.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
 def relative_errors(forward, tensors, reference) -> dict:
@@ -714,7 +727,7 @@ def time_forwards(runs, reference: torch.Tensor, flops: int, **fields) -> list[d
         for impl, fn in runs:
             time.sleep(SETTLE_S)  # every implementation starts from the same idle GPU
             try:
-                error = ((fn().float() - reference.float()).abs().max() / reference.float().abs().max()).item()
+                error = max_error(fn(), reference)
                 ms = bench(fn)
             except Exception as failure:
                 rows.append(dict(impl=impl, status=f"{type(failure).__name__}: {str(failure).splitlines()[0]}"))
@@ -844,10 +857,7 @@ def persistent_op_rows(q, k, v, args, flops) -> list[dict]:
         row = dict(impl=f"the op, {name} kernels", status="ok", **timing, **rates)
         if name == "persistent":
             pairs = zip(("out", "dq", "dk", "dv"), results[name], results["default"])
-            row |= {
-                f"rel_err_{n}": ((x.float() - r.float()).abs().max() / r.float().abs().max()).item()
-                for n, x, r in pairs
-            }
+            row |= {f"rel_err_{n}": max_error(x, r) for n, x, r in pairs}
         print(
             f"{row['impl']:<80} fwd {timing['fwd_ms']:.3f} bwd {timing['bwd_ms']:.3f} "
             f"fwd+bwd {timing['full_ms']:.3f} ms ({row['full_tflops']:.0f} TFLOP/s)",
@@ -867,21 +877,6 @@ PERSISTENT_BWD_CONFIGS = [
     (32, 64, 4, 3, 2),
     (64, 64, 8, 2, 1),
 ]
-
-
-def kernel_times(fn, steps=10) -> dict[str, float]:
-    """{CUDA kernel name: device ms a call of ``fn``} (torch.profiler, ``steps`` calls)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    times: dict[str, float] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            times[event.name] = times.get(event.name, 0.0) + event.device_time / 1e3 / steps
-    return times
 
 
 def persistent_dkdv_rows(q, k, v, args, flops) -> list[dict]:
@@ -906,10 +901,7 @@ def persistent_dkdv_rows(q, k, v, args, flops) -> list[dict]:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
 
     def row(impl, ms, dk, dv, **fields):
-        errors = {
-            f"rel_err_{n}": ((x.float() - r.float()).abs().max() / r.float().abs().max()).item()
-            for n, x, r in (("dk", dk, want_dk), ("dv", dv, want_dv))
-        }
+        errors = {f"rel_err_{n}": max_error(x, r) for n, x, r in (("dk", dk, want_dk), ("dv", dv, want_dv))}
         print(f"{impl:<80} {ms:6.3f} ms, {flops / ms / 1e9:5.0f} TFLOP/s | dK {errors['rel_err_dk']:.1e}", flush=True)
         return dict(impl=impl, status="ok", kernel_ms=ms, tflops=flops / ms / 1e9, **errors, **fields)
 
