@@ -23,14 +23,12 @@ a baseline that is missing or runs out of memory is recorded as such.
                                                 # and the personalized FFN's forward with K/V generated
                                                 # in the kernel against the model's path (a second JSON)
     python benchmarks/attention.py --generated-kv   # that second JSON only
-    python benchmarks/attention.py --persistent     # the self-attention forward against the persistent kernel
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import json
 import pathlib
 import platform
@@ -136,30 +134,17 @@ def _gpu_state() -> dict:
         return {}
 
 
-def kernel_times(fn, steps=10) -> dict[str, float]:
-    """{CUDA kernel name: device ms a call of ``fn``} (torch.profiler, ``steps`` calls)."""
+def kernel_ms(forward, tensors, grad_out, steps=10) -> float:
+    """Device time of the CUDA kernels of one forward+backward (torch.profiler), without the host's
+    work between them: what the step of a compiled model would pay for the call."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            fn()
+            torch.autograd.grad(forward(), tensors, grad_out)
         torch.cuda.synchronize()
-    times: dict[str, float] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            times[event.name] = times.get(event.name, 0.0) + event.device_time / 1e3 / steps
-    return times
-
-
-def kernel_ms(forward, tensors, grad_out, steps=10) -> float:
-    """Device time of the CUDA kernels of one forward+backward (torch.profiler), without the host's
-    work between them: what the step of a compiled model would pay for the call."""
-    return sum(kernel_times(lambda: torch.autograd.grad(forward(), tensors, grad_out), steps).values())
-
-
-def max_error(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |x - ref| / max |ref|, in float32."""
-    return ((x.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.device_time for e in kernels) / 1e3 / steps
 
 
 def relative_errors(forward, tensors, reference) -> dict:
@@ -493,12 +478,6 @@ def main() -> None:
         "path (the end of --flagship); writes attention-h200-flagship-generated-kv.json",
     )
     parser.add_argument(
-        "--persistent",
-        action="store_true",
-        help="only gem_base's self-attention forward at the flagship's lengths, the op's against the "
-        "persistent kernel; writes attention-h200-flagship-persistent.json",
-    )
-    parser.add_argument(
         "--only-sweeps",
         metavar="NAMES",
         help=f"run only these sweeps (comma-separated, of {list(SWEEP_MODES)}) and "
@@ -517,8 +496,6 @@ def main() -> None:
         return flagship(pathlib.Path(args.out))
     if args.generated_kv:
         return generated_kv(pathlib.Path(args.out))
-    if args.persistent:
-        return persistent(pathlib.Path(args.out))
 
     rows = []
     shapes = [TARGET_SHAPES[1], TARGET_SHAPES[4]] if args.quick else TARGET_SHAPES
@@ -716,26 +693,9 @@ def generated_kv(out_dir: pathlib.Path) -> None:
         what="gem_base's personalized FFN forward (no backward): the model's path against K/V generated in the kernel",
         rel_err="max |out - ref| / max |ref| against generated_kv_reference on the same inputs",
     )
-
-
-def time_forwards(runs, reference: torch.Tensor, flops: int, **fields) -> list[dict]:
-    """A row per ``(impl, fn)`` of ``runs``: the forward's median time from an idle GPU, its rate and
-    its error against ``reference`` (``fields`` added to each), printed as it is measured. A run
-    that fails (a config that does not build here) is recorded with its error; the others still run."""
-    rows = []
-    with torch.no_grad():
-        for impl, fn in runs:
-            time.sleep(SETTLE_S)  # every implementation starts from the same idle GPU
-            try:
-                error = max_error(fn(), reference)
-                ms = bench(fn)
-            except Exception as failure:
-                rows.append(dict(impl=impl, status=f"{type(failure).__name__}: {str(failure).splitlines()[0]}"))
-                print(f"{impl:<80} {rows[-1]['status']}", flush=True)
-                continue
-            rows.append(dict(impl=impl, status="ok", fwd_ms=ms, fwd_tflops=flops / ms / 1e9, rel_err=error, **fields))
-            print(f"{impl:<80} {ms:6.3f} ms, {flops / ms / 1e9:5.0f} TFLOP/s | error {error:.1e}", flush=True)
-    return rows
+    for r in generated:
+        result = f"{r['fwd_ms']:6.3f} ms | error {r['rel_err']:.1e}" if r["status"] == "ok" else r["status"]
+        print(f"{'personalized FFN, forward':<26} {r['impl']:<60} {result}")
 
 
 # The generated-K/V forward's launch configs (no autotuner yet): (BLOCK_M, BLOCK_N, warps, stages).
@@ -777,161 +737,26 @@ def generated_kv_rows(lengths: torch.Tensor) -> list[dict]:
     for block_m, block_n, warps, stages in GENERATED_KV_CONFIGS:
         config = dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
         runs.append((f"generated in the kernel {config}", lambda config=config: generated_kv_forward(*args, **config)))
-    return time_forwards(runs, reference, flops, tokens=int(lengths.sum()))
-
-
-# The persistent forward's launch configs (no autotuner yet): (BLOCK_M, BLOCK_N, warps, stages, runs per SM).
-# 128-row tiles hold Q in every stage (160 KB of shared memory at two): one program per SM.
-PERSISTENT_CONFIGS = [(128, 64, 8, 2, 1), (128, 32, 8, 2, 1), (64, 64, 4, 2, 2), (64, 64, 4, 3, 2), (64, 32, 4, 3, 2)]
-
-
-def persistent(out_dir: pathlib.Path) -> None:
-    """--persistent: gem_base's self-attention (softmax, no mask, 4 heads of 128, bf16) at the
-    flagship's lengths: the op's forward against ``persistent_softmax_forward`` at each of
-    PERSISTENT_CONFIGS, then the op's dK/dV kernel against ``persistent_softmax_dkdv`` at each of
-    PERSISTENT_BWD_CONFIGS (:func:`persistent_dkdv_rows`), then the op's forward, backward and
-    both with its default kernels and with ``settings.persistent`` (:func:`persistent_op_rows`). One JSON."""
-    from kernels.jagged_attention.persistent_fwd import persistent_schedule, persistent_softmax_forward
-
-    lengths = flagship_lengths()
-    inputs = make_inputs(
-        lengths, num_heads=NUM_HEADS, head_dim=HEAD_DIM, dtype=DTYPE, device="cuda", requires_grad=False
-    )
-    q, k, v, offsets, max_len = inputs.q, inputs.k, inputs.v, inputs.q_offsets, inputs.max_q_len
-    args = (offsets, offsets, max_len, max_len)
-    reference = jagged_attention(q, k, v, *args, activation="softmax")
-    flops = 4 * NUM_HEADS * HEAD_DIM * num_visible_pairs(lengths, lengths)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    runs = [
-        (
-            "the op's forward",
-            lambda: jagged_attention(q, k, v, *args, activation="softmax"),
-        )
-    ]
-    for index, (block_m, block_n, warps, stages, per_sm) in enumerate(PERSISTENT_CONFIGS):
-        config = dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, num_runs=per_sm * sms)
-
-        def call(config):
-            return lambda: persistent_softmax_forward(q, k, v, *args, **config)[0]
-
-        if index == 0:  # once with the schedule built in the call, as a layer without a shared one
-            runs.append((f"persistent {config}, schedule built", call(config)))
-        schedule = persistent_schedule(*args, NUM_HEADS, block_m, block_n, per_sm * sms)
-        runs.append((f"persistent {config}", call(config | dict(schedule=schedule))))
-    rows = time_forwards(runs, reference, flops)
-    rows += persistent_dkdv_rows(q, k, v, args, 2 * flops)
-    rows += persistent_op_rows(q, k, v, args, flops)
-    _write_rows(
-        out_dir / "attention-h200-flagship-persistent.json",
-        _versions(),
-        rows,
-        lengths=f"lognormal({FLAGSHIP_LOG_MEAN}, {FLAGSHIP_LOG_STD}), in [1, {FLAGSHIP_MAX_LEN}]",
-        what="gem_base's self-attention (softmax, no mask): the op's forward and dK/dV kernel against the "
-        "persistent kernels",
-        rel_err="max |x - ref| / max |ref| against the op's output (forward rows) or dK and dV (dK/dV rows)",
-        kernel_ms="device time of the named kernel a call (torch.profiler, 10 calls)",
-        op_rows="the op's forward, backward and forward+backward (median ms), default kernels and persistent",
-    )
-
-
-def persistent_op_rows(q, k, v, args, flops) -> list[dict]:
-    """The op (softmax, no mask) with its default kernels and with ``settings.persistent`` (a
-    schedule built in each call): median forward, backward and forward+backward, their rates and the
-    persistent path's errors against the default's output and gradients."""
-    tensors = [t.clone().requires_grad_() for t in (q, k, v)]
-    rows, results = [], {}
-    for name, config in (
-        ("default", settings.KernelSettings()),
-        ("persistent", settings.KernelSettings(persistent=True)),
-    ):
-
-        def forward(config=config):
-            return jagged_attention(*tensors, *args, activation="softmax", settings=config)
-
-        time.sleep(SETTLE_S)
-        out = forward()
-        grads = torch.autograd.grad(out, tensors, torch.ones_like(out))
-        results[name] = (out, *grads)
-        timing = measure(forward, tensors)
-        rates = dict(fwd_tflops=flops / timing["fwd_ms"] / 1e9, full_tflops=3.5 * flops / timing["full_ms"] / 1e9)
-        row = dict(impl=f"the op, {name} kernels", status="ok", **timing, **rates)
-        if name == "persistent":
-            pairs = zip(("out", "dq", "dk", "dv"), results[name], results["default"])
-            row |= {f"rel_err_{n}": max_error(x, r) for n, x, r in pairs}
-        print(
-            f"{row['impl']:<80} fwd {timing['fwd_ms']:.3f} bwd {timing['bwd_ms']:.3f} "
-            f"fwd+bwd {timing['full_ms']:.3f} ms ({row['full_tflops']:.0f} TFLOP/s)",
-            flush=True,
-        )
-        rows.append(row)
-    return rows
-
-
-# The persistent dK/dV's launch configs: (BLOCK_M query rows streamed, BLOCK_N key rows held, warps,
-# stages, runs per SM); the first is the op's tuned choice for this kernel at head dim 128. None spills
-# more than 24 bytes a thread (sm_90, Triton 3.6: `sm90_compile.py --resources`).
-PERSISTENT_BWD_CONFIGS = [
-    (64, 128, 8, 2, 1),
-    (32, 128, 8, 3, 1),
-    (64, 64, 4, 3, 2),
-    (32, 64, 4, 3, 2),
-    (64, 64, 8, 2, 1),
-]
-
-
-def persistent_dkdv_rows(q, k, v, args, flops) -> list[dict]:
-    """The op's ``_bwd_dkdv_kernel`` (its time in a profile of the op's forward+backward, which
-    stores dS at these lengths) against ``persistent_softmax_dkdv`` storing dS, each config with a
-    shared schedule: the kernel's device time, its rate (``flops``: S, dP, dV and dK, recomputed S
-    counted) and its dK, dV errors against the op's. A config that does not build is recorded with
-    its error."""
-    from kernels.jagged_attention.persistent_bwd import persistent_softmax_dkdv
-    from kernels.jagged_attention.persistent_fwd import persistent_schedule, persistent_softmax_forward
-
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    grad_out = torch.randn_like(q)
-
-    def op_step():
-        out = jagged_attention(*leaves, *args, activation="softmax")
-        return out, torch.autograd.grad(out, leaves, grad_out)
-
-    out, (_, want_dk, want_dv) = op_step()
-    lse = persistent_softmax_forward(q, k, v, *args)[1]
-    delta = (out.detach().float() * grad_out.float()).sum(-1).t().contiguous()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-
-    def row(impl, ms, dk, dv, **fields):
-        errors = {f"rel_err_{n}": max_error(x, r) for n, x, r in (("dk", dk, want_dk), ("dv", dv, want_dv))}
-        print(f"{impl:<80} {ms:6.3f} ms, {flops / ms / 1e9:5.0f} TFLOP/s | dK {errors['rel_err_dk']:.1e}", flush=True)
-        return dict(impl=impl, status="ok", kernel_ms=ms, tflops=flops / ms / 1e9, **errors, **fields)
-
-    time.sleep(SETTLE_S)
-    times = kernel_times(op_step)
-    dkdv_ms = sum(ms for name, ms in times.items() if "_bwd_dkdv" in name)
-    rows = [row("the op's dK/dV kernel", dkdv_ms, want_dk, want_dv, step_kernels_ms=sum(times.values()))]
-    for block_m, block_n, warps, stages, per_sm in PERSISTENT_BWD_CONFIGS:
-        config = dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, num_runs=per_sm * sms)
-        impl = f"persistent dK/dV {config}"
-        time.sleep(SETTLE_S)
-        try:
-            schedule = persistent_schedule(
-                args[1], args[0], args[3], args[2], NUM_HEADS, block_n, block_m, per_sm * sms
+    rows = []
+    with torch.no_grad():
+        for impl, fn in runs:
+            time.sleep(SETTLE_S)  # every implementation starts from the same idle GPU
+            try:
+                error = ((fn().float() - reference.float()).abs().max() / reference.float().abs().max()).item()
+                ms = bench(fn)
+            except Exception as failure:  # a config that does not build here: recorded, the others still run
+                rows.append(dict(impl=impl, status=f"{type(failure).__name__}: {str(failure).splitlines()[0]}"))
+                continue
+            rows.append(
+                dict(
+                    impl=impl,
+                    status="ok",
+                    fwd_ms=ms,
+                    fwd_tflops=flops / ms / 1e9,
+                    rel_err=error,
+                    tokens=int(lengths.sum()),
+                )
             )
-            ds = q.new_empty(NUM_HEADS, k.shape[0], testing.store_ds_row(args[2]))
-            call = functools.partial(
-                persistent_softmax_dkdv,
-                *(q, k, v, grad_out, lse, delta, *args),
-                ds=ds,
-                schedule=schedule,
-                **config,
-            )
-            dk, dv = call()
-            times = kernel_times(call)
-        except Exception as failure:
-            rows.append(dict(impl=impl, status=f"{type(failure).__name__}: {str(failure).splitlines()[0]}"))
-            print(f"{impl:<80} {rows[-1]['status']}", flush=True)
-            continue
-        rows.append(row(impl, sum(ms for name, ms in times.items() if "_persistent_dkdv" in name), dk, dv))
     return rows
 
 

@@ -26,8 +26,7 @@ launcher: a warm start still tuned them again, 63 s to its first step in torch 2
 with biases on the layers' projections of every event row (``model.row_bias=true``; the flagship drops
 them since stop 64, measured then as ``nobias-<block>`` against the biased flagship), ``mmadd-<block>``
 with the residual added after the GEMM instead of in cuBLAS's ``addmm``
-(``experimental.parallelism.residual_addmm=false``), ``persistent-<block>`` with the self-attention on
-the persistent softmax kernels (``experimental.kernels.persistent=true``).
+(``experimental.parallelism.residual_addmm=false``).
 ``cold-<block>`` and ``warm-<block>`` run a block for a few steps, on a machine without and then
 with the caches (data, Inductor, Triton), for the time to first step.
 
@@ -221,8 +220,6 @@ VARIANTS = {
     "unfused": ["kernels.rotary_fused=false"],
     # the personalized FFN's Gluon kernels under compile, through the opaque op (docs/kernels.md)
     "gluon": ["experimental.kernels.gluon_compiled=true"],
-    # the self-attention on the persistent softmax kernels (experimental, issue #71)
-    "persistent": ["experimental.kernels.persistent=true"],
     # row gathers' gradients scattered into a gradient of zeros, not in place (gem.distributed.inductor_passes)
     "noscatter": ["experimental.parallelism.scatter_in_place=false"],
     # the personalized FFN's K/V gradients as a sum and two GEMMs, not kernels.generated_weights' one read

@@ -213,7 +213,6 @@ EXPERIMENTAL_KERNEL_SETTINGS = (
     "gluon_min_q_len",
     "store_ds_max_mib",
     "gluon_compiled",
-    "persistent",
 )
 
 

@@ -58,7 +58,6 @@ _LAUNCH_SETTINGS = (
     "store_ds_max_mib",
     "autotune",
     "tune_space",
-    "persistent",
 )
 
 
@@ -117,7 +116,6 @@ class AttentionCall:
                 s.store_ds_max_mib,
                 int(s.autotune),
                 int(s.tune_space == "wide"),
-                int(s.persistent),
             ],
             self.activation,
             [self.scale, self.post_scale],
@@ -284,19 +282,10 @@ def _gluon_tensors(operands: Operands) -> bool:
     )
 
 
-def persistent(call: AttentionCall) -> bool:
-    """The persistent softmax kernels take the call: ``settings.persistent``, softmax, no causal,
-    window or block mask, jagged queries."""
-    return call.settings.persistent and call.activation == "softmax" and unmasked(*call.mask)
-
-
 def choose_forward(call: AttentionCall, operands: Operands) -> str:
-    """``"persistent"``: the persistent softmax forward (:func:`persistent`); ``"gluon"``: the
-    Gluon GDPA forward (``settings.gluon``, a pointwise activation without a mask, jagged queries,
-    ``max_q_len > settings.gluon_min_q_len``, its tensors as :func:`_gluon_tensors` asks, on a
-    verified Triton release); else ``"triton"``."""
-    if persistent(call):
-        return "persistent"
+    """``"gluon"``: the Gluon GDPA forward (``settings.gluon``, a pointwise activation without a
+    mask, jagged queries, ``max_q_len > settings.gluon_min_q_len``, its tensors as
+    :func:`_gluon_tensors` asks, on a verified Triton release); else ``"triton"``."""
     gluon = (  # (in this order: a traced length is compared, and guarded, where it was before)
         not operands.empty
         and call.settings.gluon
@@ -326,8 +315,8 @@ def store_ds_bytes(call: AttentionCall, operands: Operands) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Backward:
-    """The backward's kernels: ``dkdv`` ``"persistent"``, ``"gluon"`` or ``"triton"``; ``store_ds``:
-    the dK/dV kernel stores dS and dQ = dS K reads it (else dQ recomputes S and dP)."""
+    """The backward's kernels: ``dkdv`` ``"gluon"`` or ``"triton"``; ``store_ds``: the dK/dV kernel
+    stores dS and dQ = dS K reads it (else dQ recomputes S and dP)."""
 
     dkdv: str
     store_ds: bool
@@ -335,14 +324,11 @@ class Backward:
 
 def choose_backward(call: AttentionCall, operands: Operands) -> Backward:
     """The stored-dS backward where ``settings.store_ds`` and its buffer is under the cap
-    (:func:`store_ds_bytes`, ``settings.store_ds_max_mib``); its dK/dV the persistent one where
-    :func:`persistent`, else in Gluon
+    (:func:`store_ds_bytes`, ``settings.store_ds_max_mib``); its dK/dV in Gluon
     (``settings.gluon_bwd``) for bf16 silu / fast_gelu on the bf16x2 path, unrotated, into
     separate dK and dV, its tensors and dO, dK, dV as the Gluon kernels ask, on a verified release."""
     settings = call.settings
     store_ds = settings.store_ds and 0 < store_ds_bytes(call, operands) <= settings.store_ds_max_bytes
-    if persistent(call):
-        return Backward("persistent", store_ds)
     gluon = (
         store_ds
         and settings.gluon_bwd

@@ -1,12 +1,11 @@
 """The launchers of one attention call (no autograd): the kernels that ``call.py`` chooses, with
 the recoveries that only a launch can find out about.
 
-* :func:`forward`: the persistent softmax forward (``persistent_fwd.py``) or the Gluon GDPA
-  forward (``gluon_fwd.py``) where :func:`call.choose_forward` says so, else the Triton one
-  (``triton_fwd.py``);
+* :func:`forward`: the Gluon GDPA forward (``gluon_fwd.py``) where :func:`call.choose_forward`
+  says so, else the Triton one (``triton_fwd.py``);
 * :func:`backward`: the stored-dS backward where :func:`call.choose_backward` says so (dK/dV
-  store dS, dQ = dS K reads it), its dK/dV persistent (``persistent_bwd.py``), in Gluon
-  (``gluon_bwd.py``) or Triton, else the same dK/dV and the recomputing dQ kernel (``triton_bwd.py``).
+  store dS, dQ = dS K reads it), its dK/dV in Gluon (``gluon_bwd.py``) or Triton, else the Triton
+  dK/dV and the recomputing dQ kernel (``triton_bwd.py``).
 
 Recoveries: a Gluon launch that fails to build falls back to Triton (``kernels.fallback.guarded``,
 once per variant); a stored-dS buffer without room on the device falls back to recomputing dQ.
@@ -21,7 +20,7 @@ import warnings
 import torch
 
 from kernels import fallback
-from kernels.jagged_attention import persistent_bwd, persistent_fwd, triton_bwd, triton_fwd
+from kernels.jagged_attention import triton_bwd, triton_fwd
 from kernels.jagged_attention.call import (
     AttentionCall,
     Operands,
@@ -49,12 +48,7 @@ def forward(
     capability standing in for q's device's) is for tools that compile the kernels."""
     operands = Operands.of(q, k, v, kv_offsets, call, arch)
     meta = _meta(q, call, operands)
-    chosen = choose_forward(call, operands)
-    if chosen == "persistent":
-        return persistent_fwd.persistent_softmax_forward(
-            q, k, v, q_offsets, kv_offsets, call.max_q_len, call.max_kv_len, call.scale, wrap=wrap
-        )
-    if chosen == "gluon" and not fallback.failed("gluon_fwd", _variant(q, call.activation)):
+    if choose_forward(call, operands) == "gluon" and not fallback.failed("gluon_fwd", _variant(q, call.activation)):
         out = q.new_empty(q.shape)
 
         def gluon():
@@ -205,27 +199,7 @@ def backward(
 
         variant = _variant(q, call.activation)
         gluon = fallback.guarded("gluon_dkdv", variant, "triton", "kernels.gluon_bwd=false", gluon_dkdv)
-    if plan.dkdv == "persistent":
-        persistent_bwd.persistent_softmax_dkdv(
-            q,
-            k,
-            v,
-            grad_out,
-            lse,
-            delta,
-            q_offsets,
-            kv_offsets,
-            call.max_q_len,
-            call.max_kv_len,
-            call.scale,
-            dk=dk,
-            dv=dv,
-            offsets=tuple(offsets[1:]),
-            ds=ds if store_ds else None,
-            rope=rope,
-            wrap=wrap,
-        )
-    elif not gluon:
+    if not gluon:
         triton_bwd.dkdv(
             q,
             k,

@@ -32,19 +32,7 @@ def _forward_backward(q, k, v, q_offsets, kv_offsets, call: AttentionCall) -> No
 
 
 def jagged_attention(
-    activation,
-    dtype,
-    head_dim,
-    causal,
-    windowed,
-    blocked,
-    layout,
-    autotune,
-    tune_space,
-    packed_act,
-    store_ds,
-    persistent,
-    device,
+    activation, dtype, head_dim, causal, windowed, blocked, layout, autotune, tune_space, packed_act, store_ds, device
 ) -> None:
     """Every kernel of one variant of ``kernels.jagged_attention`` (its layout as the entry point
     hands it to the ops: dense K/V as jagged rows of equal lengths, a broadcast Q's offsets)."""
@@ -72,7 +60,7 @@ def jagged_attention(
         1 if windowed else -1,
         2 if blocked else 0,
         layout == "broadcast_q",
-        settings=settings.triton_only(autotune, tune_space, packed_act, store_ds, persistent),
+        settings=settings.triton_only(autotune, tune_space, packed_act, store_ds),
     )
     _forward_backward(q, k, v, q_offsets, kv_offsets, call)
 
@@ -98,7 +86,7 @@ def gluon_gdpa(activation, dtype, head_dim, device, gluon=True, gluon_bwd=True, 
 
 
 def rotary_self_attention(
-    dtype, head_dim, causal, windowed, autotune, tune_space, packed_act, store_ds, persistent, device
+    dtype, head_dim, causal, windowed, autotune, tune_space, packed_act, store_ds, device
 ) -> None:
     """The fused rotary self-attention's kernels (Q and K rotated on load, d qkv written whole)."""
     device, head_dim = device_of(device), head_dim or 128
@@ -106,7 +94,7 @@ def rotary_self_attention(
     angles = torch.randn(7, head_dim // 2, device=device)
     cos, sin = angles.cos(), angles.sin()
     offsets = torch.tensor([0, 5, 7], device=device)
-    config = settings.triton_only(autotune, tune_space, packed_act, store_ds, persistent)
+    config = settings.triton_only(autotune, tune_space, packed_act, store_ds)
     call = AttentionCall(5, 5, "softmax", 1 / math.sqrt(head_dim), 1.0, bool(causal), 1 if windowed else -1,
                          packing="qkv", rotary=True, settings=config)  # fmt: skip
     sizes, activation, scales = call.op_args()
@@ -116,14 +104,14 @@ def rotary_self_attention(
     )
 
 
-def packed_kv_attention(dtype, head_dim, autotune, tune_space, packed_act, store_ds, persistent, device) -> None:
+def packed_kv_attention(dtype, head_dim, autotune, tune_space, packed_act, store_ds, device) -> None:
     """Softmax attention of broadcast queries over a packed K/V projection."""
     device, head_dim = device_of(device), head_dim or 128
     q = torch.randn(3, 1, head_dim, device=device, dtype=getattr(torch, dtype))
     kv = torch.randn(7, 2, 1, head_dim, device=device, dtype=q.dtype)
     kv_offsets, q_offsets = torch.tensor([0, 5, 7], device=device), _equal_offsets(2, 3, device)
-    config = settings.triton_only(autotune, tune_space, packed_act, store_ds, persistent)
-    call = AttentionCall(3, 5, "softmax", 1 / math.sqrt(head_dim), q_broadcast=True, packing="kv", settings=config)
+    call = AttentionCall(3, 5, "softmax", 1 / math.sqrt(head_dim), q_broadcast=True, packing="kv",
+                         settings=settings.triton_only(autotune, tune_space, packed_act, store_ds))  # fmt: skip
     sizes, activation, scales = call.op_args()
     out, lse, order = op._kv_forward(q, kv, q_offsets, kv_offsets, sizes, activation, scales, identity)
     grad_out = torch.randn_like(out)

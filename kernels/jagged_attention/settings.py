@@ -57,9 +57,6 @@ class KernelSettings:
             generated K/V (``gem.models.sequence.generate_weights``) take their three gradients
             from one read of the gradient (:mod:`kernels.generated_weights`); off, a sum over the
             batch and two GEMMs, three reads (docs/kernels.md).
-        persistent: softmax attention without a mask runs the persistent forward and dK/dV
-            (``persistent_fwd.py``, ``persistent_bwd.py``: one program per SM over a list of
-            tiles, longest work first). Not yet run on a GPU: off.
     """
 
     check: bool = False
@@ -74,7 +71,6 @@ class KernelSettings:
     rotary_fused: bool = False
     gluon_compiled: bool = False
     generated_weights: bool = True
-    persistent: bool = False
 
     @property
     def store_ds_max_bytes(self) -> int:
@@ -200,25 +196,18 @@ def current() -> KernelSettings:
     return _current if _current is not None else configure()
 
 
-def build_flags(settings: KernelSettings) -> tuple[bool, str, bool, bool, bool]:
+def build_flags(settings: KernelSettings) -> tuple[bool, str, bool, bool]:
     """What of a call's ``settings`` its Triton kernels' build check must share with it (the launch
-    configs, the activation's path, the dQ kernel, the persistent kernels): ``(autotune,
-    tune_space, packed_act, store_ds, persistent)``, as constants Dynamo keeps
-    (``triton_common.resolve_backend``)."""
-    return settings.autotune, settings.tune_space, settings.packed_act, settings.store_ds, settings.persistent
+    configs, the activation's path, the dQ kernel): ``(autotune, tune_space, packed_act, store_ds)``,
+    as constants Dynamo keeps (``triton_common.resolve_backend``)."""
+    return settings.autotune, settings.tune_space, settings.packed_act, settings.store_ds
 
 
-def triton_only(autotune: bool, tune_space: str, packed_act: bool, store_ds: bool, persistent: bool) -> KernelSettings:
+def triton_only(autotune: bool, tune_space: str, packed_act: bool, store_ds: bool) -> KernelSettings:
     """The settings of a Triton build check (``probes.py``): the call's :func:`build_flags`, the
     Gluon kernels off."""
     return KernelSettings(
-        autotune=autotune,
-        tune_space=tune_space,
-        packed_act=packed_act,
-        store_ds=store_ds,
-        persistent=persistent,
-        gluon=False,
-        gluon_bwd=False,
+        autotune=autotune, tune_space=tune_space, packed_act=packed_act, store_ds=store_ds, gluon=False, gluon_bwd=False
     )
 
 

@@ -72,10 +72,8 @@ def preserved():
 
 # (what record_paths calls a launch, module, launcher)
 _LAUNCHERS = (
-    ("persistent_fwd", "persistent_fwd", "persistent_softmax_forward"),
     ("gluon_fwd", "gluon_fwd", "forward"),
     ("triton_fwd", "triton_fwd", "forward"),
-    ("persistent_dkdv", "persistent_bwd", "persistent_softmax_dkdv"),
     ("gluon_dkdv", "gluon_bwd", "dkdv"),
     ("triton_dkdv", "triton_bwd", "dkdv"),
     ("dq_from_ds", "triton_bwd", "dq_from_ds"),

@@ -46,8 +46,6 @@ from kernels.jagged_attention.autotune import late_pv_applies  # noqa: E402
 from kernels.jagged_attention.batch_order import batch_order  # noqa: E402
 from kernels.jagged_attention.generated_kv import generated_kv_forward  # noqa: E402
 from kernels.jagged_attention.inputs import make_inputs  # noqa: E402
-from kernels.jagged_attention.persistent_bwd import persistent_softmax_dkdv  # noqa: E402
-from kernels.jagged_attention.persistent_fwd import persistent_softmax_forward  # noqa: E402
 from kernels.rotary import _backward as rotary_backward  # noqa: E402
 from kernels.rotary import _forward as rotary_forward  # noqa: E402
 from kernels.rotary import rotate_qk  # noqa: E402
@@ -286,24 +284,6 @@ def main() -> None:
             gen_q, inputs.q_offsets, inputs.max_q_len, w0k, w0v, torch.randn(256, 4), gen_k, gen_v, activation,
             wrap=compile_only, arch=HOPPER,
         )  # fmt: skip
-    # the experimental persistent softmax forward and dK/dV storing dS: bf16 at head dim 128 (its
-    # dK/dV also as rotary self-attention's, turning dK back into a packed gradient), float32 at 24
-    for dtype, head_dim in ((torch.bfloat16, 128), (torch.float32, 24)):
-        self_inputs = make_inputs([5, 0, 130], [7, 3, 0], num_heads=2, head_dim=head_dim, dtype=dtype,
-                                  requires_grad=False)  # fmt: skip
-        q, k, v, *lengths = self_inputs.args()
-        persistent_softmax_forward(q, k, v, *lengths, wrap=compile_only)
-        lse = torch.zeros(2, q.shape[0])
-        ds = q.new_empty(2, k.shape[0], testing.store_ds_row(self_inputs.max_q_len))
-        persistent_softmax_dkdv(q, k, v, q, lse, lse, *lengths, ds=ds, wrap=compile_only)
-        if head_dim == 128:
-            packed = torch.empty(q.shape[0], 6 * head_dim, dtype=dtype).view(q.shape[0], 6, head_dim)
-            rope = (torch.zeros(q.shape[0], head_dim // 2), torch.zeros(q.shape[0], head_dim // 2))
-            self_lengths = (self_inputs.q_offsets, self_inputs.q_offsets, self_inputs.max_q_len, self_inputs.max_q_len)
-            persistent_softmax_dkdv(
-                q, q, q, q, lse, lse, *self_lengths, dk=packed, dv=packed, offsets=(2 * head_dim, 4 * head_dim),
-                ds=q.new_empty(2, q.shape[0], ds.shape[2]), rope=rope, wrap=compile_only,
-            )  # fmt: skip
     # the experimental Gluon forward: every pointwise activation in bf16 at head dim 128 (silu
     # and fast_gelu on the bf16x2 path), and fp16 at head dim 64
     cases = [(torch.bfloat16, 128, name) for name in ("silu", "gelu", "fast_gelu", "relu", "identity")]

@@ -20,10 +20,8 @@ HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 gpu = pytest.mark.gpu
 BUILD_ERROR = "PassManager::run failed"
-# A variant's settings that its build check shares (settings.build_flags): autotune, tune_space, packed_act,
-# store_ds, persistent
-FLAGS = (False, "default", True, True, False)
-PERSISTENT = (False, "default", True, True, True)
+# A variant's settings that its build check shares (settings.build_flags): autotune, tune_space, packed_act, store_ds
+FLAGS = (False, "default", True, True)
 
 
 def _fail(*args, **kwargs):
@@ -160,17 +158,17 @@ def test_triton_kernels_that_fail_to_build_fall_back_to_the_reference(events, mo
 
 def test_the_build_check_builds_with_the_calls_settings(monkeypatch):
     """The check of a call's Triton kernels launches them with the call's settings that their builds
-    depend on (launch configs, activation path, dQ kernel, persistent kernels), whatever the process default."""
+    depend on (launch configs, activation path, dQ kernel), whatever the process default."""
     from kernels.jagged_attention.settings import KernelSettings
 
     inputs = make_inputs([6, 2, 0], [4, 5, 3], dtype=torch.float32, device=DEVICE)
     monkeypatch.setattr(triton_common, "INTERPRET", False)
     seen = []
     monkeypatch.setitem(fallback.PROBES, "jagged_attention", lambda *variant: seen.append(variant))
-    mine = KernelSettings(autotune=True, tune_space="wide", packed_act=False, store_ds=False, persistent=True)
-    with testing.override(autotune=False, store_ds=True, persistent=False):
+    mine = KernelSettings(autotune=True, tune_space="wide", packed_act=False, store_ds=False)
+    with testing.override(autotune=False, store_ds=True):
         jagged_attention(*inputs.args(), activation="fast_gelu", backend="triton", settings=mine)
-    assert seen == [("fast_gelu", "float32", 32, False, False, False, "jagged", True, "wide", False, False, True, 0)]
+    assert seen == [("fast_gelu", "float32", 32, False, False, False, "jagged", True, "wide", False, False, 0)]
 
 
 def test_a_build_check_leaves_the_random_streams_as_they_were(monkeypatch):
@@ -262,9 +260,7 @@ def test_the_gluon_check_runs_once_a_variant_on_real_tensors_while_dynamo_traces
         ("jagged_attention", ("silu", "float32", 32, False, False, False, "dense_kv", *FLAGS, 0)),
         ("jagged_attention", ("softmax", "float32", 32, False, False, False, "broadcast_q", *FLAGS, 0)),
         ("jagged_attention", ("softmax", "float32", None, True, True, True, "jagged", *FLAGS, 0)),
-        ("jagged_attention", ("softmax", "float32", 32, False, False, False, "jagged", *PERSISTENT, 0)),
         ("rotary_self_attention", ("float32", 32, False, False, *FLAGS, 0)),
-        ("rotary_self_attention", ("float32", 32, False, False, *PERSISTENT, 0)),
         ("rotary_self_attention", ("float32", None, True, True, *FLAGS, 0)),
         ("packed_kv_attention", ("float32", 32, *FLAGS, 0)),
         ("rotary_qkv", ("float32", 32, 0)),

@@ -40,14 +40,9 @@ def test_every_option_of_the_group_keeps_the_settings_defaults(option):
 
 
 def test_a_config_value_reaches_the_kernels_unless_the_environment_overrides_it(restored, monkeypatch):
-    overrides = [
-        "kernels.gluon=false",
-        "experimental.kernels.gluon_min_q_len=256",
-        "experimental.kernels.persistent=true",
-    ]
-    config = validate(compose(["model=dlrm", *overrides]))
+    config = validate(compose(["model=dlrm", "kernels.gluon=false", "experimental.kernels.gluon_min_q_len=256"]))
     applied = kernel_config.configure(**kernel_settings_of(config))
-    assert (applied.gluon, applied.gluon_min_q_len, applied.persistent) == (False, 256, True)
+    assert (applied.gluon, applied.gluon_min_q_len) == (False, 256)
     assert kernel_config.current() is applied
     monkeypatch.setenv("GEM_KERNELS_GLUON", "1")
     with pytest.warns(UserWarning, match="GEM_KERNELS_GLUON overrides kernels.gluon=False with True"):
