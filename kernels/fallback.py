@@ -160,13 +160,16 @@ def checking() -> bool:
 @contextlib.contextmanager
 def _probe():
     """Around a probe: fake tensors off (it launches on real ones, also while Dynamo traces),
-    gradients on, :func:`checking` true."""
+    gradients on, :func:`checking` true, and the random number generators as they were: the
+    probe's random inputs would otherwise move the CPU's and the current GPU's streams, so a run's
+    data order and sampled negatives would depend on whether a check ran earlier in its process."""
     global _checking
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+    gpus = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     _checking += 1
     try:
-        with unset_fake_temporarily(), torch.enable_grad():
+        with unset_fake_temporarily(), torch.enable_grad(), torch.random.fork_rng(devices=gpus):
             yield
     finally:
         _checking -= 1

@@ -171,6 +171,17 @@ def test_the_build_check_builds_with_the_calls_settings(monkeypatch):
     assert seen == [("fast_gelu", "float32", 32, False, False, False, "jagged", True, "wide", False, False, 0)]
 
 
+def test_a_build_check_leaves_the_random_streams_as_they_were(monkeypatch):
+    """The check's random inputs draw from no stream of the run's: a run's data order and sampled
+    negatives do not depend on whether a check ran before them in its process."""
+    monkeypatch.setattr(triton_common, "INTERPRET", False)  # the check runs, as on a GPU
+    inputs = make_inputs([6, 2, 0], [4, 5, 3], dtype=torch.float32, device=DEVICE)
+    before = torch.get_rng_state()
+    jagged_attention(*inputs.args(), activation="fast_gelu", backend="triton")
+    assert fallback.events() == [] and len(fallback._probed) == 1, "the check ran and passed"
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_a_build_checks_launches_are_not_the_calls(monkeypatch):
     """testing.record_paths records the call's own launches, not those of its build check."""
     monkeypatch.setattr(triton_common, "INTERPRET", False)  # the check runs, as on a GPU
