@@ -85,7 +85,6 @@ FLAGSHIP_BATCH, FLAGSHIP_MAX_LEN, FLAGSHIP_LOG_MEAN, FLAGSHIP_LOG_STD = 1024, 51
 FLAGSHIP_VARIANTS = (
     "gem triton (no gluon forward)",
     "gem triton (triton dK/dV)",
-    "gem triton (gluon softmax dK/dV)",
     "gem triton (no gluon: the kernels under torch.compile)",
 )
 
