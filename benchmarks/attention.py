@@ -28,6 +28,7 @@ a baseline that is missing or runs out of memory is recorded as such.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import pathlib
@@ -86,6 +87,7 @@ FLAGSHIP_VARIANTS = (
     "gem triton (no gluon forward)",
     "gem triton (triton dK/dV)",
     "gem triton (no gluon: the kernels under torch.compile)",
+    "gem triton (gluon softmax forward, unverified)",
 )
 
 
@@ -282,8 +284,13 @@ KERNEL_VARIANTS = {
     "gem triton (recomputing dQ backward)": dict(store_ds=False),  # kernels.store_ds=false
     "gem triton (triton dK/dV)": dict(gluon_bwd=False),  # kernels.gluon_bwd=false
     "gem triton (no gluon: the kernels under torch.compile)": dict(gluon=False, gluon_bwd=False),
+    "gem triton (gluon softmax forward, unverified)": {},  # (runs under testing.unverified_gluon)
 }
 _GDPA_ONLY = {"packed_act", "gluon", "gluon_min_q_len", "gluon_bwd"}  # settings that change nothing for softmax
+# Variants of Gluon kernels that have passed the GPU gate on no Triton release yet
+# (kernels.jagged_attention.call.GLUON_VERIFIED), run inside testing.unverified_gluon(); each is
+# softmax's alone: with the Gluon kernels verified for GDPA, its rows would repeat the default's.
+UNVERIFIED_VARIANTS = {"gem triton (gluon softmax forward, unverified)"}
 
 
 def run_case(
@@ -343,12 +350,14 @@ def run_case(
         (name, ours, KERNEL_VARIANTS[name])
         for name in names
         if not (activation == "softmax" and _GDPA_ONLY & set(KERNEL_VARIANTS[name]))
+        and (activation == "softmax" or name not in UNVERIFIED_VARIANTS)
     ]
     if baselines:
         impls += [(name, make, {}) for name, make in _baselines(inputs, activation, mask, compiled_reference)]
     rows = []
     for name, make_forward, flags in impls:
-        with testing.override(**flags):
+        unverified = testing.unverified_gluon() if name in UNVERIFIED_VARIANTS else contextlib.nullcontext()
+        with testing.override(**flags), unverified:
             row = run_impl(name, make_forward, tensors, flops_fwd, reference)
         row.update(
             shape=shape_name,

@@ -42,7 +42,9 @@ from kernels.jagged_attention.triton_common import (
 # The Triton releases (major.minor) on which each Gluon kernel passed the GPU gate
 # (tools/gpu_gate.sh, benchmarks/results/gpu-gate.json); on any other the Triton kernels run, with
 # one info line. A release joins a kernel's list only with a passing gate on it.
-GLUON_VERIFIED = {"gluon_fwd": ("3.6",), "gluon_dkdv": ("3.6",)}
+# gluon_softmax_fwd (the softmax forward, built without a GPU) has passed on none yet: it runs only
+# under testing.unverified_gluon(), for its GPU tests and benchmarks/attention.py --flagship.
+GLUON_VERIFIED = {"gluon_fwd": ("3.6",), "gluon_dkdv": ("3.6",), "gluon_softmax_fwd": ()}
 _allow_unverified = False  # testing.unverified_gluon(): a new release's GPU tests run the kernels
 
 PACKINGS = ("", "qkv", "kv")  # the packed projection whose gradient the kernels write whole, if any
@@ -198,8 +200,9 @@ class Operands:
             ``[rows, H * D]`` (``gluon_common.addressable``).
         grads_addressable: the backward's dO, dK and dV likewise (False in a forward).
         interpret: Triton's interpreter (``TRITON_INTERPRET=1``): no Gluon, no bf16x2.
-        gluon_fwd_verified, gluon_dkdv_verified: this Triton release passed the gate with each
-            Gluon kernel (``GLUON_VERIFIED``).
+        gluon_fwd_verified, gluon_dkdv_verified, gluon_softmax_fwd_verified: this Triton release
+            passed the gate with each Gluon kernel (``GLUON_VERIFIED``; the last is asked of
+            softmax calls only).
     """
 
     dtype: torch.dtype
@@ -217,6 +220,7 @@ class Operands:
     interpret: bool = False
     gluon_fwd_verified: bool = False
     gluon_dkdv_verified: bool = False
+    gluon_softmax_fwd_verified: bool = False
 
     @classmethod
     def of(cls, q, k, v, kv_offsets, call: AttentionCall, arch=None, grads=()) -> Operands:
@@ -246,6 +250,9 @@ class Operands:
             interpret=INTERPRET,
             gluon_fwd_verified=gluon_possible and gluon_verified("gluon_fwd"),
             gluon_dkdv_verified=gluon_possible and bool(grads) and gluon_verified("gluon_dkdv"),
+            gluon_softmax_fwd_verified=(
+                gluon_possible and not grads and call.activation == "softmax" and gluon_verified("gluon_softmax_fwd")
+            ),
         )
 
     @property
@@ -283,16 +290,16 @@ def _gluon_tensors(operands: Operands) -> bool:
 
 
 def choose_forward(call: AttentionCall, operands: Operands) -> str:
-    """``"gluon"``: the Gluon GDPA forward (``settings.gluon``, a pointwise activation without a
-    mask, jagged queries, ``max_q_len > settings.gluon_min_q_len``, its tensors as
-    :func:`_gluon_tensors` asks, on a verified Triton release); else ``"triton"``."""
+    """``"gluon"``: the Gluon forward (``settings.gluon``, no mask, jagged queries, ``max_q_len >
+    settings.gluon_min_q_len``, its tensors as :func:`_gluon_tensors` asks): GDPA's on a verified
+    Triton release, softmax's on a verified one (none yet, ``GLUON_VERIFIED``); else ``"triton"``."""
+    softmax = call.activation == "softmax"
     gluon = (  # (in this order: a traced length is compared, and guarded, where it was before)
         not operands.empty
         and call.settings.gluon
-        and call.activation != "softmax"
+        and (not softmax or (unmasked(*call.mask) and operands.gluon_softmax_fwd_verified))
         and call.max_q_len > call.settings.gluon_min_q_len
-        and unmasked_pointwise(call.activation, *call.mask)
-        and operands.gluon_fwd_verified
+        and (softmax or (unmasked_pointwise(call.activation, *call.mask) and operands.gluon_fwd_verified))
         and _gluon_tensors(operands)
     )
     return "gluon" if gluon else "triton"

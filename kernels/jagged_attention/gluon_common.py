@@ -27,7 +27,9 @@ CONSUMER_REGS = 232  # registers per consumer thread after setmaxnreg (the loade
 # int32 per work tile: first row, valid rows, head, K/V (or Q) start, length, 3 zeros
 WORK_FIELDS = gl.constexpr(8)
 HEAD_DIMS = (64, 128)
-SILU, GELU, FAST_GELU, RELU = (gl.constexpr(code) for code in (tc.SILU, tc.GELU, tc.FAST_GELU, tc.RELU))
+SOFTMAX, SILU, GELU, FAST_GELU, RELU = (
+    gl.constexpr(code) for code in (tc.SOFTMAX, tc.SILU, tc.GELU, tc.FAST_GELU, tc.RELU)
+)
 
 
 _checking = False  # real tensors while Dynamo traces: a build check's (``real_tensors``)

@@ -1,7 +1,7 @@
 """The launchers of one attention call (no autograd): the kernels that ``call.py`` chooses, with
 the recoveries that only a launch can find out about.
 
-* :func:`forward`: the Gluon GDPA forward (``gluon_fwd.py``) where :func:`call.choose_forward`
+* :func:`forward`: the Gluon forward (``gluon_fwd.py``) where :func:`call.choose_forward`
   says so, else the Triton one (``triton_fwd.py``);
 * :func:`backward`: the stored-dS backward where :func:`call.choose_backward` says so (dK/dV
   store dS, dQ = dS K reads it), its dK/dV in Gluon (``gluon_bwd.py``) or Triton, else the Triton
@@ -50,6 +50,8 @@ def forward(
     meta = _meta(q, call, operands)
     if choose_forward(call, operands) == "gluon" and not fallback.failed("gluon_fwd", _variant(q, call.activation)):
         out = q.new_empty(q.shape)
+        softmax = call.activation == "softmax"  # (else lse is a placeholder, unread by GDPA)
+        lse = q.new_empty((q.shape[1], q.shape[0]) if softmax else (1,), dtype=torch.float32)
 
         def gluon():
             from kernels.jagged_attention import gluon_fwd
@@ -67,10 +69,11 @@ def forward(
                 call.scale,
                 triton_fwd.output_scale(call.activation, call.scale, call.post_scale),
                 meta["PACKED_ACT"],
+                lse=lse if softmax else None,
             )
 
         if fallback.guarded("gluon_fwd", _variant(q, call.activation), "triton", "kernels.gluon=false", gluon):
-            return out, q.new_empty((1,), dtype=torch.float32)  # (lse: a placeholder, unread by GDPA)
+            return out, lse
     return triton_fwd.forward(q, k, v, q_offsets, kv_offsets, batch_order, call, meta, wrap)
 
 

@@ -10,7 +10,7 @@ Autotuned kernels compile their first config, and the forward's LATE_PV config w
 the backward also with the stored-dS kernels (``store_ds``).
 The pooling kernels (``kernels.attention_pooling``) compile at width 512 for 16 and 128 columns.
 Last, the Gluon forward (``gluon_fwd.py``: inline PTX, TMA, warp specialization) for every
-pointwise activation, whose cubins must not spill, and the Gluon dK/dV kernel (bf16 silu and
+pointwise activation and for softmax, whose cubins must not spill, and the Gluon dK/dV kernel (bf16 silu and
 fast_gelu), whose cubins may spill at most ``GLUON_DKDV_STACK`` bytes per thread.
 ``python tests/kernels/sm90_compile.py --resources [activation ...]`` compiles every autotune
 config instead and prints each one's registers and spill (stack) bytes per thread,
@@ -146,14 +146,15 @@ def _compile(fn, args, kwargs, float_type):
         ptx = compiled.asm["ptx"]
         assert "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx and "wgmma" in ptx
         assert "cp.async.bulk.tensor.2d.global.shared" in ptx  # TMA stores (out; dK, dV, dS)
-        packed = kwargs.get("PACKED", True)  # the dK/dV kernel runs on bf16x2 only
+        dkdv = fn is gluon_bwd._gdpa_dkdv_kernel
+        packed = kwargs.get("PACKED", dkdv)  # the dK/dV kernel runs on bf16x2 only; softmax on neither
         assert ("tanh.approx.bf16x2" in ptx) == packed
         resources = _resources(compiled.asm["cubin"])
         stack = int(re.search(r"stack=(\d+)", resources).group(1))
-        # the forward must not spill
-        assert stack <= (0 if "PACKED" in kwargs else GLUON_DKDV_STACK), resources
+        # the forwards must not spill
+        assert stack <= (GLUON_DKDV_STACK if dkdv else 0), resources
         print(
-            f"compiled gluon {fn.__name__} activation={kwargs['ACTIVATION']} "
+            f"compiled gluon {fn.__name__} activation={kwargs.get('ACTIVATION', 'softmax')} "
             f"head_dim={kwargs['HEAD_D']} bf16x2={packed} {resources} "
             f"shared={compiled.metadata.shared}",
             flush=True,
@@ -284,13 +285,15 @@ def main() -> None:
             gen_q, inputs.q_offsets, inputs.max_q_len, w0k, w0v, torch.randn(256, 4), gen_k, gen_v, activation,
             wrap=compile_only, arch=HOPPER,
         )  # fmt: skip
-    # the experimental Gluon forward: every pointwise activation in bf16 at head dim 128 (silu
-    # and fast_gelu on the bf16x2 path), and fp16 at head dim 64
+    # the Gluon forward: every pointwise activation in bf16 at head dim 128 (silu and fast_gelu on
+    # the bf16x2 path), and fp16 at head dim 64; softmax (its own kernel) in bf16 at 128, fp16 at 64
     cases = [(torch.bfloat16, 128, name) for name in ("silu", "gelu", "fast_gelu", "relu", "identity")]
-    for dtype, head_dim, activation in cases + [(torch.float16, 64, "fast_gelu")]:
+    cases += [(torch.float16, 64, "fast_gelu"), (torch.bfloat16, 128, "softmax"), (torch.float16, 64, "softmax")]
+    for dtype, head_dim, activation in cases:
         inputs = make_inputs([5, 0, 130], [7, 3, 0], num_heads=2, head_dim=head_dim, dtype=dtype)
         q, k, v = inputs.tensors()
         packed = dtype == torch.bfloat16 and activation in ("silu", "fast_gelu")
+        lse = torch.empty(2, q.shape[0]) if activation == "softmax" else None
         gluon_fwd.forward(
             q,
             k,
@@ -306,6 +309,7 @@ def main() -> None:
             packed,
             wrap=compile_only,
             num_sms=132,
+            lse=lse,
         )
     # the Gluon dK/dV (bf16 silu and fast_gelu at head dim 128, fast_gelu at 64)
     for head_dim, activation in ((128, "silu"), (128, "fast_gelu"), (64, "fast_gelu")):

@@ -150,3 +150,25 @@ def test_settings_is_a_required_keyword():
     assert field.kw_only and field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
     for f in dataclasses.fields(AttentionCall) + dataclasses.fields(Operands):
         assert not dataclasses.is_dataclass(f.default), f.name
+
+
+# softmax without a mask, on a Triton release on which the Gluon softmax forward passed the gate
+SOFTMAX = dict(call=dict(activation="softmax", post_scale=1.0), operands=dict(gluon_softmax_fwd_verified=True))
+
+
+def test_the_softmax_forward_takes_gluon_only_on_a_release_verified_for_it():
+    call, operands = _case(SOFTMAX)
+    assert choose_forward(call, operands) == "gluon"
+    assert choose_forward(call, dataclasses.replace(operands, gluon_fwd_verified=False)) == "gluon"  # (GDPA's)
+    assert choose_backward(call, operands).dkdv == "triton"  # the softmax dK/dV is Triton's
+    for change in (dict(gluon_softmax_fwd_verified=False), dict(real=False), dict(head_dim=96), dict(num_rows=0)):
+        assert choose_forward(call, dataclasses.replace(operands, **change)) == "triton", change
+    for change in (
+        dict(causal=True),
+        dict(window=8),
+        dict(block_size=16),
+        dict(q_broadcast=True),
+        dict(max_q_len=128),
+        dict(settings=_settings(gluon=False)),
+    ):
+        assert choose_forward(dataclasses.replace(call, **change), operands) == "triton", change

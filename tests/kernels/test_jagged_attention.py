@@ -340,16 +340,17 @@ def test_kernels_compile_for_hopper_without_a_gpu(pin):
     # input forward, plain and LATE_PV. fast_gelu and softmax again without a mask and with
     # the stored-dS backward (the forward, LATE_PV for fast_gelu, the preprocess for softmax, dK/dV
     # storing dS, dQ from dS), with fp32 and with fp64 scalars, and the batch order kernel. Then
-    # the Gluon forward (six cases, each with its work-list kernel): bf16 silu and fast_gelu on
-    # the bf16x2 path, no spills (checked in the script); the Gluon dK/dV (three cases on bf16x2,
+    # the Gluon forward (six GDPA cases and two softmax ones, each with its work-list kernel): bf16
+    # silu and fast_gelu on the bf16x2 path, no spills (checked in the script); the Gluon dK/dV (three cases on bf16x2,
     # each with its work-list kernel). And kernels.rotary's kernel, both ways, at two head dims;
     # rotary self-attention (Q and K rotated, then the softmax forward and a backward turning dK and
     # dQ back, once storing dS without a mask and once recomputing dQ, causal); and
     # kernels.attention_pooling's two kernels at 16 and 128 columns; the experimental generated-K/V
     # forward (bf16 silu and fast_gelu on the bf16x2 path, float32 gelu), each with its batch order.
-    assert sum(line.startswith("compiled gluon") for line in lines) == 9, where
+    assert sum(line.startswith("compiled gluon") for line in lines) == 11, where
+    assert sum("_softmax_fwd_kernel" in line for line in lines) == 2, where
     assert sum("bf16x2=True" in line for line in lines) == 5, where
-    assert sum("_work_list_kernel" in line for line in lines) == 9, where
+    assert sum("_work_list_kernel" in line for line in lines) == 11, where
     assert sum("packed=True" in line for line in lines) == 18, where
     assert sum("floats=fp64" in line for line in lines) == 20, where
     assert sum("causal=False" in line for line in lines) == 25, where
@@ -361,7 +362,7 @@ def test_kernels_compile_for_hopper_without_a_gpu(pin):
     assert sum("_rotary_kernel" in line for line in lines) == 5, where
     assert sum("rope=1" in line for line in lines) == 4, where
     assert sum("_pool_" in line for line in lines) == 4, where
-    assert len(lines) == 85, where
+    assert len(lines) == 89, where
 
 
 @pytest.fixture
@@ -902,6 +903,45 @@ def test_gpu_gluon_forward_strided_inputs(kernel_settings, paths):
     assert len(calls()) == 1
     shifted = torch.empty(qkv.numel() + 8, device="cuda", dtype=torch.bfloat16)[1 : qkv.numel() + 1]
     assert not gluon_common.applies(shifted.view_as(qkv)[:, 0], inputs.k, inputs.v, "silu", False, -1, 0, False)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 128), (torch.float16, 64)])
+def test_gpu_gluon_softmax_forward(dtype, head_dim, kernel_settings, paths):
+    """The Gluon softmax forward (on no Triton release yet: the kernel tests run it regardless, see
+    conftest.py), many tiles a program (300 examples, every 7th empty, lengths cut short of a tile):
+    output and every gradient (the Triton backward reads its LSE) against the reference; output
+    and LSE within rounding of the Triton forward's, +inf where a query has no keys; a causal call
+    stays on Triton."""
+    calls = _gluon_forward_calls(kernel_settings, paths)
+    gen = torch.Generator().manual_seed(head_dim)
+    lengths = torch.randint(1, 700, (300,), generator=gen)
+    lengths[::7] = 0
+    inputs = make_inputs(lengths, num_heads=4, head_dim=head_dim, dtype=dtype, device="cuda", generator=gen)
+    _check_against_reference(inputs, dtype, activation="softmax")
+    assert len(calls()) == 1
+    _check_against_reference(inputs, dtype, activation="softmax", causal=True)
+    assert len(calls()) == 1
+
+    kv_lengths = lengths.roll(1)  # queries whose example has no keys: zeros, LSE +inf
+    inputs = make_inputs(lengths, kv_lengths, num_heads=4, head_dim=head_dim, dtype=dtype, device="cuda", generator=gen)
+    q, k, v = (t.detach() for t in inputs.tensors())
+    order = batch_order(inputs.q_offsets, inputs.kv_offsets)
+    results = []
+    for gluon in (True, False):
+        kernel_settings(gluon=gluon)
+        call = testing.AttentionCall(
+            inputs.max_q_len, inputs.max_kv_len, "softmax", 0.088, settings=kernel_config.current()
+        )
+        results.append(testing.launch_forward(q, k, v, inputs.q_offsets, inputs.kv_offsets, order, call))
+    assert len(calls()) == 2
+    (out, lse), (expected, expected_lse) = results
+    assert _relative_error(out, expected) < 1e-2
+    assert torch.equal(torch.isinf(lse), torch.isinf(expected_lse)) and torch.isinf(lse).any()
+    seen = torch.isfinite(expected_lse)
+    torch.testing.assert_close(lse[seen], expected_lse[seen], atol=1e-3, rtol=0)
+    assert not out[~seen.any(0)].any()
 
 
 # --------------------------------------------------------------------------------------
