@@ -13,12 +13,12 @@ ENV = {"commit": "abc", "hardware": "1x NVIDIA H100 80GB HBM3", "torch": "2.11.0
 
 
 def _junit(path, cases):
-    """cases: (classname, name, outcome) with outcome passed | failure | error | skipped."""
+    """cases: (classname, name, outcome[, seconds]) with outcome passed | failure | error | skipped."""
     body = "".join(
-        f'<testcase classname="{c}" name="{n}" time="1.0">'
+        f'<testcase classname="{c}" name="{n}" time="{(t or [1.0])[0]}">'
         + ("" if o == "passed" else f'<{o} message="why">x</{o}>')
         + "</testcase>"
-        for c, n, o in cases
+        for c, n, o, *t in cases
     )
     path.write_text(f'<?xml version="1.0"?><testsuites><testsuite name="pytest">{body}</testsuite></testsuites>')
 
@@ -102,6 +102,26 @@ def test_a_phase_without_junit_file_or_log_fails_the_part(tmp_path):
     (tmp_path / "kernels.rc").write_text("124\n")
     report = summarize(tmp_path, "tests", ENV)
     assert not report["passed"] and report["tests"]["kernels"]["cut"] and report["tests"]["kernels"]["passed"] == []
+
+
+def test_each_phase_and_run_reports_its_seconds_and_its_slowest_tests(tmp_path):
+    _junit(
+        tmp_path / "kernels.xml",
+        [("tests.kernels.test_a", f"test_gpu_{i}", "passed", float(i)) for i in range(12)],
+    )
+    (tmp_path / "kernels.rc").write_text("0\n")
+    (tmp_path / "kernels.seconds").write_text("412\n")
+    kernels = summarize(tmp_path, "tests", ENV)["tests"]["kernels"]
+    assert kernels["seconds"] == 412
+    assert list(kernels["slowest"].items())[:2] == [
+        ("tests/kernels/test_a.py::test_gpu_11", 11.0),
+        ("tests/kernels/test_a.py::test_gpu_10", 10.0),
+    ]
+    assert len(kernels["slowest"]) == 10
+    work = _flagship_work(tmp_path / "flagship")
+    (work / "kunlun.seconds").write_text("187\n")
+    runs = summarize(work, "flagship", ENV)["flagship"]
+    assert (runs["kunlun"]["seconds"], runs["interformer"]["seconds"]) == (187, None)  # None: never finished
 
 
 def test_flagship_part_takes_the_windows_after_the_first(tmp_path):

@@ -4,12 +4,13 @@
     python tools/gpu_gate.py merge tests.json flagship.json -o benchmarks/results/gpu-gate.json
 
 ``WORK`` holds, per test phase, ``<phase>.xml`` (pytest's JUnit XML), ``<phase>.txt`` (its log, a
-line per test) and ``<phase>.rc`` (its exit status), and per flagship run ``runs/<block>/`` (the run
-folder) and ``<block>.rc``. A phase cut by its time limit leaves no XML: its tests are then read
-from the log, and it is marked ``cut``. A part passes when each of its test phases exited 0 with at
-least one test passed and none failed, and (the flagship part) every flagship run exited 0, trained
-its steps, wrote test metrics and fell back to no slower kernel; the gate passes when both parts of
-one commit do.
+line per test), ``<phase>.rc`` (its exit status) and ``<phase>.seconds`` (its wall time), and per
+flagship run ``runs/<block>/`` (the run folder), ``<block>.rc`` and ``<block>.seconds``. The
+seconds, and each phase's slowest tests, say where a part's time went (the device calls' limit).
+A phase cut by its time limit leaves no XML: its tests are then read from the log, and it is
+marked ``cut``. A part passes when each of its test phases exited 0 with at least one test passed
+and none failed, and (the flagship part) every flagship run exited 0, trained its steps, wrote
+test metrics and fell back to no slower kernel; the gate passes when both parts of one commit do.
 """
 
 from __future__ import annotations
@@ -31,24 +32,31 @@ _WORD, _NAME = r"(PASSED|FAILED|ERROR|SKIPPED)", r"(tests/\S+::\S+)"
 _OUTCOME = re.compile(rf"\b{_WORD} {_NAME}|{_NAME} {_WORD}\b")
 
 
-def _exit_code(path: Path) -> int | None:
-    """The exit status a phase wrote, None where it never finished (cut by the call's limit)."""
+def _integer(path: Path) -> int | None:
+    """The exit status or seconds a phase or run wrote, None where it never finished (cut by the
+    call's limit)."""
     try:
         return int(path.read_text().strip())
     except (OSError, ValueError):
         return None
 
 
+SLOWEST = 10  # tests named with their seconds in each phase's record
+
+
 def tests(xml_path: Path, log_path: Path | None = None) -> dict:
-    """Test names by outcome from one JUnit XML file (``file::test[params]``), and under
-    ``reasons`` the first line of each failure's message; without the XML (a phase cut by its
-    limit), from the pytest log ``log_path``, marked ``cut``."""
+    """Test names by outcome from one JUnit XML file (``file::test[params]``), under ``reasons``
+    the first line of each failure's message and under ``slowest`` the SLOWEST longest tests with
+    their seconds; without the XML (a phase cut by its limit), from the pytest log ``log_path``,
+    marked ``cut``."""
     outcome: dict = {"passed": [], "failed": [], "skipped": [], "reasons": {}}
     if not xml_path.exists():
         return outcome | _logged(log_path) | {"cut": True}
+    seconds = {}
     for case in ElementTree.parse(xml_path).getroot().iter("testcase"):
         module = case.get("classname", "").replace(".", "/")
         name = f"{module}.py::{case.get('name')}"
+        seconds[name] = float(case.get("time") or 0.0)
         failure = case.find("failure") if case.find("failure") is not None else case.find("error")
         if failure is not None:
             outcome["failed"].append(name)
@@ -58,6 +66,8 @@ def tests(xml_path: Path, log_path: Path | None = None) -> dict:
             outcome["skipped"].append(name)
         else:
             outcome["passed"].append(name)
+    slowest = sorted(seconds.items(), key=lambda item: -item[1])[:SLOWEST]
+    outcome["slowest"] = {name: round(time, 1) for name, time in slowest}
     return outcome
 
 
@@ -104,7 +114,11 @@ def summarize(work: Path, part: str, environment: dict | None = None) -> dict:
     report |= environment
     problems = []
     report["tests"] = {
-        phase: {"rc": _exit_code(work / f"{phase}.rc"), **tests(work / f"{phase}.xml", work / f"{phase}.txt")}
+        phase: {
+            "rc": _integer(work / f"{phase}.rc"),
+            "seconds": _integer(work / f"{phase}.seconds"),
+            **tests(work / f"{phase}.xml", work / f"{phase}.txt"),
+        }
         for phase in PARTS[part]
     }
     for phase, record in report["tests"].items():
@@ -115,7 +129,9 @@ def summarize(work: Path, part: str, environment: dict | None = None) -> dict:
             )
     if part == "flagship":
         report["flagship"] = {
-            block: flagship(work / "runs" / block, _exit_code(work / f"{block}.rc")) for block in BLOCKS
+            block: flagship(work / "runs" / block, _integer(work / f"{block}.rc"))
+            | {"seconds": _integer(work / f"{block}.seconds")}
+            for block in BLOCKS
         }
         for block, record in report["flagship"].items():
             if record["rc"] != 0 or record["test_click_auc"] is None or record["fallbacks"]:

@@ -15,7 +15,8 @@
 #           (python -m gem.train experiment=gem_base_h200 model.block=...).
 # Each part's JSON: commit, versions, hardware, the tests by name and outcome (from the log where a
 # phase was cut before pytest wrote its XML) / each run's exit code, examples/s, MFU, test AUC and
-# kernel fallbacks, and its verdict; each phase's log tail goes to $OUT too.
+# kernel fallbacks, each phase's and run's seconds (and a phase's slowest tests), and its verdict;
+# each phase's log tail goes to $OUT too.
 set -u
 PART=${1:?say which part: tests or flagship}
 OUT=${OUT:-/tmp/gpu_gate}
@@ -25,12 +26,13 @@ mkdir -p "$OUT" "$WORK/runs"
 : "${GIT_COMMIT:?set GIT_COMMIT to the commit under test (the device copy has no .git)}"
 export GIT_COMMIT
 
-phase() {  # phase NAME LIMIT_S pytest-args...: JUnit XML, log (a line per test) and exit status under $WORK
-  local name=$1 limit=$2
+phase() {  # phase NAME LIMIT_S pytest-args...: JUnit XML, log (a line per test), exit status and seconds under $WORK
+  local name=$1 limit=$2 start=$SECONDS
   shift 2
   timeout -k 10 "$limit" python -m pytest -p no:cacheprovider -v -rf --junitxml="$WORK/$name.xml" "$@" \
     > "$WORK/$name.txt" 2>&1
   echo $? > "$WORK/$name.rc"
+  echo $((SECONDS - start)) > "$WORK/$name.seconds"
   echo "$name: rc $(cat "$WORK/$name.rc"); $(tail -1 "$WORK/$name.txt")"
   grep -E "^(FAILED|ERROR)" "$WORK/$name.txt" | head -40 > "$OUT/$name-failures.txt"
   grep -vE "fbgemm_torch_compat|cannot determine compat|^WARNING:root|^\s*(.\[[0-9]+m)?\s*$" "$WORK/$name.txt" \
@@ -46,10 +48,12 @@ case "$PART" in
   flagship)
     phase kernels_alone 90 tests/kernels -n 1 -k "test_gpu and many_tiles"
     for block in interformer kunlun; do
+      start=$SECONDS
       timeout -k 10 240 python -m gem.train experiment=gem_base_h200 model.block=$block trainer.max_steps=60 \
         data.num_examples.train=70000 trainer.progress_bar=false trainer.run_dir="$WORK/runs/$block" \
         > "$WORK/$block.txt" 2>&1
       echo $? > "$WORK/$block.rc"
+      echo $((SECONDS - start)) > "$WORK/$block.seconds"
       echo "flagship $block: rc $(cat "$WORK/$block.rc")"
       tail -c 4000 "$WORK/$block.txt" > "$OUT/$block-tail.txt"
     done
