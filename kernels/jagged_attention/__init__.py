@@ -430,6 +430,7 @@ from kernels.jagged_attention import op, probes  # noqa: E402
 fallback.PROBES |= {  # each builds and launches every kernel of a variant once (probes.py)
     "jagged_attention": probes.jagged_attention,
     "gluon_gdpa": probes.gluon_gdpa,  # the Gluon kernels only (kernels.fallback.gluon_checked)
+    "gluon_softmax": probes.gluon_softmax,  # likewise
     "rotary_self_attention": probes.rotary_self_attention,
     "packed_kv_attention": probes.packed_kv_attention,
 }

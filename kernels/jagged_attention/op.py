@@ -12,6 +12,8 @@ kernels inside them (no graph break), and a ``FlopCounterMode`` counts them all:
   (softmax self-attention over a packed projection, Q and K rotated by ``kernels.rotary``)
 * ``gem_kernels::rotary_self_attention_bwd(grad_out, ...) -> d qkv`` (the same kernels, writing
   the packed gradient, dQ and dK turned back through the rotation as they are stored)
+* ``gem_kernels::rotary_self_attention_fwd_eager`` / ``rotary_self_attention_bwd_eager``: the
+  same two as opaque ``custom_op`` s, for the Gluon softmax forward under ``torch.compile``
 * ``gem_kernels::packed_kv_attention_fwd`` / ``_bwd`` (broadcast queries over a packed K/V
   projection, the gradient of ``kv`` written whole)
 
@@ -41,6 +43,7 @@ from kernels.jagged_attention.triton_common import (
     fake_without_launch,
     identity,
     no_launch,
+    unmasked,
     unmasked_pointwise,
 )
 
@@ -274,6 +277,7 @@ _rope_fwd_op = define_op("gem_kernels::rotary_self_attention_fwd")(_rope_forward
 _rope_bwd_op = define_op("gem_kernels::rotary_self_attention_bwd")(_rope_backward_op(OP_WRAP))
 fake_without_launch(_rope_fwd_op, _rope_forward)
 fake_without_launch(_rope_bwd_op, _rope_backward_kernels)
+_define_opaque_pair("rotary_self_attention", _rope_forward_op, _rope_backward_op, _rope_forward, _rope_backward_kernels)
 
 
 def _rope_setup_context(ctx, inputs, output) -> None:
@@ -298,14 +302,25 @@ torch.library.register_autograd(
     _rope_autograd_backward(torch.ops.gem_kernels.rotary_self_attention_bwd),
     setup_context=_rope_setup_context,
 )
+torch.library.register_autograd(
+    "gem_kernels::rotary_self_attention_fwd_eager",
+    _rope_autograd_backward(torch.ops.gem_kernels.rotary_self_attention_bwd_eager),
+    setup_context=_rope_setup_context,
+)
 
 
-@register_flop_formula(torch.ops.gem_kernels.rotary_self_attention_fwd, get_raw=True)
+@register_flop_formula(
+    [torch.ops.gem_kernels.rotary_self_attention_fwd, torch.ops.gem_kernels.rotary_self_attention_fwd_eager],
+    get_raw=True,
+)
 def _rope_fwd_flop_formula(qkv, cos, sin, offsets, sizes, *args, out_val=None, **kwargs) -> int:
     return _forward_flops(qkv[:, 0], offsets, offsets, sizes)
 
 
-@register_flop_formula(torch.ops.gem_kernels.rotary_self_attention_bwd, get_raw=True)
+@register_flop_formula(
+    [torch.ops.gem_kernels.rotary_self_attention_bwd, torch.ops.gem_kernels.rotary_self_attention_bwd_eager],
+    get_raw=True,
+)
 def _rope_bwd_flop_formula(
     grad_out, q, k, qkv, out, lse, cos, sin, offsets, batch_order, sizes, *args, **kwargs
 ) -> int:
@@ -412,9 +427,33 @@ def packed_kv_attention_triton(q, kv, q_offsets, kv_offsets, call: AttentionCall
     return out
 
 
+@torch.compiler.assume_constant_result
+def _gluon_softmax_verified() -> bool:
+    """``call.gluon_verified("gluon_softmax_fwd")``, a constant for Dynamo, which calls this while it traces."""
+    return call_module.gluon_verified("gluon_softmax_fwd")
+
+
 def rotary_self_attention_triton(qkv, cos, sin, offsets, call: AttentionCall) -> torch.Tensor:
-    """Calls the registered rotary self-attention op (softmax, differentiable in ``qkv``)."""
-    out, _, _, _, _ = torch.ops.gem_kernels.rotary_self_attention_fwd(qkv, cos, sin, offsets, *call.op_args())
+    """Calls the registered rotary self-attention op (softmax, differentiable in ``qkv``). Under
+    ``torch.compile`` with ``settings.gluon_compiled``, an unmasked call on a Triton release that
+    the Gluon softmax forward passed the gate on (``call.GLUON_VERIFIED``) goes to the opaque op,
+    as :func:`jagged_attention_triton`'s GDPA calls do, so that the Gluon forward runs there too."""
+    opaque = (
+        unmasked(*call.mask)
+        and torch.compiler.is_compiling()
+        and call.settings.gluon_compiled
+        and call.settings.gluon
+        and _gluon_softmax_verified()
+    )
+    if opaque and qkv.is_cuda and isinstance(qkv.shape[-1], int):
+        variant = (fallback.dtype_name(qkv), qkv.shape[-1], qkv.device.index or 0, call.settings.gluon_min_q_len)
+        fallback.gluon_checked("gluon_softmax", variant)
+    fwd_op = (
+        torch.ops.gem_kernels.rotary_self_attention_fwd_eager
+        if opaque
+        else torch.ops.gem_kernels.rotary_self_attention_fwd
+    )
+    out, _, _, _, _ = fwd_op(qkv, cos, sin, offsets, *call.op_args())
     return out
 
 

@@ -85,6 +85,26 @@ def gluon_gdpa(activation, dtype, head_dim, device, gluon=True, gluon_bwd=True, 
         _forward_backward(q, k, v, q_offsets, kv_offsets, call)
 
 
+def gluon_softmax(dtype, head_dim, device, gluon_min_q_len=128) -> None:
+    """The Gluon kernel that the rotary self-attention's opaque forward may launch (the softmax
+    forward), on one example and head of ``gluon_min_q_len + 1`` rows, on real tensors while
+    Dynamo traces; its launch falls back where it fails (``launch.forward``)."""
+    if not torch.cuda.is_available():
+        return  # the Gluon kernels run on sm_90 GPUs only
+    from kernels.jagged_attention import gluon_common
+
+    rows = gluon_min_q_len + 1
+    device = device_of(device)
+    qkv = torch.randn(rows, 3, 1, head_dim, device=device, dtype=getattr(torch, dtype))
+    angles = torch.randn(rows, head_dim // 2, device=device)
+    offsets = torch.tensor([0, rows], device=device)
+    config = settings.KernelSettings(gluon_min_q_len=gluon_min_q_len)
+    call = AttentionCall(rows, rows, "softmax", 1 / math.sqrt(head_dim), packing="qkv", rotary=True, settings=config)
+    sizes, activation, scales = call.op_args()
+    with gluon_common.real_tensors():
+        op._rope_forward(qkv, angles.cos(), angles.sin(), offsets, sizes, activation, scales, identity)
+
+
 def rotary_self_attention(
     dtype, head_dim, causal, windowed, autotune, tune_space, packed_act, store_ds, device
 ) -> None:

@@ -200,6 +200,59 @@ def test_self_attention_runs_the_two_calls_unless_fused_applies(monkeypatch, hea
     assert len(rotations) == (head_dim == 16)
 
 
+@pytest.mark.parametrize("case", ["off", "on", "unverified release"])
+def test_gluon_compiled_sends_unmasked_rotary_calls_to_the_opaque_op(case, monkeypatch):
+    """settings.gluon_compiled: under torch.compile an unmasked rotary self-attention goes to the
+    opaque op, which launches its kernels itself (the Gluon softmax forward where it applies), but
+    only on a Triton release the Gluon softmax forward passed the gate on; a causal call stays on
+    the traced op. The same outputs and gradients as eager."""
+    from torch._dynamo.testing import EagerAndRecordGraphs
+
+    from kernels.jagged_attention import call
+
+    if case == "unverified release":  # (the kernel tests run every Gluon kernel as verified)
+        monkeypatch.setattr(call, "_allow_unverified", False)
+        monkeypatch.setitem(call.GLUON_VERIFIED, "gluon_softmax_fwd", ())
+    lengths = [6, 0, 11]
+    qkv, cos, sin = _inputs(lengths, 2, 16, torch.float32)
+    offsets = torch.tensor([0, *lengths], device=DEVICE).cumsum(0)
+
+    def attention(x):
+        return sum(
+            rotary_self_attention(x, cos, sin, offsets, 11, causal=causal, backend="triton") for causal in (False, True)
+        )
+
+    graphs = EagerAndRecordGraphs()
+    torch._dynamo.reset()
+    with testing.override(rotary_fused=True, gluon_compiled=case != "off"):
+        out = torch.compile(attention, fullgraph=True, backend=graphs)(qkv)
+        (grad,) = torch.autograd.grad(out.sum(), qkv)
+        ref = attention(qkv)
+        (ref_grad,) = torch.autograd.grad(ref.sum(), qkv)
+    torch._dynamo.reset()
+    assert (out - ref).norm() <= 1e-6 * ref.norm() and (grad - ref_grad).norm() <= 1e-6 * ref_grad.norm()
+    (graph,) = graphs.graphs
+    ops = [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
+    opaque = case == "on"
+    assert ops.count("gem_kernels.rotary_self_attention_fwd_eager") == opaque
+    assert ops.count("gem_kernels.rotary_self_attention_fwd") == 2 - opaque
+
+
+def test_the_opaque_rotary_ops_count_their_flops():
+    """FlopCounterMode counts the opaque pair as the traced one (forward 4 H D pairs, backward 2.5x)."""
+    lengths = [5, 0, 12]
+    qkv, cos, sin = _inputs(lengths, 2, 16, torch.float32)
+    offsets = torch.tensor([0, *lengths], device=DEVICE).cumsum(0)
+    with testing.override() as config:
+        args = testing.AttentionCall(12, 12, "softmax", 0.25, packing="qkv", rotary=True, settings=config).op_args()
+    with FlopCounterMode(display=False) as counter:
+        out, *_ = torch.ops.gem_kernels.rotary_self_attention_fwd_eager(qkv, cos, sin, offsets, *args)
+        out.sum().backward()
+    pairs = num_visible_pairs(torch.tensor(lengths), torch.tensor(lengths))
+    assert counter.get_total_flops() == 4 * 2 * 16 * pairs * 7 // 2
+    assert qkv.grad is not None and qkv.grad.abs().sum() > 0
+
+
 def test_self_attention_flops_and_bad_input():
     """FlopCounterMode counts the fused op as jagged attention (forward 4 H D pairs, backward 2.5x);
     bad arguments get a ValueError naming them."""
@@ -249,4 +302,36 @@ def test_gpu_self_attention_gem_base_shapes_eager_and_compiled(mask):
         compiled = torch.compile(layer, fullgraph=True)(qkv)
         compiled.backward(grad)
     assert torch.equal(compiled.float(), out)
+    assert torch.equal(qkv.grad.float(), dqkv)
+
+
+@gpu
+@requires_cuda
+def test_gpu_compiled_self_attention_runs_the_gluon_softmax_forward():
+    """settings.gluon_compiled, on a release the Gluon softmax forward passed the gate on (the
+    kernel tests run it regardless, see conftest.py): gem_base's self-attention compiled under
+    CUDA graphs (warm-up, recording, replay) goes through the opaque op, which launches the Gluon
+    forward; its output and d qkv equal the eager call's bit for bit (the same kernels)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels need sm_90")
+    lengths = torch.randint(0, 513, (64,), generator=torch.Generator().manual_seed(3)).tolist()
+    qkv, cos, sin = _inputs(lengths, 4, 128, torch.bfloat16, device="cuda")
+    offsets = torch.tensor([0, *lengths], device="cuda").cumsum(0)
+    grad = torch.randn(qkv.shape[0], 4, 128, device="cuda", dtype=qkv.dtype)
+
+    def layer(x):
+        return rotary_self_attention(x * 1.0, cos, sin, offsets, max(lengths))
+
+    with testing.override(gluon_compiled=True):
+        out, dqkv, paths = _self_attention(qkv, cos, sin, offsets, grad, "fused")
+        assert paths[0] == "gluon_fwd"
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, mode="reduce-overhead", fullgraph=True)
+        with testing.override(rotary_fused=True), testing.record_paths() as compiled_paths:
+            for _ in range(3):
+                qkv.grad = None
+                result = compiled(qkv)
+                result.backward(grad)
+    assert "gluon_fwd" in compiled_paths  # (launched eagerly in the warm-up; CUDA graphs replay unseen)
+    assert torch.equal(result.float(), out)
     assert torch.equal(qkv.grad.float(), dqkv)
