@@ -4,10 +4,18 @@ decides: the parsing and the verdict, on the CPU."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from tools.gpu_gate import merge, summarize
+
+ROOT = Path(__file__).resolve().parents[1]
 
 ENV = {"commit": "abc", "hardware": "1x NVIDIA H100 80GB HBM3", "torch": "2.11.0", "triton": "3.6.0"}
 
@@ -155,3 +163,40 @@ def test_merge_needs_both_parts_of_one_commit(tmp_path):
     assert not merge([tests])["passed"] and merge([tests])["problems"] == ["no flagship part"]
     with pytest.raises(SystemExit, match="different commits"):
         merge([tests, flagship | {"commit": "def"}])
+
+
+@pytest.mark.parametrize("part", ["tests", "flagship"])
+def test_the_gate_script_writes_its_record_before_the_calls_limit(tmp_path, part):
+    """tools/gpu_gate.sh cuts every phase and run to end before GATE_SECONDS, counted from its start:
+    with pytest and the training runs standing still (a stand-in python), the part's JSON is still
+    written in time, its phases cut and the runs that had no time left not started."""
+    root = tmp_path / "repo"
+    (root / "tools").mkdir(parents=True)
+    for name in ("gpu_gate.sh", "gpu_gate.py"):
+        shutil.copy(ROOT / "tools" / name, root / "tools" / name)
+    (root / "benchmarks").symlink_to(ROOT / "benchmarks")
+    (root / "tools" / "gpu_env.sh").write_text(f'export PYTHONPATH="{ROOT}"\n')  # (no wheels to install)
+    stand_in = tmp_path / "bin" / "python"
+    stand_in.parent.mkdir()
+    stand_in.write_text(
+        f'#!/bin/sh\ncase "$*" in *"-m pytest"*|*"-m gem.train"*) exec sleep 600;; esac\nexec {sys.executable} "$@"\n'
+    )
+    stand_in.chmod(0o755)
+    limit = 38  # seconds: the script keeps 30 for the summary, so its phases get about 8
+    env = os.environ | {
+        "PATH": f"{stand_in.parent}{os.pathsep}{os.environ['PATH']}",
+        "GATE_SECONDS": str(limit),
+        "GIT_COMMIT": "abc",
+        "OUT": str(tmp_path / "out"),
+        "GATE_WORK": str(tmp_path / "work"),
+    }
+    start = time.monotonic()
+    subprocess.run(["bash", "tools/gpu_gate.sh", part], cwd=root, env=env, capture_output=True, timeout=300)
+    assert time.monotonic() - start < limit
+    report = json.loads((tmp_path / "out" / f"gpu-gate-{part}.json").read_text())
+    assert report["commit"] == "abc" and not report["passed"]
+    for phase, record in report["tests"].items():
+        assert record["rc"] == 124 and record["cut"], phase
+    if part == "flagship":
+        assert [record["rc"] for record in report["flagship"].values()] == [124, 124]
+        assert "not started" in (tmp_path / "work" / "kunlun.txt").read_text()
