@@ -20,8 +20,8 @@ a baseline that is missing or runs out of memory is recorded as such.
                                                 # forward and backward win where (its own JSON)
     python benchmarks/attention.py --flagship   # gem_base's two attention calls at its history lengths,
                                                 # kernel time and error of every backend (its own JSON);
-                                                # and the personalized FFN's forward with K/V generated
-                                                # in the kernel against the model's path (a second JSON)
+                                                # and the personalized FFN with K/V generated in the
+                                                # kernels against the model's path (a second JSON)
     python benchmarks/attention.py --generated-kv   # that second JSON only
 """
 
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import pathlib
 import platform
@@ -482,8 +483,8 @@ def main() -> None:
     parser.add_argument(
         "--generated-kv",
         action="store_true",
-        help="only the personalized FFN's forward with K/V generated in the kernel against the model's "
-        "path (the end of --flagship); writes attention-h200-flagship-generated-kv.json",
+        help="only the personalized FFN with K/V generated in the kernels (forward and backward) against "
+        "the model's path (the end of --flagship); writes attention-h200-flagship-generated-kv.json",
     )
     parser.add_argument(
         "--only-sweeps",
@@ -698,25 +699,36 @@ def generated_kv(out_dir: pathlib.Path) -> None:
         _versions(),
         generated,
         lengths=f"lognormal({FLAGSHIP_LOG_MEAN}, {FLAGSHIP_LOG_STD}), in [1, {FLAGSHIP_MAX_LEN}]",
-        what="gem_base's personalized FFN forward (no backward): the model's path against K/V generated in the kernel",
-        rel_err="max |out - ref| / max |ref| against generated_kv_reference on the same inputs",
+        what="gem_base's personalized FFN: the model's path against K/V generated in the kernels; forward "
+        "and backward (fwd_ms, bwd_ms, full_ms) for the defaults, forward alone for each forward config",
+        rel_err="max |out - ref| / max |ref| against generated_kv_reference on the same inputs; "
+        "grad_err: |grad - ref| / |ref| (norms) of each input's gradient",
     )
     for r in generated:
-        result = f"{r['fwd_ms']:6.3f} ms | error {r['rel_err']:.1e}" if r["status"] == "ok" else r["status"]
-        print(f"{'personalized FFN, forward':<26} {r['impl']:<60} {result}")
+        if r["status"] != "ok":
+            print(f"{'personalized FFN':<26} {r['impl']:<60} {r['status']}")
+            continue
+        timed = " | ".join(f"{key} {r[key]:6.3f}" for key in ("fwd_ms", "bwd_ms", "full_ms") if key in r)
+        print(f"{'personalized FFN':<26} {r['impl']:<60} {timed} | error {r['rel_err']:.1e}")
 
 
-# The generated-K/V forward's launch configs (no autotuner yet): (BLOCK_M, BLOCK_N, warps, stages).
+# The generated-K/V forward's launch configs (no autotuner yet): (BLOCK_M, BLOCK_N, warps, stages),
+# timed forward alone.
 GENERATED_KV_CONFIGS = [(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 4, 3)]
 
 
 def generated_kv_rows(lengths: torch.Tensor) -> list[dict]:
-    """The personalized FFN's forward at gem_base's shapes (256 generated rows from 4 summary
-    tokens, silu) two ways: the model's path (``generate_weights`` compiled, writing K and V, then
-    the op's forward) and ``generated_kv_forward`` (K/V built in the kernel), at each of
-    GENERATED_KV_CONFIGS. Forward only: the in-kernel path has no backward yet."""
+    """The personalized FFN at gem_base's shapes (256 generated rows from 4 summary tokens, silu)
+    two ways: the model's path (``generate_weights`` compiled, writing K and V, then the op) and
+    K/V built in the kernels (``generated_kv_attention``): forward, backward and both, with each
+    input's gradient checked against the reference's; then ``generated_kv_forward`` alone at each
+    of GENERATED_KV_CONFIGS."""
     from gem.models.sequence import generate_weights
-    from kernels.jagged_attention.generated_kv import generated_kv_forward, generated_kv_reference
+    from kernels.jagged_attention.generated_kv import (
+        generated_kv_attention,
+        generated_kv_forward,
+        generated_kv_reference,
+    )
 
     num_kv, num_batches = 256, lengths.numel()
     args = generated_kv_inputs(
@@ -730,7 +742,11 @@ def generated_kv_rows(lengths: torch.Tensor) -> list[dict]:
         generator=torch.Generator().manual_seed(0),
     )
     q, offsets, max_len, shared_k, shared_v, mix, gen_k, gen_v = args
+    leaves = [t.requires_grad_() for t in (q, shared_k, shared_v, mix, gen_k, gen_v)]
     reference = generated_kv_reference(*args)
+    grad_out = torch.randn_like(reference)
+    reference_grads = torch.autograd.grad(reference, leaves, grad_out)
+    reference = reference.detach()
     generate = torch.compile(generate_weights)
 
     def model_path():
@@ -740,31 +756,49 @@ def generated_kv_rows(lengths: torch.Tensor) -> list[dict]:
         )
         return jagged_attention(q, k, v, offsets, None, max_len, None, activation="silu", post_scale=1 / num_kv)
 
+    def errors(fn) -> dict:
+        out = fn()
+        grads = torch.autograd.grad(out, leaves, grad_out)
+        names = ("q", "shared_k", "shared_v", "mix", "gen_k", "gen_v")
+        return dict(
+            rel_err=((out.float() - reference.float()).abs().max() / reference.float().abs().max()).item(),
+            grad_err={
+                name: ((g.float() - w.float()).norm() / w.float().norm()).item()
+                for name, g, w in zip(names, grads, reference_grads)
+            },
+        )
+
     flops = 4 * NUM_HEADS * HEAD_DIM * int(lengths.sum()) * num_kv
-    runs = [("the model's path: generate_weights compiled, then the op's forward", model_path)]
+    rows = []
+
+    def run(impl, fn, timing) -> None:
+        time.sleep(SETTLE_S)  # every implementation starts from the same idle GPU
+        try:
+            row = dict(impl=impl, status="ok", tokens=int(lengths.sum()), **timing(fn))
+        except Exception as failure:  # a config that does not build here: recorded, the others still run
+            rows.append(dict(impl=impl, status=f"{type(failure).__name__}: {str(failure).splitlines()[0]}"))
+            return
+        row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
+        if "full_ms" in row:
+            row["full_tflops"] = 3.5 * flops / row["full_ms"] / 1e9
+        rows.append(row)
+
+    def forward_and_backward(fn) -> dict:
+        return errors(fn) | measure(fn, leaves)
+
+    def forward_only(fn) -> dict:
+        with torch.no_grad():
+            out = fn()
+            error = ((out.float() - reference.float()).abs().max() / reference.float().abs().max()).item()
+            return dict(rel_err=error, fwd_ms=bench(fn))
+
+    run("the model's path: generate_weights compiled, then the op", model_path, forward_and_backward)
+    in_kernels = functools.partial(generated_kv_attention, *args)
+    run("generated in the kernels (forward and backward, default configs)", in_kernels, forward_and_backward)
     for block_m, block_n, warps, stages in GENERATED_KV_CONFIGS:
         config = dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
-        runs.append((f"generated in the kernel {config}", lambda config=config: generated_kv_forward(*args, **config)))
-    rows = []
-    with torch.no_grad():
-        for impl, fn in runs:
-            time.sleep(SETTLE_S)  # every implementation starts from the same idle GPU
-            try:
-                error = ((fn().float() - reference.float()).abs().max() / reference.float().abs().max()).item()
-                ms = bench(fn)
-            except Exception as failure:  # a config that does not build here: recorded, the others still run
-                rows.append(dict(impl=impl, status=f"{type(failure).__name__}: {str(failure).splitlines()[0]}"))
-                continue
-            rows.append(
-                dict(
-                    impl=impl,
-                    status="ok",
-                    fwd_ms=ms,
-                    fwd_tflops=flops / ms / 1e9,
-                    rel_err=error,
-                    tokens=int(lengths.sum()),
-                )
-            )
+        forward = functools.partial(generated_kv_forward, *args, **config)
+        run(f"generated in the kernel, forward {config}", forward, forward_only)
     return rows
 
 

@@ -44,7 +44,7 @@ from kernels.attention_pooling import _forward as pooling_forward  # noqa: E402
 from kernels.jagged_attention import gluon_bwd, gluon_fwd, settings, testing  # noqa: E402
 from kernels.jagged_attention.autotune import late_pv_applies  # noqa: E402
 from kernels.jagged_attention.batch_order import batch_order  # noqa: E402
-from kernels.jagged_attention.generated_kv import generated_kv_forward  # noqa: E402
+from kernels.jagged_attention.generated_kv import generated_kv_backward, generated_kv_forward  # noqa: E402
 from kernels.jagged_attention.inputs import make_inputs  # noqa: E402
 from kernels.rotary import _backward as rotary_backward  # noqa: E402
 from kernels.rotary import _forward as rotary_forward  # noqa: E402
@@ -275,16 +275,15 @@ def main() -> None:
         wrap=compile_only,
         arch=HOPPER,
     )
-    # the experimental generated-K/V GDPA forward: bf16 silu (bf16x2) and fast_gelu at gem_base's
-    # personalized FFN shapes (4 heads of 128, 256 rows, 4 summary tokens), float32 gelu
+    # the experimental generated-K/V GDPA forward and backward: bf16 silu (bf16x2) and fast_gelu at
+    # gem_base's personalized FFN shapes (4 heads of 128, 256 rows, 4 summary tokens), float32 gelu
     for dtype, activation in ((torch.bfloat16, "silu"), (torch.bfloat16, "fast_gelu"), (torch.float32, "gelu")):
         gen_q = torch.randn(inputs.q_offsets[-1], 4, 128, dtype=dtype)
         w0k, w0v = torch.randn(2, 256, 512).unbind(0)
         gen_k, gen_v = torch.randn(2, 3, 4, 512, dtype=dtype).unbind(0)
-        generated_kv_forward(
-            gen_q, inputs.q_offsets, inputs.max_q_len, w0k, w0v, torch.randn(256, 4), gen_k, gen_v, activation,
-            wrap=compile_only, arch=HOPPER,
-        )  # fmt: skip
+        generated = (gen_q, inputs.q_offsets, inputs.max_q_len, w0k, w0v, torch.randn(256, 4), gen_k, gen_v, activation)
+        generated_kv_forward(*generated, wrap=compile_only, arch=HOPPER)
+        generated_kv_backward(torch.randn_like(gen_q), *generated, wrap=compile_only, arch=HOPPER)
     # the Gluon forward: every pointwise activation in bf16 at head dim 128 (silu and fast_gelu on
     # the bf16x2 path), and fp16 at head dim 64; softmax (its own kernel) in bf16 at 128, fp16 at 64
     cases = [(torch.bfloat16, 128, name) for name in ("silu", "gelu", "fast_gelu", "relu", "identity")]

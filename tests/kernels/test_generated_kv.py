@@ -1,6 +1,7 @@
 """kernels.jagged_attention.generated_kv: GDPA with the personalized FFN's keys and values generated
-inside the forward kernel, against its reference (the generation, then the op's reference) and
-against the model's path (``generate_weights``, then ``jagged_attention``).
+inside the kernels, forward and backward, against its reference (the generation, then the op's
+reference, differentiated by autograd) and against the model's path (``generate_weights``, then
+``jagged_attention``).
 
 CPU tier: Triton's interpreter at small shapes whose N, S, D and lengths are not multiples of the
 blocks, with empty examples. GPU tier (``-m gpu``): gem_base's personalized FFN shapes in bf16.
@@ -12,7 +13,13 @@ import pytest
 import torch
 
 from kernels.jagged_attention import jagged_attention
-from kernels.jagged_attention.generated_kv import POINTWISE, generated_kv_forward, generated_kv_reference
+from kernels.jagged_attention.generated_kv import (
+    POINTWISE,
+    generated_kv_attention,
+    generated_kv_backward,
+    generated_kv_forward,
+    generated_kv_reference,
+)
 from kernels.jagged_attention.inputs import generated_kv_inputs
 
 HAS_CUDA = torch.cuda.is_available()
@@ -62,10 +69,59 @@ def test_equals_the_models_generation_then_the_op():
     assert _error(got, want) < 1e-5
 
 
+LEAVES = (0, 3, 4, 5, 6, 7)  # q, shared_k, shared_v, mix, gen_k, gen_v of the arguments
+
+
+def _gradients(fn, args, grad_out, **kwargs):
+    """The gradients of ``fn(*args, **kwargs)`` with respect to LEAVES, for ``grad_out``."""
+    args = [a.detach().requires_grad_() if i in LEAVES else a for i, a in enumerate(args)]
+    return torch.autograd.grad(fn(*args, **kwargs), [args[i] for i in LEAVES], grad_out)
+
+
+def _norm_error(got, want):
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+@pytest.mark.parametrize("activation", POINTWISE)
+@pytest.mark.parametrize("groups", [1, 2, 9])  # 9: more groups than examples
+def test_backward_matches_the_reference(activation, groups):
+    """Every gradient in float32, with N, S, D and lengths off the blocks, empty examples, and the
+    examples split into one group, two, and more groups than there are examples."""
+    args = _inputs([5, 0, 17, 1, 40], num_heads=2, head_dim=24, num_kv=37, num_summary=3, dtype=torch.float32)
+    grad_out = torch.randn_like(args[0])
+    want = _gradients(generated_kv_reference, args, grad_out, activation=activation)
+    config = dict(block_m=16, block_n=16, groups=groups, dq_block_m=16, dq_block_n=16, num_warps=1, dq_num_warps=1)
+    got = generated_kv_backward(grad_out, *args, activation=activation, **config)
+    for name, g, w in zip(("q", "shared_k", "shared_v", "mix", "gen_k", "gen_v"), got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        assert _error(g, w) < 1e-5, name
+
+
+@pytest.mark.parametrize("activation", ["silu", "fast_gelu"])
+def test_autograd_in_bf16(activation):
+    """generated_kv_attention (the forward and backward through autograd) in bf16, as the model runs
+    it, against the reference's gradients on the same inputs (relu's, whose gradient steps at 0,
+    are checked in float32 above)."""
+    args = _inputs([5, 0, 17, 1, 40], num_heads=2, head_dim=16, num_kv=37, num_summary=4, dtype=torch.bfloat16)
+    grad_out = torch.randn_like(args[0])
+    want = _gradients(generated_kv_reference, args, grad_out, activation=activation)
+    got = _gradients(generated_kv_attention, args, grad_out, activation=activation)
+    for name, g, w in zip(("q", "shared_k", "shared_v", "mix", "gen_k", "gen_v"), got, want):
+        assert g.dtype == w.dtype and _norm_error(g, w) < 2e-2, name
+
+
+def test_backward_of_empty_examples_is_zero():
+    args = _inputs([0, 0], num_heads=2, head_dim=16, num_kv=8, num_summary=2, dtype=torch.float32)
+    for grad in generated_kv_backward(torch.zeros_like(args[0]), *args):
+        assert not grad.any()
+
+
 def test_bad_inputs_name_the_argument():
     args = list(_inputs([3, 4], num_heads=2, head_dim=16, num_kv=8, num_summary=2, dtype=torch.float32))
     with pytest.raises(ValueError, match="generated K/V take a pointwise activation"):
         generated_kv_forward(*args, activation="softmax")
+    with pytest.raises(ValueError, match=r"grad_out must be shaped as q \(7, 2, 16\)"):
+        generated_kv_backward(args[0][:3], *args)
     args[6] = args[6][:, :1]  # gen_k with one summary row of two
     with pytest.raises(ValueError, match=r"gen_k must be \[B, S, H \* D\] = \(2, 2, 32\), got \(2, 1, 32\)"):
         generated_kv_forward(*args)
@@ -78,3 +134,17 @@ def test_gpu_gem_base_shapes():
     lengths = torch.randint(0, 512, (256,), generator=torch.Generator().manual_seed(0)).tolist()
     args = _inputs(lengths, num_heads=4, head_dim=128, num_kv=256, num_summary=4, dtype=torch.bfloat16)
     assert _error(generated_kv_forward(*args), generated_kv_reference(*args)) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_gem_base_shapes_backward():
+    """The backward at gem_base's personalized FFN shapes in bf16 (the bf16x2 path on sm_90, the
+    default launch configs): every gradient against the reference's."""
+    lengths = torch.randint(0, 512, (128,), generator=torch.Generator().manual_seed(1)).tolist()
+    args = _inputs(lengths, num_heads=4, head_dim=128, num_kv=256, num_summary=4, dtype=torch.bfloat16)
+    grad_out = torch.randn_like(args[0])
+    want = _gradients(generated_kv_reference, args, grad_out)
+    got = _gradients(generated_kv_attention, args, grad_out)
+    for name, g, w in zip(("q", "shared_k", "shared_v", "mix", "gen_k", "gen_v"), got, want):
+        assert _norm_error(g, w) < 2e-2, name

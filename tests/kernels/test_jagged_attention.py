@@ -346,23 +346,26 @@ def test_kernels_compile_for_hopper_without_a_gpu(pin):
     # rotary self-attention (Q and K rotated, then the softmax forward and a backward turning dK and
     # dQ back, once storing dS without a mask and once recomputing dQ, causal); and
     # kernels.attention_pooling's two kernels at 16 and 128 columns; the experimental generated-K/V
-    # forward (bf16 silu and fast_gelu on the bf16x2 path, float32 gelu), each with its batch order.
+    # forward and backward's two kernels (bf16 silu and fast_gelu on the bf16x2 path, float32 gelu),
+    # each with its batch order.
     assert sum(line.startswith("compiled gluon") for line in lines) == 11, where
     assert sum("_softmax_fwd_kernel" in line for line in lines) == 2, where
     assert sum("bf16x2=True" in line for line in lines) == 5, where
     assert sum("_work_list_kernel" in line for line in lines) == 11, where
-    assert sum("packed=True" in line for line in lines) == 18, where
+    assert sum("packed=True" in line for line in lines) == 22, where
     assert sum("floats=fp64" in line for line in lines) == 20, where
     assert sum("causal=False" in line for line in lines) == 25, where
     assert sum("late_pv=1" in line for line in lines) == 5, where
     assert sum("store_ds=1" in line for line in lines) == 5, where
     assert sum("_bwd_dq_from_ds_kernel" in line for line in lines) == 5, where
-    assert sum("_batch_order_kernel" in line for line in lines) == 4, where
+    assert sum("_batch_order_kernel" in line for line in lines) == 7, where
     assert sum("_generated_kv_fwd_kernel" in line for line in lines) == 3, where
+    assert sum("_generated_kv_dkdv_kernel" in line for line in lines) == 3, where
+    assert sum("_generated_kv_dq_kernel" in line for line in lines) == 3, where
     assert sum("_rotary_kernel" in line for line in lines) == 5, where
     assert sum("rope=1" in line for line in lines) == 4, where
     assert sum("_pool_" in line for line in lines) == 4, where
-    assert len(lines) == 89, where
+    assert len(lines) == 98, where
 
 
 @pytest.fixture
