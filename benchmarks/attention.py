@@ -709,12 +709,16 @@ def generated_kv(out_dir: pathlib.Path) -> None:
             print(f"{'personalized FFN':<26} {r['impl']:<60} {r['status']}")
             continue
         timed = " | ".join(f"{key} {r[key]:6.3f}" for key in ("fwd_ms", "bwd_ms", "full_ms") if key in r)
-        print(f"{'personalized FFN':<26} {r['impl']:<60} {timed} | error {r['rel_err']:.1e}")
+        worst = max([r.get("rel_err", 0.0), *r.get("grad_err", {}).values()])
+        print(f"{'personalized FFN':<26} {r['impl']:<60} {timed} | largest error {worst:.1e}")
 
 
-# The generated-K/V forward's launch configs (no autotuner yet): (BLOCK_M, BLOCK_N, warps, stages),
-# timed forward alone.
+# The generated-K/V kernels' launch configs (no autotuner yet), each timed alone: the forward's
+# (BLOCK_M, BLOCK_N, warps, stages) and the backward dK/dV kernel's (BLOCK_M, BLOCK_N, warps); the
+# first backward one is the default (8 warps: with 4 its inner loop spills, docs/log/kernels.md;
+# BLOCK_N 32 runs mma.sync, no spills).
 GENERATED_KV_CONFIGS = [(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 4, 3)]
+GENERATED_KV_BWD_CONFIGS = [(32, 64, 8), (16, 64, 8), (64, 64, 8), (32, 32, 4)]
 
 
 def generated_kv_rows(lengths: torch.Tensor) -> list[dict]:
@@ -722,10 +726,11 @@ def generated_kv_rows(lengths: torch.Tensor) -> list[dict]:
     two ways: the model's path (``generate_weights`` compiled, writing K and V, then the op) and
     K/V built in the kernels (``generated_kv_attention``): forward, backward and both, with each
     input's gradient checked against the reference's; then ``generated_kv_forward`` alone at each
-    of GENERATED_KV_CONFIGS."""
+    of GENERATED_KV_CONFIGS and ``generated_kv_backward`` alone at each of GENERATED_KV_BWD_CONFIGS."""
     from gem.models.sequence import generate_weights
     from kernels.jagged_attention.generated_kv import (
         generated_kv_attention,
+        generated_kv_backward,
         generated_kv_forward,
         generated_kv_reference,
     )
@@ -778,7 +783,8 @@ def generated_kv_rows(lengths: torch.Tensor) -> list[dict]:
         except Exception as failure:  # a config that does not build here: recorded, the others still run
             rows.append(dict(impl=impl, status=f"{type(failure).__name__}: {str(failure).splitlines()[0]}"))
             return
-        row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
+        if "fwd_ms" in row:
+            row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
         if "full_ms" in row:
             row["full_tflops"] = 3.5 * flops / row["full_ms"] / 1e9
         rows.append(row)
@@ -799,6 +805,21 @@ def generated_kv_rows(lengths: torch.Tensor) -> list[dict]:
         config = dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
         forward = functools.partial(generated_kv_forward, *args, **config)
         run(f"generated in the kernel, forward {config}", forward, forward_only)
+
+    def backward_only(fn) -> dict:
+        names = ("q", "shared_k", "shared_v", "mix", "gen_k", "gen_v")
+        grads = fn()
+        grad_err = {
+            n: ((g.float() - w.float()).norm() / w.float().norm()).item()
+            for n, g, w in zip(names, grads, reference_grads)
+        }
+        return dict(grad_err=grad_err, bwd_ms=bench(fn))
+
+    detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+    for block_m, block_n, warps in GENERATED_KV_BWD_CONFIGS:
+        config = dict(block_m=block_m, block_n=block_n, num_warps=warps)
+        backward = functools.partial(generated_kv_backward, grad_out, *detached, **config)
+        run(f"generated in the kernels, backward {config}", backward, backward_only)
     return rows
 
 
