@@ -8,8 +8,9 @@ per example), each for GDPA (fast_gelu) and Jagged Flash (softmax); plus a lengt
 FLOPs are counted on the true jagged lengths: forward = 4 * H * D * (visible pairs),
 backward = 2.5 x forward, forward+backward = 3.5 x forward. Baselines, measured in the same
 run: torch ``varlen_attn`` (softmax), nested-tensor SDPA (softmax), padded SDPA with a key
-padding mask (softmax), and the padded reference under torch.compile (same activation);
-a baseline that is missing or runs out of memory is recorded as such.
+padding mask (softmax), Meta's public GDPA (GDPA without a mask, where tritonbench, from
+github.com/meta-pytorch/tritonbench, is installed), and the padded reference under torch.compile
+(same activation); a baseline that is missing or runs out of memory is recorded as such.
 
     python benchmarks/attention.py                  # everything, writes results/attention-h200.json + .png
     python benchmarks/attention.py --quick          # two shapes, no compiled baseline
@@ -254,6 +255,30 @@ def _baselines(inputs, activation, mask, compiled_reference):
             ("nested-tensor SDPA", nested),
             ("nested-tensor SDPA, cuDNN", nested_cudnn),
             ("padded SDPA (key mask)", padded),
+        ]
+    if activation != "softmax" and not mask:
+        # Meta's public GDPA: tritonbench's operator (github.com/meta-pytorch/tritonbench, not on PyPI),
+        # where it is installed; its three variants as tritonbench registers them. Its defaults differ
+        # from gem's (qk_scale 1.0), so the scale is passed; the rows' errors show what else differs.
+        def meta(**options):
+            def make():
+                from tritonbench.operators.gdpa.gdpa import gdpa
+
+                kwargs = dict(qk_scale=q.shape[-1] ** -0.5, activation=activation, is_causal=False) | options
+                if kwargs.pop("sort", False):
+                    kwargs["seq_index"] = torch.argsort(inputs.q_lengths.to(q.device), descending=True).contiguous()
+                cu_q, cu_k = q_off.to(torch.int32), kv_off.to(torch.int32)
+                return lambda: gdpa(q, kv_rows(k), kv_rows(v), cu_q, cu_k, max_q, max_kv, **kwargs)
+
+            return make
+
+        fast = dict(
+            enable_persistent=True, enable_tma=True, enable_ws=False, use_dq_atomic_add=True, bwd_opt_tech="base"
+        )
+        out += [
+            ("Meta GDPA (tritonbench)", meta()),
+            ("Meta GDPA (tritonbench, persistent + TMA)", meta(**fast)),
+            ("Meta GDPA (tritonbench, persistent + TMA, sorted)", meta(sort=True, **fast)),
         ]
     padded_bytes = 16 * num_batches * NUM_HEADS * max_q * max_kv  # fp32 scores, probs, grads
     if compiled_reference and padded_bytes > torch.cuda.mem_get_info()[0]:
