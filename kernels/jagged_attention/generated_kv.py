@@ -245,14 +245,12 @@ def _generated_kv_dkdv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     column = h * head_dim  # the head's first column of W0 and G
     width = num_heads * head_dim
-    # (2-D pointers and masks are built where used: kept across the loops they would take registers)
     dmix = tl.zeros([BLOCK_N, BLOCK_S], dtype=tl.float32)
     for rank in range(group, num_batches, num_groups):
         b = tl.load(batch_order + rank).to(tl.int64)
         q_start = tl.load(q_offsets + b).to(tl.int64)
         q_len = (tl.load(q_offsets + b + 1) - q_start).to(tl.int32)
-        # this example's keys and values, rounded as the forward's (zero past num_kv). W0, M and G
-        # are loaded where used (again after the loop, mostly from L1 and L2) to spare registers.
+        # this example's keys and values, rounded as the forward's (zero past num_kv)
         mix = _load_mix(MIX, stride_mix, cols, num_kv, offs_s, smask)
         gk = _load_generated(GK + b * stride_gkb, stride_gks, column, offs_s, smask, offs_d, dmask)
         gv = _load_generated(GV + b * stride_gvb, stride_gvs, column, offs_s, smask, offs_d, dmask)
@@ -273,7 +271,6 @@ def _generated_kv_dkdv_kernel(
             dk = dot(ds_t, q, dk, DOT_PRECISION)
         dk = dk * grad_scale
         dv = dv * grad_scale
-        mix = _load_mix(MIX, stride_mix, cols, num_kv, offs_s, smask)
         # W0's sums go through memory (L2): in registers they would spill. Each of this program's
         # tiles of the partials (zeroed by the launcher) is its own; the barrier orders one
         # example's stores before the next one's loads.
@@ -283,11 +280,9 @@ def _generated_kv_dkdv_kernel(
         share = (j * num_batches + b) * num_summary * width + offs_s[:, None] * width + column + offs_d[None, :]
         g_mask = smask[:, None] & dmask[None, :]
         tl.store(DW0K + partial, tl.load(DW0K + partial, mask=tile_mask) + dk, mask=tile_mask)
-        gk = _load_generated(GK + b * stride_gkb, stride_gks, column, offs_s, smask, offs_d, dmask)
         dmix = dot(dk, tl.trans(gk), dmix, GEN_PRECISION)
         tl.store(DGK + share, dot(tl.trans(mix), dk, None, GEN_PRECISION), mask=g_mask)
         tl.store(DW0V + partial, tl.load(DW0V + partial, mask=tile_mask) + dv, mask=tile_mask)
-        gv = _load_generated(GV + b * stride_gvb, stride_gvs, column, offs_s, smask, offs_d, dmask)
         dmix = dot(dv, tl.trans(gv), dmix, GEN_PRECISION)
         tl.store(DGV + share, dot(tl.trans(mix), dv, None, GEN_PRECISION), mask=g_mask)
 
