@@ -140,11 +140,13 @@ def test_gpu_gem_base_shapes():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_gpu_gem_base_shapes_backward():
     """The backward at gem_base's personalized FFN shapes in bf16 (the bf16x2 path on sm_90, the
-    default launch configs): every gradient against the reference's."""
+    default launch configs): every gradient against the float64 reference's, within the kernel
+    tests' bf16 tolerance (3e-2 in norm)."""
     lengths = torch.randint(0, 512, (128,), generator=torch.Generator().manual_seed(1)).tolist()
     args = _inputs(lengths, num_heads=4, head_dim=128, num_kv=256, num_summary=4, dtype=torch.bfloat16)
     grad_out = torch.randn_like(args[0])
-    want = _gradients(generated_kv_reference, args, grad_out)
+    exact = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    want = _gradients(generated_kv_reference, exact, grad_out.double())
     got = _gradients(generated_kv_attention, args, grad_out)
     for name, g, w in zip(("q", "shared_k", "shared_v", "mix", "gen_k", "gen_v"), got, want):
-        assert _norm_error(g, w) < 2e-2, name
+        assert torch.isfinite(g).all() and _norm_error(g, w) < 3e-2, name
