@@ -406,6 +406,45 @@ def _check(q, offsets, shared_k, shared_v, mix, gen_k, gen_v, activation) -> Non
             raise ValueError(f"{name}'s last dimension must be contiguous")
 
 
+def _setup(q, offsets, max_len, shared_k, shared_v, mix, gen_k, gen_v, activation, scale, post_scale, wrap, arch):
+    """What both launchers derive from their arguments (checked first): ``(scale, post_scale,
+    launch)``, the scales with their defaults (``1 / sqrt(D)``, ``1 / N``), and ``launch`` None
+    where there is nothing to compute, else the examples' order, the weights' strides in the
+    kernels' argument order and the constexprs every kernel takes."""
+    _check(q, offsets, shared_k, shared_v, mix, gen_k, gen_v, activation)
+    num_batches, (num_rows, num_heads, head_dim) = offsets.numel() - 1, q.shape
+    num_kv, num_summary = mix.shape
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    post_scale = 1.0 / num_kv if post_scale is None else float(post_scale)
+    if num_rows == 0 or num_heads == 0 or num_batches == 0 or max_len == 0 or num_kv == 0:
+        return scale, post_scale, None
+    kv_offsets = torch.arange(num_batches + 1, device=q.device, dtype=offsets.dtype) * num_kv
+    block_d = max(triton.next_power_of_2(head_dim), 16)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # the generation's too: W0 and M are float32
+    launch = dict(
+        order=batch_order(offsets, kv_offsets, wrap=wrap),
+        strides=(
+            shared_k.stride(0),
+            shared_v.stride(0),
+            mix.stride(0),
+            gen_k.stride(0),
+            gen_k.stride(1),
+            gen_v.stride(0),
+            gen_v.stride(1),
+        ),
+        constexprs=dict(
+            ACTIVATION=ACTIVATION_CODES[activation],
+            BLOCK_D=block_d,
+            EVEN_D=block_d == head_dim,
+            BLOCK_S=max(triton.next_power_of_2(num_summary), 16),
+            DOT_PRECISION=precision,
+            GEN_PRECISION=precision,
+            PACKED_ACT=packed_act(q, activation, kernel_settings.current(), arch),
+        ),
+    )
+    return scale, post_scale, launch
+
+
 def generated_kv_forward(
     q: torch.Tensor,
     offsets: torch.Tensor,
@@ -441,20 +480,14 @@ def generated_kv_forward(
         wrap: ``torch.library.wrap_triton`` or a compile-only stand-in; arch: the GPU to build for
             (default ``q``'s device), which picks the bf16x2 activation path.
     """
-    _check(q, offsets, shared_k, shared_v, mix, gen_k, gen_v, activation)
+    scale, post_scale, launch = _setup(
+        q, offsets, max_len, shared_k, shared_v, mix, gen_k, gen_v, activation, scale, post_scale, wrap, arch
+    )
     num_batches, (num_rows, num_heads, head_dim) = offsets.numel() - 1, q.shape
-    num_kv, num_summary = mix.shape
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    post_scale = 1.0 / num_kv if post_scale is None else float(post_scale)
     out = q.new_empty(num_rows, num_heads, head_dim)
-    if num_rows == 0 or num_heads == 0 or num_batches == 0 or max_len == 0 or num_kv == 0:
+    if launch is None:
         return out.zero_()
-    kv_offsets = torch.arange(num_batches + 1, device=q.device, dtype=offsets.dtype) * num_kv
-    order = batch_order(offsets, kv_offsets, wrap=wrap)
-    block_d = max(triton.next_power_of_2(head_dim), 16)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # the generation's too: W0 and M are float32
-    grid = (triton.cdiv(max_len, block_m) * num_batches * num_heads,)
-    wrap(_generated_kv_fwd_kernel)[grid](
+    wrap(_generated_kv_fwd_kernel)[(triton.cdiv(max_len, block_m) * num_batches * num_heads,)](
         q,
         out,
         shared_k,
@@ -463,36 +496,23 @@ def generated_kv_forward(
         gen_k,
         gen_v,
         offsets,
-        order,
+        launch["order"],
         q.stride(0),
         q.stride(1),
         out.stride(0),
         out.stride(1),
-        shared_k.stride(0),
-        shared_v.stride(0),
-        mix.stride(0),
-        gen_k.stride(0),
-        gen_k.stride(1),
-        gen_v.stride(0),
-        gen_v.stride(1),
+        *launch["strides"],
         num_heads,
         head_dim,
-        num_kv,
-        num_summary,
+        *mix.shape,
         max_len,
         scale,
         output_scale(activation, scale, post_scale),
-        ACTIVATION=ACTIVATION_CODES[activation],
-        BLOCK_D=block_d,
-        EVEN_D=block_d == head_dim,
-        BLOCK_S=max(triton.next_power_of_2(num_summary), 16),
-        DOT_PRECISION=precision,
-        GEN_PRECISION=precision,
-        PACKED_ACT=packed_act(q, activation, kernel_settings.current(), arch),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=num_warps,
         num_stages=num_stages,
+        **launch["constexprs"],
     )
     return out
 
@@ -524,53 +544,30 @@ def generated_kv_backward(
 ) -> tuple[torch.Tensor, ...]:
     """The gradients of :func:`generated_kv_forward`'s output (``grad_out``, shaped as ``q``) with
     respect to ``q, shared_k, shared_v, mix, gen_k, gen_v``, each in its input's dtype; arguments
-    as the forward's. Two kernels: one over (key tile, head, group of ``groups`` examples) that
-    keeps the sums over examples in registers (see ``_generated_kv_dkdv_kernel``), and dQ over the
-    forward's programs. ``block_m``, ``block_n``, ``num_warps``: the first's query rows a step, keys
-    a tile and warps; ``dq_block_m``, ``dq_block_n``, ``dq_num_warps``: dQ's."""
-    _check(q, offsets, shared_k, shared_v, mix, gen_k, gen_v, activation)
+    as the forward's. Two kernels: one over (key tile, head, group of ``groups`` examples) that sums
+    what its examples contribute to the weights' gradients instead of writing each example's dK and
+    dV (see ``_generated_kv_dkdv_kernel``), and dQ over the forward's programs. ``block_m``,
+    ``block_n``, ``num_warps``: the first's query rows a step, keys a tile and warps;
+    ``dq_block_m``, ``dq_block_n``, ``dq_num_warps``: dQ's."""
     if grad_out.shape != q.shape or grad_out.stride(-1) != 1:
         raise ValueError(f"grad_out must be shaped as q {tuple(q.shape)} with its last dimension contiguous")
-    num_batches, (num_rows, num_heads, head_dim) = offsets.numel() - 1, q.shape
+    scale, post_scale, launch = _setup(
+        q, offsets, max_len, shared_k, shared_v, mix, gen_k, gen_v, activation, scale, post_scale, wrap, arch
+    )
+    num_batches, (_, num_heads, head_dim) = offsets.numel() - 1, q.shape
     num_kv, num_summary = mix.shape
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    post_scale = 1.0 / num_kv if post_scale is None else float(post_scale)
+    dq = torch.zeros_like(q)
+    if launch is None:
+        return (dq, *(torch.zeros_like(t) for t in (shared_k, shared_v, mix, gen_k, gen_v)))
     grad_scale = scale * post_scale * ACT_UNIT[activation]
     width = num_heads * head_dim
-    dq = torch.zeros_like(q)
-    if num_rows == 0 or num_heads == 0 or num_batches == 0 or max_len == 0 or num_kv == 0:
-        zeros = (torch.zeros_like(t) for t in (shared_k, shared_v, mix, gen_k, gen_v))
-        return (dq, *zeros)
-    kv_offsets = torch.arange(num_batches + 1, device=q.device, dtype=offsets.dtype) * num_kv
-    order = batch_order(offsets, kv_offsets, wrap=wrap)
-    block_d = max(triton.next_power_of_2(head_dim), 16)
-    block_s = max(triton.next_power_of_2(num_summary), 16)
+    order, strides, constexprs = launch["order"], launch["strides"], launch["constexprs"] | dict(num_stages=num_stages)
     groups = max(1, min(groups, num_batches))
     tiles = triton.cdiv(num_kv, block_n)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    common = dict(
-        ACTIVATION=ACTIVATION_CODES[activation],
-        BLOCK_D=block_d,
-        EVEN_D=block_d == head_dim,
-        BLOCK_S=block_s,
-        DOT_PRECISION=precision,
-        GEN_PRECISION=precision,
-        PACKED_ACT=packed_act(q, activation, kernel_settings.current(), arch),
-        num_stages=num_stages,
-    )
     part = dict(device=q.device, dtype=torch.float32)
     dw0k, dw0v = (torch.zeros(groups, num_kv, width, **part) for _ in range(2))
-    dmix = torch.empty(groups, num_heads, num_kv, block_s, **part)
+    dmix = torch.empty(groups, num_heads, num_kv, constexprs["BLOCK_S"], **part)
     dgk, dgv = (torch.empty(tiles, num_batches, num_summary, width, **part) for _ in range(2))
-    strides = (
-        shared_k.stride(0),
-        shared_v.stride(0),
-        mix.stride(0),
-        gen_k.stride(0),
-        gen_k.stride(1),
-        gen_v.stride(0),
-        gen_v.stride(1),
-    )
     wrap(_generated_kv_dkdv_kernel)[(tiles, num_heads, groups)](
         q,
         grad_out,
@@ -601,7 +598,7 @@ def generated_kv_backward(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=num_warps,
-        **common,
+        **constexprs,
     )
     wrap(_generated_kv_dq_kernel)[(triton.cdiv(max_len, dq_block_m) * num_batches * num_heads,)](
         q,
@@ -631,7 +628,7 @@ def generated_kv_backward(
         BLOCK_M=dq_block_m,
         BLOCK_N=dq_block_n,
         num_warps=dq_num_warps,
-        **common,
+        **constexprs,
     )
     return (
         dq,
