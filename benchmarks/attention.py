@@ -786,17 +786,19 @@ def generated_kv_rows(lengths: torch.Tensor) -> list[dict]:
         )
         return jagged_attention(q, k, v, offsets, None, max_len, None, activation="silu", post_scale=1 / num_kv)
 
+    def out_error(out) -> float:
+        return ((out.float() - reference.float()).abs().max() / reference.float().abs().max()).item()
+
+    def grad_errors(grads) -> dict:
+        names = ("q", "shared_k", "shared_v", "mix", "gen_k", "gen_v")
+        return {
+            n: ((g.float() - w.float()).norm() / w.float().norm()).item()
+            for n, g, w in zip(names, grads, reference_grads)
+        }
+
     def errors(fn) -> dict:
         out = fn()
-        grads = torch.autograd.grad(out, leaves, grad_out)
-        names = ("q", "shared_k", "shared_v", "mix", "gen_k", "gen_v")
-        return dict(
-            rel_err=((out.float() - reference.float()).abs().max() / reference.float().abs().max()).item(),
-            grad_err={
-                name: ((g.float() - w.float()).norm() / w.float().norm()).item()
-                for name, g, w in zip(names, grads, reference_grads)
-            },
-        )
+        return dict(rel_err=out_error(out), grad_err=grad_errors(torch.autograd.grad(out, leaves, grad_out)))
 
     flops = 4 * NUM_HEADS * HEAD_DIM * int(lengths.sum()) * num_kv
     rows = []
@@ -819,9 +821,7 @@ def generated_kv_rows(lengths: torch.Tensor) -> list[dict]:
 
     def forward_only(fn) -> dict:
         with torch.no_grad():
-            out = fn()
-            error = ((out.float() - reference.float()).abs().max() / reference.float().abs().max()).item()
-            return dict(rel_err=error, fwd_ms=bench(fn))
+            return dict(rel_err=out_error(fn()), fwd_ms=bench(fn))
 
     run("the model's path: generate_weights compiled, then the op", model_path, forward_and_backward)
     in_kernels = functools.partial(generated_kv_attention, *args)
@@ -832,13 +832,7 @@ def generated_kv_rows(lengths: torch.Tensor) -> list[dict]:
         run(f"generated in the kernel, forward {config}", forward, forward_only)
 
     def backward_only(fn) -> dict:
-        names = ("q", "shared_k", "shared_v", "mix", "gen_k", "gen_v")
-        grads = fn()
-        grad_err = {
-            n: ((g.float() - w.float()).norm() / w.float().norm()).item()
-            for n, g, w in zip(names, grads, reference_grads)
-        }
-        return dict(grad_err=grad_err, bwd_ms=bench(fn))
+        return dict(grad_err=grad_errors(fn()), bwd_ms=bench(fn))
 
     detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
     for block_m, block_n, warps in GENERATED_KV_BWD_CONFIGS:
